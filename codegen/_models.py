@@ -1,0 +1,78 @@
+"""Run datamodel-code-generator over a prepared copy of the schemas."""
+
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+DATAMODEL_ARGS = [
+    "--input-file-type", "jsonschema",
+    "--output-model-type", "pydantic_v2.BaseModel",
+    "--use-annotated",
+    "--field-constraints",
+    "--strict-types", "str", "int", "bool",
+    "--use-double-quotes",
+    "--target-python-version", "3.11",
+    "--disable-timestamp",
+    "--use-schema-description",
+    "--use-field-description",
+    "--formatters", "ruff-format",
+]
+
+
+def module_name(schema_file: str) -> str:
+    """``kiln-artifacts-v1.schema.json`` -> ``kiln_artifacts_v1_schema`` (datamodel-codegen's rule)."""
+    return schema_file.removesuffix(".json").replace("-", "_").replace(".", "_")
+
+
+def _prepare(node: Any) -> Any:
+    """Shape a schema for the typed view.
+
+    * ``format`` is dropped: timestamps stay strings so a round trip keeps their text
+      (the JSON Schema validator still checks the format);
+    * objects that do not close themselves, and objects opened for readers, get
+      ``additionalProperties: true`` so that the model keeps unknown members
+      (pydantic would otherwise silently drop them);
+    * examples are dropped (they are data, not types).
+    """
+    if isinstance(node, dict):
+        out = {}
+        for key, value in node.items():
+            if key in ("format", "x-kiln-examples"):
+                continue
+            out[key] = _prepare(value)
+        is_object = out.get("type") == "object" or "properties" in out
+        if is_object and (out.get("x-kiln-reader-policy") == "open" or "additionalProperties" not in out):
+            out["additionalProperties"] = True
+        return out
+    if isinstance(node, list):
+        return [_prepare(value) for value in node]
+    return node
+
+
+def generate_models(docs: dict[str, dict[str, Any]]) -> dict[str, str]:
+    """Return ``{module file name: source text}`` (without our header)."""
+    with tempfile.TemporaryDirectory(prefix="kiln-codegen-") as tmp:
+        src, out = Path(tmp, "in"), Path(tmp, "out")
+        src.mkdir()
+        for name, doc in docs.items():
+            prepared = _prepare(copy.deepcopy(doc))
+            (src / name).write_text(json.dumps(prepared, indent=2, sort_keys=True), encoding="utf-8")
+        cmd = [sys.executable, "-m", "datamodel_code_generator", "--input", str(src), "--output", str(out), *DATAMODEL_ARGS]
+        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        if proc.returncode != 0:
+            raise RuntimeError(f"datamodel-codegen failed:\n{proc.stdout}\n{proc.stderr}")
+        result = {}
+        for path in sorted(out.glob("*.py")):
+            if path.name == "__init__.py":
+                continue
+            lines = path.read_text(encoding="utf-8").splitlines()
+            while lines and (lines[0].startswith("#") or not lines[0].strip()):
+                lines.pop(0)
+            result[path.name] = "\n".join(lines) + "\n"
+        return result

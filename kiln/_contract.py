@@ -1,0 +1,153 @@
+"""Schema layer of the strict loaders: compiled validators and error mapping.
+
+Every loader validates raw JSON against the bundled Draft 2020-12 schema (compiled with
+jsonschema-rs, exact JSON Schema semantics with format checking) *before* the typed
+pydantic model sees it; the model is the typed view, not the validator (generated models
+drop keywords pydantic cannot express, such as ``not``).
+"""
+
+from __future__ import annotations
+
+import importlib
+from functools import cache
+from typing import Any
+
+import jsonschema_rs
+import kiln_contracts
+
+from kiln.errors import ContractError, Problem, UnknownDocumentType
+
+ENVELOPE_CODES = ("unsupported_schema_version", "wrong_type_tag")
+_TAG_FIELDS = ("receipt_type", "manifest_type", "provenance_type", "state_type", "sidecar_type", "schema")
+_RANGE = {"Minimum", "Maximum", "ExclusiveMinimum", "ExclusiveMaximum", "MultipleOf"}
+_LENGTH = {"MinLength", "MaxLength", "MinItems", "MaxItems", "MinProperties", "MaxProperties"}
+
+
+def entrypoint(name: str) -> dict[str, Any]:
+    try:
+        return kiln_contracts.ENTRYPOINTS[name]
+    except KeyError:
+        known = ", ".join(sorted(kiln_contracts.ENTRYPOINTS))
+        raise UnknownDocumentType(
+            [Problem("unknown_document_type", "", f"unknown document type {name!r}; known types: {known}")]
+        ) from None
+
+
+def entry_schema(name: str, *, reader: bool = False) -> dict[str, Any]:
+    """A self-contained schema for one entry point (only the reachable definitions)."""
+    entrypoint(name)
+    definitions = kiln_contracts.load_bundle(reader)["$defs"]
+    todo, found = [name], set()
+    while todo:
+        current = todo.pop()
+        if current in found:
+            continue
+        found.add(current)
+        stack: list[Any] = [definitions[current]]
+        while stack:
+            node = stack.pop()
+            if isinstance(node, dict):
+                ref = node.get("$ref")
+                if isinstance(ref, str):
+                    todo.append(ref.rsplit("/", 1)[1])
+                stack.extend(node.values())
+            elif isinstance(node, list):
+                stack.extend(node)
+    return {
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        "$ref": f"#/$defs/{name}",
+        "$defs": {k: definitions[k] for k in sorted(found)},
+    }
+
+
+@cache
+def validator(name: str, *, reader: bool = False) -> Any:
+    return jsonschema_rs.validator_for(entry_schema(name, reader=reader), validate_formats=True)
+
+
+@cache
+def model_class(name: str) -> type:
+    module = importlib.import_module(f"kiln_contracts.models.{entrypoint(name)['module']}")
+    return getattr(module, name)
+
+
+def _pointer(parts: Any) -> str:
+    return "".join("/" + str(p).replace("~", "~0").replace("/", "~1") for p in parts)
+
+
+def _branch_score(errors: list[Any]) -> tuple[int, int]:
+    constant_misses = sum(1 for e in errors if type(e.kind).__name__ == "Constant")
+    return (constant_misses, len(errors))
+
+
+def _map_error(error: Any, out: list[Problem]) -> None:
+    kind = type(error.kind).__name__
+    path = list(error.instance_path)
+    pointer = _pointer(path)
+    instance = error.instance
+    if kind == "AdditionalProperties":
+        for key in error.kind.unexpected:
+            out.append(Problem("unknown_field", f"{pointer}/{key}", f"unknown field {key!r}: this object is closed"))
+    elif kind == "Required":
+        prop = error.kind.property
+        out.append(Problem("missing_field", f"{pointer}/{prop}", f"required field {prop!r} is absent"))
+    elif kind == "Type":
+        if instance is None:
+            out.append(Problem("null_not_allowed", pointer, "null is not allowed here"))
+        else:
+            out.append(Problem("wrong_type", pointer, error.message))
+    elif kind == "Constant":
+        field = str(path[-1]) if path else ""
+        if instance is None:
+            out.append(Problem("null_not_allowed", pointer, "null is not allowed here"))
+        elif len(path) == 1 and field == "schema_version":
+            out.append(Problem("unsupported_schema_version", pointer, f"unsupported schema_version {instance!r}: {error.message}"))
+        elif len(path) == 1 and field in _TAG_FIELDS:
+            out.append(Problem("wrong_type_tag", pointer, f"wrong type tag {instance!r}: {error.message}"))
+        else:
+            out.append(Problem("wrong_const", pointer, error.message))
+    elif kind == "Enum":
+        code = "null_not_allowed" if instance is None else "value_not_allowed"
+        out.append(Problem(code, pointer, error.message))
+    elif kind in ("Pattern", "Not", "PropertyNames"):
+        out.append(Problem("pattern_mismatch", pointer, error.message))
+    elif kind == "Format":
+        out.append(Problem("invalid_format", pointer, error.message))
+    elif kind in _RANGE:
+        out.append(Problem("out_of_range", pointer, error.message))
+    elif kind in _LENGTH:
+        out.append(Problem("invalid_length", pointer, error.message))
+    elif kind in ("AnyOf", "OneOfNotValid"):
+        branches = [list(b) for b in error.kind.context]
+        non_null = [b for b in branches if not (len(b) == 1 and type(b[0].kind).__name__ == "Type" and "null" in b[0].message)]
+        if instance is None and len(non_null) == len(branches):
+            out.append(Problem("null_not_allowed", pointer, "null is not allowed here"))
+        elif non_null:
+            before = len(out)
+            for sub in min(non_null, key=_branch_score):
+                _map_error(sub, out)
+            if len(out) == before:
+                out.append(Problem("schema_violation", pointer, error.message))
+        else:
+            out.append(Problem("schema_violation", pointer, error.message))
+    else:
+        out.append(Problem("schema_violation", pointer, error.message))
+
+
+def schema_problems(name: str, instance: Any, *, reader: bool = False) -> list[Problem]:
+    """Every schema problem of ``instance`` as a document of type ``name`` (empty if valid)."""
+    v = validator(name, reader=reader)
+    if v.is_valid(instance):
+        return []
+    problems: list[Problem] = []
+    for error in v.iter_errors(instance):
+        _map_error(error, problems)
+    unique = list(dict.fromkeys(problems))
+    unique.sort(key=lambda p: (p.code not in ENVELOPE_CODES, p.pointer))
+    return unique
+
+
+def check_schema(name: str, instance: Any, *, reader: bool = False, document: str | None = None) -> None:
+    problems = schema_problems(name, instance, reader=reader)
+    if problems:
+        raise ContractError(problems, document=document)

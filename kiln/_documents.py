@@ -1,0 +1,134 @@
+"""The load / validate / write engine shared by every artifact module.
+
+load:  strict JSON -> schema (jsonschema-rs) -> semantic rules -> generated pydantic model
+write: model or dict -> strict (writer) schema -> semantic rules -> canonical JSON -> atomic rename
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import kiln_contracts
+from pydantic import BaseModel, ValidationError
+
+from kiln import _contract
+from kiln._jsonio import atomic_write_bytes, canonical_json, parse_json, read_json_file
+from kiln._rules import RULES
+from kiln.errors import ContractError, IntegrityError, Problem, UnknownDocumentType
+
+Source = bytes | str | os.PathLike[str] | dict[str, Any] | list[Any]
+
+_loaded_rules = False
+
+
+def _ensure_rules() -> None:
+    global _loaded_rules
+    if not _loaded_rules:
+        import kiln.artifacts  # noqa: F401 - registers the semantic rules
+
+        _loaded_rules = True
+
+
+def read_source(source: Source, *, document: str | None = None) -> tuple[Any, str | None]:
+    """Turn a path, bytes, text or already-parsed value into a JSON value."""
+    if isinstance(source, (dict, list)):
+        return source, document
+    if isinstance(source, os.PathLike):
+        return read_json_file(source), document or str(source)
+    return parse_json(source, source=document), document
+
+
+def semantic_problems(name: str, value: Any) -> list[Problem]:
+    """Run the semantic rules of ``name``; integrity failures raise at once."""
+    _ensure_rules()
+    problems: list[Problem] = []
+    for rule in RULES.get(name, ()):
+        found = list(rule.fn(value))
+        if found and rule.integrity:
+            raise IntegrityError(found)
+        problems.extend(found)
+    return problems
+
+
+def problems_of(name: str, value: Any, *, reader: bool | None = None) -> list[Problem]:
+    """All problems of ``value`` as a ``name`` document, without raising (integrity included)."""
+    entry = _contract.entrypoint(name)
+    use_reader = entry["reader_open"] if reader is None else reader
+    problems = _contract.schema_problems(name, value, reader=use_reader)
+    if problems:
+        return problems
+    try:
+        return semantic_problems(name, value)
+    except IntegrityError as exc:
+        return exc.problems
+
+
+def load(name: str, source: Source, *, reader: bool | None = None, document: str | None = None) -> Any:
+    """Strictly load a document of type ``name`` and return its generated model."""
+    value, document = read_source(source, document=document)
+    entry = _contract.entrypoint(name)
+    use_reader = entry["reader_open"] if reader is None else reader
+    _contract.check_schema(name, value, reader=use_reader, document=document)
+    problems = semantic_problems(name, value)
+    if problems:
+        raise ContractError(problems, document=document)
+    return to_model(name, value, document=document)
+
+
+def to_model(name: str, value: Any, *, document: str | None = None) -> Any:
+    cls = _contract.model_class(name)
+    try:
+        return cls.model_validate(value)
+    except ValidationError as exc:  # the schema accepted what the model refuses: a contract bug
+        first = exc.errors()[0]
+        pointer = "".join(f"/{p}" for p in first.get("loc", ()))
+        raise ContractError(
+            [Problem("schema_violation", pointer, f"typed model refused a schema-valid value: {first.get('msg')}")],
+            document=document,
+        ) from None
+
+
+def to_json(value: Any) -> Any:
+    """A model (or plain value) as JSON data, keeping exactly the fields that were set."""
+    if isinstance(value, BaseModel):
+        return value.model_dump(mode="json", by_alias=True, exclude_unset=True)
+    return value
+
+
+def render(name: str, value: Any) -> bytes:
+    """Validate ``value`` against the strict writer contract and return its canonical bytes."""
+    data = to_json(value)
+    _contract.check_schema(name, data, reader=False)
+    problems = semantic_problems(name, data)
+    if problems:
+        raise ContractError(problems)
+    return canonical_json(data)
+
+
+def write(name: str, path: str | os.PathLike[str], value: Any) -> Path:
+    """Write a document crash-atomically in canonical JSON after strict validation."""
+    data = render(name, value)
+    target = Path(path)
+    atomic_write_bytes(target, data)
+    return target
+
+
+def detect_type(value: Any) -> str:
+    """The entry point whose type tag the document carries."""
+    if isinstance(value, dict):
+        for name, entry in sorted(kiln_contracts.ENTRYPOINTS.items()):
+            tag = entry.get("type_tag")
+            if tag and value.get(tag["field"]) == tag["value"]:
+                return name
+    raise UnknownDocumentType(
+        [
+            Problem(
+                "unknown_document_type",
+                "",
+                "the document carries no known type tag (receipt_type, manifest_type, provenance_type, "
+                "schema, state_type); pass --type",
+            )
+        ]
+    )

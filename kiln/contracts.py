@@ -1,0 +1,60 @@
+"""Public entry to every Kiln contract: strict load, problem listing, canonical write.
+
+``load(type, source)``        strict loader for any document type (returns the generated model)
+``problems(type, value)``     every problem, without raising
+``write(type, path, value)``  strict writer: validate, canonical JSON, crash-atomic
+``validate_path(path)``       what ``kiln validate`` runs
+``document_types()``          the loadable document types and their type tags
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import kiln_contracts
+
+from kiln import _documents
+from kiln._jsonio import read_json_file
+from kiln.errors import KilnError, Problem
+
+__all__ = ["ValidationReport", "detect_type", "document_types", "load", "problems", "render", "validate_path", "write"]
+
+load = _documents.load
+write = _documents.write
+render = _documents.render
+detect_type = _documents.detect_type
+
+
+def problems(doc_type: str, value: Any, *, reader: bool | None = None) -> list[Problem]:
+    return _documents.problems_of(doc_type, value, reader=reader)
+
+
+def document_types() -> dict[str, dict[str, Any]]:
+    return dict(sorted(kiln_contracts.ENTRYPOINTS.items()))
+
+
+@dataclass
+class ValidationReport:
+    valid: bool
+    type: str | None
+    errors: list[Problem] = field(default_factory=list)
+    path: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"valid": self.valid, "type": self.type, "errors": [p.as_dict() for p in self.errors]}
+
+
+def validate_path(path: str | os.PathLike[str], *, doc_type: str | None = None) -> ValidationReport:
+    """Read ``path``, detect or take its type, and collect every problem."""
+    p = Path(path)
+    try:
+        value = read_json_file(p)
+        name = doc_type or detect_type(value)
+        found = problems(name, value)
+    except KilnError as exc:
+        found = list(getattr(exc, "problems", None) or [Problem(exc.code, exc.pointer or "", exc.message)])
+        return ValidationReport(valid=False, type=doc_type, errors=found, path=str(p))
+    return ValidationReport(valid=not found, type=name, errors=found, path=str(p))

@@ -1,0 +1,200 @@
+"""Kiln's one exception tree. Every error carries a stable ``code`` from the schema's
+``ErrorCode`` enum (``schemas/kiln-control-plane-v1.schema.json``), a message that says
+what to do, an optional ``hint`` and, for documents, the JSON pointer of the bad value.
+
+::
+
+    KilnError
+    ├── ContractError            a JSON document breaks its schema or semantic rules
+    │   ├── DocumentReadError    unreadable, not strict JSON, too large
+    │   ├── UnknownDocumentType  no loader for this document
+    │   └── IntegrityError       a recomputed digest does not match (fail fast)
+    ├── CheckpointError          checkpoint_invalid / _incompatible / _not_resumable / _exists
+    ├── RequestError             training_invalid_request, config_invalid, training_backend_unsupported
+    ├── NotFoundError            not_found, adapter_not_found, teacher_not_found
+    ├── AdapterError             adapter_invalid
+    ├── ConflictError            adapter_active, adapter_exists, adapter_revision_conflict,
+    │                            teacher_conflict, teacher_identity_mismatch, job_not_terminal
+    ├── CapacityError            queue_full, memory_budget_exceeded, payload_too_large
+    ├── AuthError                unauthorized
+    └── InternalError            internal_error
+
+Only the CLI and the server turn these into exit codes and HTTP statuses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+__all__ = [
+    "AdapterError",
+    "AuthError",
+    "CapacityError",
+    "CheckpointError",
+    "ConflictError",
+    "ContractError",
+    "DocumentReadError",
+    "IntegrityError",
+    "InternalError",
+    "KilnError",
+    "NotFoundError",
+    "Problem",
+    "RequestError",
+    "UnknownDocumentType",
+]
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One thing wrong with a document: stable code, JSON pointer, readable message."""
+
+    code: str
+    pointer: str
+    message: str
+
+    def as_dict(self) -> dict[str, str]:
+        return {"code": self.code, "pointer": self.pointer, "message": self.message}
+
+    def __str__(self) -> str:
+        return f"{self.code} at {self.pointer or '/'}: {self.message}"
+
+
+class KilnError(Exception):
+    """Base of every Kiln error. ``codes`` lists the codes a class may carry."""
+
+    codes: ClassVar[tuple[str, ...]] = ()
+    default_code: ClassVar[str] = "internal_error"
+
+    def __init__(self, message: str, *, code: str | None = None, hint: str | None = None, pointer: str | None = None):
+        code = code or self.default_code
+        if code not in self.codes:
+            raise ValueError(f"{type(self).__name__} cannot carry code {code!r}")
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.hint = hint
+        self.pointer = pointer
+
+    def as_envelope(self) -> dict[str, object]:
+        body: dict[str, object] = {"code": self.code, "message": self.message, "hint": self.hint}
+        if self.pointer is not None:
+            body["pointer"] = self.pointer
+        return {"error": body}
+
+
+SCHEMA_CODES = (
+    "unsupported_schema_version",
+    "wrong_type_tag",
+    "unknown_field",
+    "missing_field",
+    "null_not_allowed",
+    "wrong_type",
+    "wrong_const",
+    "value_not_allowed",
+    "pattern_mismatch",
+    "invalid_format",
+    "out_of_range",
+    "invalid_length",
+    "schema_violation",
+    "inconsistent_fields",
+    "unsafe_path",
+)
+
+
+class ContractError(KilnError):
+    """A document breaks its contract. ``problems`` holds every problem found."""
+
+    codes = (*SCHEMA_CODES, "digest_mismatch", "document_unreadable", "invalid_json", "document_too_large", "unknown_document_type")
+    default_code = "schema_violation"
+
+    def __init__(self, problems: list[Problem], *, document: str | None = None, hint: str | None = None):
+        if not problems:
+            raise ValueError("ContractError needs at least one problem")
+        self.problems = list(problems)
+        self.document = document
+        first = problems[0]
+        where = f"{document}: " if document else ""
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        super().__init__(f"{where}{first}{more}", code=first.code, hint=hint, pointer=first.pointer)
+
+
+class DocumentReadError(ContractError):
+    """The bytes are not a readable strict JSON document (I/O, UTF-8, duplicate keys, NaN, size)."""
+
+    codes = ("document_unreadable", "invalid_json", "document_too_large")
+    default_code = "invalid_json"
+
+
+class UnknownDocumentType(ContractError):
+    """No loader is registered for the document (unknown type tag or ``--type``)."""
+
+    codes = ("unknown_document_type",)
+    default_code = "unknown_document_type"
+
+
+class IntegrityError(ContractError):
+    """A digest recomputed from the content does not match the recorded one."""
+
+    codes = ("digest_mismatch",)
+    default_code = "digest_mismatch"
+
+
+class CheckpointError(KilnError):
+    codes = ("checkpoint_invalid", "checkpoint_incompatible", "checkpoint_not_resumable", "checkpoint_exists")
+    default_code = "checkpoint_invalid"
+
+
+class RequestError(KilnError):
+    codes = ("training_invalid_request", "config_invalid", "training_backend_unsupported")
+    default_code = "training_invalid_request"
+
+
+class NotFoundError(KilnError):
+    codes = ("not_found", "adapter_not_found", "teacher_not_found")
+    default_code = "not_found"
+
+
+class AdapterError(KilnError):
+    """An adapter directory is not a usable adapter (layout, config, tensors)."""
+
+    codes = ("adapter_invalid",)
+    default_code = "adapter_invalid"
+
+
+class ConflictError(KilnError):
+    codes = (
+        "adapter_active",
+        "adapter_exists",
+        "adapter_revision_conflict",
+        "teacher_conflict",
+        "teacher_identity_mismatch",
+        "job_not_terminal",
+    )
+    default_code = "adapter_active"
+
+
+class CapacityError(KilnError):
+    codes = ("queue_full", "memory_budget_exceeded", "payload_too_large")
+    default_code = "queue_full"
+
+
+class AuthError(KilnError):
+    codes = ("unauthorized",)
+    default_code = "unauthorized"
+
+
+class InternalError(KilnError):
+    codes = ("internal_error",)
+    default_code = "internal_error"
+
+
+def all_codes() -> set[str]:
+    """Every code some error class can carry (a test pins this to the schema enum)."""
+    found: set[str] = set()
+    stack: list[type[KilnError]] = [KilnError]
+    while stack:
+        cls = stack.pop()
+        found.update(cls.codes)
+        stack.extend(cls.__subclasses__())
+    return found
