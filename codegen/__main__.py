@@ -10,7 +10,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from codegen._bundle import SchemaSourceError, bundle_definitions, load_sources, reachable, reader_variant
+from codegen._bundle import (
+    SchemaSourceError,
+    bundle_definitions,
+    load_sources,
+    reachable,
+    reader_variant,
+    writer_variant,
+)
 from codegen._models import generate_models, module_name
 from codegen._openapi import build_openapi
 
@@ -112,7 +119,7 @@ def render(schema_dir: Path) -> dict[str, str]:
     stamp = {"generator": "python -m codegen", "schemas": digests}
     files: dict[str, str] = {}
     base = f"{PACKAGE}/"
-    files[base + "bundle.json"] = _canonical({"x-kiln-generated": stamp, "$defs": definitions})
+    files[base + "bundle.json"] = _canonical({"x-kiln-generated": stamp, "$defs": writer_variant(definitions)})
     files[base + "bundle_reader.json"] = _canonical({"x-kiln-generated": stamp, "$defs": reader_variant(definitions)})
 
     entrypoints: dict[str, Any] = {}

@@ -116,6 +116,25 @@ def bundle_definitions(docs: dict[str, dict[str, Any]]) -> tuple[dict[str, Any],
     return definitions, owner
 
 
+def writer_variant(definitions: dict[str, Any]) -> dict[str, Any]:
+    """Add ``x-kiln-writer-required`` fields to ``required``: always written, tolerated as missing on read."""
+    out = copy.deepcopy(definitions)
+
+    def visit(node: Any) -> None:
+        if isinstance(node, dict):
+            extra = node.get("x-kiln-writer-required")
+            if extra:
+                node["required"] = [*node.get("required", []), *[f for f in extra if f not in node.get("required", [])]]
+            for value in node.values():
+                visit(value)
+        elif isinstance(node, list):
+            for value in node:
+                visit(value)
+
+    visit(out)
+    return out
+
+
 def reader_variant(definitions: dict[str, Any]) -> dict[str, Any]:
     """Open every object marked ``x-kiln-reader-policy: open`` (the train receipt's own objects)."""
     out = copy.deepcopy(definitions)

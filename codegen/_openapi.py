@@ -61,6 +61,8 @@ def build_openapi(definitions: dict[str, Any], routes: list[dict[str, Any]], ver
                 {"description": text, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorEnvelope"}}}},
             )
         operation["responses"] = responses
+        if method in paths.get(route["path"], {}):
+            raise ValueError(f"route {route['method']} {route['path']} is declared twice")
         paths.setdefault(route["path"], {})[method] = operation
     return {
         "openapi": "3.1.0",

@@ -173,10 +173,10 @@ def mutations(doc_type: str, example: Any, defs: dict[str, Any], reader_open: bo
     return cases
 
 
-def build() -> dict[str, str]:
+def build(schema_dir: Path = ROOT / "schemas") -> dict[str, str]:
     defs = kiln_contracts.load_bundle()["$defs"]
     examples, mutated = [], []
-    for path in sorted((ROOT / "schemas").glob("*.schema.json")):
+    for path in sorted(schema_dir.glob("*.schema.json")):
         doc = json.loads(path.read_text(encoding="utf-8"))
         for doc_type in doc.get("x-kiln-entrypoints", []):
             entry = kiln_contracts.ENTRYPOINTS[doc_type]
@@ -203,8 +203,9 @@ def build() -> dict[str, str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m conformance.make_cases")
     parser.add_argument("--check", action="store_true", help="exit 1 if the committed case files are stale")
+    parser.add_argument("--schemas", type=Path, default=ROOT / "schemas")
     args = parser.parse_args(argv)
-    files = build()
+    files = build(args.schemas)
     stale = [n for n, text in files.items() if not (CASES / n).exists() or (CASES / n).read_text(encoding="utf-8") != text]
     if args.check:
         for n in stale:

@@ -9,6 +9,7 @@ drop keywords pydantic cannot express, such as ``not``).
 from __future__ import annotations
 
 import importlib
+import json
 from functools import cache
 from typing import Any
 
@@ -33,10 +34,10 @@ def entrypoint(name: str) -> dict[str, Any]:
         ) from None
 
 
-def entry_schema(name: str, *, reader: bool = False) -> dict[str, Any]:
-    """A self-contained schema for one entry point (only the reachable definitions)."""
-    entrypoint(name)
-    definitions = kiln_contracts.load_bundle(reader)["$defs"]
+@cache
+def reachable_definitions(name: str) -> tuple[str, ...]:
+    """Names of the definitions reachable from ``name`` (itself included), sorted."""
+    definitions = kiln_contracts.load_bundle()["$defs"]
     todo, found = [name], set()
     while todo:
         current = todo.pop()
@@ -53,11 +54,35 @@ def entry_schema(name: str, *, reader: bool = False) -> dict[str, Any]:
                 stack.extend(node.values())
             elif isinstance(node, list):
                 stack.extend(node)
+    return tuple(sorted(found))
+
+
+def entry_schema(name: str, *, reader: bool = False) -> dict[str, Any]:
+    """A self-contained schema for one entry point (only the reachable definitions)."""
+    entrypoint(name)
+    definitions = kiln_contracts.load_bundle(reader)["$defs"]
     return {
         "$schema": "https://json-schema.org/draft/2020-12/schema",
         "$ref": f"#/$defs/{name}",
-        "$defs": {k: definitions[k] for k in sorted(found)},
+        "$defs": {k: definitions[k] for k in reachable_definitions(name)},
     }
+
+
+def fragment_valid(fragment: dict[str, Any], value: Any) -> bool:
+    """Whether ``value`` satisfies a schema fragment of the strict bundle (used to pick union branches)."""
+    key = json.dumps(fragment, sort_keys=True)
+    v = _FRAGMENTS.get(key)
+    if v is None:
+        ref = fragment.get("$ref")
+        root = ref.rsplit("/", 1)[1] if isinstance(ref, str) else None
+        defs = kiln_contracts.load_bundle()["$defs"]
+        names = reachable_definitions(root) if root else tuple(defs)
+        v = jsonschema_rs.validator_for({**fragment, "$defs": {k: defs[k] for k in names}}, validate_formats=True)
+        _FRAGMENTS[key] = v
+    return bool(v.is_valid(value))
+
+
+_FRAGMENTS: dict[str, Any] = {}
 
 
 @cache
@@ -78,6 +103,13 @@ def _pointer(parts: Any) -> str:
 def _branch_score(errors: list[Any]) -> tuple[int, int]:
     constant_misses = sum(1 for e in errors if type(e.kind).__name__ == "Constant")
     return (constant_misses, len(errors))
+
+
+def _is_null_branch(errors: list[Any], path: list[Any]) -> bool:
+    """The branch of ``X | null`` that only says "this is not null"."""
+    if len(errors) != 1 or type(errors[0].kind).__name__ != "Type":
+        return False
+    return list(errors[0].instance_path) == path and list(errors[0].kind.types) == ["null"]
 
 
 def _map_error(error: Any, out: list[Problem]) -> None:
@@ -119,7 +151,7 @@ def _map_error(error: Any, out: list[Problem]) -> None:
         out.append(Problem("invalid_length", pointer, error.message))
     elif kind in ("AnyOf", "OneOfNotValid"):
         branches = [list(b) for b in error.kind.context]
-        non_null = [b for b in branches if not (len(b) == 1 and type(b[0].kind).__name__ == "Type" and "null" in b[0].message)]
+        non_null = [b for b in branches if not _is_null_branch(b, path)]
         if instance is None and len(non_null) == len(branches):
             out.append(Problem("null_not_allowed", pointer, "null is not allowed here"))
         elif non_null:

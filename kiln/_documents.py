@@ -7,6 +7,7 @@ write: model or dict -> strict (writer) schema -> semantic rules -> canonical JS
 from __future__ import annotations
 
 import os
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,7 @@ from pydantic import BaseModel, ValidationError
 
 from kiln import _contract
 from kiln._jsonio import atomic_write_bytes, canonical_json, parse_json, read_json_file
-from kiln._rules import RULES
+from kiln._rules import RULES, ptr
 from kiln.errors import ContractError, IntegrityError, Problem, UnknownDocumentType
 
 Source = bytes | str | os.PathLike[str] | dict[str, Any] | list[Any]
@@ -40,15 +41,66 @@ def read_source(source: Source, *, document: str | None = None) -> tuple[Any, st
     return parse_json(source, source=document), document
 
 
-def semantic_problems(name: str, value: Any) -> list[Problem]:
-    """Run the semantic rules of ``name``; integrity failures raise at once."""
+def _occurrences(definitions: dict[str, Any], name: str, value: Any, at: str, out: list[tuple[str, Any, str]]) -> None:
+    """Collect ``(definition, value, pointer)`` for every definition the value passes through."""
+    schema = definitions[name]
+    out.append((name, value, at))
+    _walk(definitions, schema, value, at, out)
+
+
+def _walk(definitions: dict[str, Any], schema: Any, value: Any, at: str, out: list[tuple[str, Any, str]]) -> None:
+    if not isinstance(schema, dict):
+        return
+    ref = schema.get("$ref")
+    if isinstance(ref, str):
+        target = ref.rsplit("/", 1)[1]
+        if _has_rules_below(target):
+            _occurrences(definitions, target, value, at, out)
+        return
+    for key in ("anyOf", "oneOf"):
+        for branch in schema.get(key, ()):
+            if value is None:
+                break
+            if _branch_has_rules(branch) and _contract.fragment_valid(branch, value):
+                _walk(definitions, branch, value, at, out)
+                break
+    if isinstance(value, dict):
+        props = schema.get("properties", {})
+        for k, v in value.items():
+            if k in props:
+                _walk(definitions, props[k], v, ptr(at, k), out)
+            elif isinstance(schema.get("additionalProperties"), dict):
+                _walk(definitions, schema["additionalProperties"], v, ptr(at, k), out)
+    elif isinstance(value, list) and isinstance(schema.get("items"), dict):
+        for i, v in enumerate(value):
+            _walk(definitions, schema["items"], v, ptr(at, i), out)
+
+
+@cache
+def _has_rules_below(name: str) -> bool:
     _ensure_rules()
+    return any(d in RULES for d in _contract.reachable_definitions(name))
+
+
+def _branch_has_rules(branch: Any) -> bool:
+    ref = branch.get("$ref") if isinstance(branch, dict) else None
+    return bool(ref) and _has_rules_below(ref.rsplit("/", 1)[1])
+
+
+def semantic_problems(name: str, value: Any) -> list[Problem]:
+    """Run the semantic rules of every definition in the document; integrity failures raise at once."""
+    _ensure_rules()
+    if not _has_rules_below(name):
+        return []
+    occurrences: list[tuple[str, Any, str]] = []
+    _occurrences(kiln_contracts.load_bundle()["$defs"], name, value, "", occurrences)
     problems: list[Problem] = []
-    for rule in RULES.get(name, ()):
-        found = list(rule.fn(value))
-        if found and rule.integrity:
-            raise IntegrityError(found)
-        problems.extend(found)
+    for definition, sub, at in occurrences:
+        for rule in RULES.get(definition, ()):
+            found = list(rule.fn(sub, at))
+            if found and rule.integrity:
+                raise IntegrityError(found)
+            problems.extend(found)
     return problems
 
 

@@ -1,8 +1,12 @@
 """Registry of semantic rules: the ``x-kiln-semantic-constraints`` of the schemas.
 
-A rule is a function ``(document) -> iterable of Problem`` registered under the entry
-point it constrains and the constraint id the schema lists. Rules run only on documents
-that already passed schema validation. Integrity rules (recomputed digests) fail fast.
+A rule is registered under the *definition* it constrains and the constraint id the schema
+lists. It runs wherever that definition occurs in a document -- at the root or embedded
+(a provenance record inside a receipt is checked exactly like a stand-alone one).
+Rules see only schema-valid data. Integrity rules (recomputed digests) fail fast.
+
+A rule function takes ``(value, at)`` -- the value of the definition and the JSON pointer
+where it sits -- and yields ``Problem``s with absolute pointers (use ``at + "/field"``).
 """
 
 from __future__ import annotations
@@ -13,12 +17,12 @@ from typing import Any
 
 from kiln.errors import Problem
 
-RuleFn = Callable[[dict[str, Any]], Iterable[Problem]]
+RuleFn = Callable[[Any, str], Iterable[Problem]]
 
 
 @dataclass(frozen=True)
 class Rule:
-    entry: str
+    definition: str
     rule_id: str
     fn: RuleFn
     integrity: bool
@@ -27,13 +31,18 @@ class Rule:
 RULES: dict[str, list[Rule]] = {}
 
 
-def semantic_rule(entry: str, rule_id: str, *, integrity: bool = False) -> Callable[[RuleFn], RuleFn]:
+def semantic_rule(definition: str, rule_id: str, *, integrity: bool = False) -> Callable[[RuleFn], RuleFn]:
     def register(fn: RuleFn) -> RuleFn:
-        RULES.setdefault(entry, []).append(Rule(entry, rule_id, fn, integrity))
+        RULES.setdefault(definition, []).append(Rule(definition, rule_id, fn, integrity))
         return fn
 
     return register
 
 
 def registered_ids() -> set[tuple[str, str]]:
-    return {(r.entry, r.rule_id) for rules in RULES.values() for r in rules}
+    return {(r.definition, r.rule_id) for rules in RULES.values() for r in rules}
+
+
+def ptr(base: str, *parts: object) -> str:
+    """Join JSON-pointer tokens onto ``base`` with RFC 6901 escaping."""
+    return base + "".join("/" + str(p).replace("~", "~0").replace("/", "~1") for p in parts)

@@ -5,4 +5,6 @@ Importing this package registers every semantic rule of the schemas.
 
 from __future__ import annotations
 
-__all__: list[str] = []
+from kiln.artifacts import base_weights, provenance, server_bodies, sft_ingestion
+
+__all__ = ["base_weights", "provenance", "server_bodies", "sft_ingestion"]

@@ -1,0 +1,88 @@
+"""Base-weight shard manifest (``kiln.base-weight-shards.v1``): the authoritative identity
+of a model's weights -- every ``*.safetensors`` shard with its size and SHA-256, plus the
+name- and order-independent ``kiln.base-model-content.v1`` aggregate.
+
+``load_base_weight_manifest`` (strict), ``write_base_weight_manifest`` (canonical, atomic),
+``build_base_weight_manifest`` (hash a model directory, shards in parallel, streamed).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from kiln import _documents
+from kiln._rules import ptr, semantic_rule
+from kiln.digests import BASE_MODEL_CONTENT_ALGORITHM, base_model_content_aggregate, file_sha256, prefixed
+from kiln.errors import Problem
+
+DOC = "BaseWeightShardManifest"
+
+__all__ = ["build_base_weight_manifest", "load_base_weight_manifest", "write_base_weight_manifest"]
+
+
+@semantic_rule(DOC, "base-weight-shards.filenames-sorted-unique")
+def _sorted_unique(doc: dict[str, Any], at: str) -> Iterable[Problem]:
+    names = [s["filename"] for s in doc["shards"]]
+    for i in range(1, len(names)):
+        if names[i] <= names[i - 1]:
+            what = "duplicate" if names[i] == names[i - 1] else "out of order"
+            yield Problem(
+                "inconsistent_fields",
+                ptr(at, "shards", i, "filename"),
+                f"shard file name {names[i]!r} is {what}: names must be unique and sorted",
+            )
+
+
+@semantic_rule(DOC, "base-weight-shards.total-size")
+def _total(doc: dict[str, Any], at: str) -> Iterable[Problem]:
+    total = sum(s["size_bytes"] for s in doc["shards"])
+    if doc["total_size_bytes"] != total:
+        yield Problem(
+            "inconsistent_fields",
+            ptr(at, "total_size_bytes"),
+            f"total_size_bytes is {doc['total_size_bytes']} but the shards add up to {total}",
+        )
+
+
+@semantic_rule(DOC, "base-weight-shards.aggregate-recomputes", integrity=True)
+def _aggregate(doc: dict[str, Any], at: str) -> Iterable[Problem]:
+    expected = base_model_content_aggregate((s["sha256"], s["size_bytes"]) for s in doc["shards"])
+    if doc["aggregate_sha256"] != expected:
+        yield Problem(
+            "digest_mismatch",
+            ptr(at, "aggregate_sha256"),
+            f"aggregate_sha256 does not recompute from the shards: recorded {doc['aggregate_sha256']}, computed {expected}",
+        )
+
+
+def load_base_weight_manifest(source: _documents.Source) -> Any:
+    return _documents.load(DOC, source)
+
+
+def write_base_weight_manifest(path: str | os.PathLike[str], manifest: Any) -> Path:
+    return _documents.write(DOC, path, manifest)
+
+
+def build_base_weight_manifest(model_dir: str | os.PathLike[str], *, workers: int | None = None) -> dict[str, Any]:
+    """Hash every ``*.safetensors`` shard of ``model_dir`` (threads; hashlib releases the GIL)."""
+    shards = sorted(p for p in Path(model_dir).glob("*.safetensors") if p.is_file())
+    if not shards:
+        raise FileNotFoundError(f"no *.safetensors shards in {model_dir}")
+    with ThreadPoolExecutor(max_workers=workers or min(8, len(shards))) as pool:
+        hashed = list(pool.map(file_sha256, shards))
+    entries = [
+        {"filename": p.name, "size_bytes": size, "sha256": prefixed(digest)}
+        for p, (digest, size) in zip(shards, hashed, strict=True)
+    ]
+    return {
+        "schema_version": 1,
+        "manifest_type": "kiln.base-weight-shards.v1",
+        "aggregate_algorithm": BASE_MODEL_CONTENT_ALGORITHM,
+        "aggregate_sha256": base_model_content_aggregate((e["sha256"], e["size_bytes"]) for e in entries),
+        "total_size_bytes": sum(e["size_bytes"] for e in entries),
+        "shards": entries,
+    }
