@@ -16,12 +16,12 @@ from importlib import resources
 from typing import Any
 
 SCHEMA_DIGESTS: dict[str, str] = {
-    "kiln-artifacts-v1.schema.json": "sha256:24647b248ba30686889ebfc710ffb673d536b8d12d357046179f4d28dcd770cb",
-    "kiln-checkpoint-v1.schema.json": "sha256:62260eb761f43287a5ca121846350380c1cb600b54b84958d83f3fa1bd41bce7",
+    "kiln-artifacts-v1.schema.json": "sha256:413ef2769a7fe208b83dc96f304a6c97b73c3ba6fc17b7d6f405c84c01925146",
+    "kiln-checkpoint-v1.schema.json": "sha256:d1497a37039b9b98d9d6292eee21a99fa5aa7e2736622352479c89ae5370c776",
     "kiln-common-v1.schema.json": "sha256:578fb0867921ff18b61214d1e6a909abccdcc2532c6c6bd5a1c1aada83583c73",
     "kiln-config-v1.schema.json": "sha256:fe225dfed3f0b89e9f92aa718d8aa56c2473d29fb9b71d99ab178444d1ddb443",
-    "kiln-control-plane-v1.schema.json": "sha256:c2240697d6f633a86bb06cc1129116d0a60873e10ccaecd8d3d2ace0861d5386",
-    "kiln-observability-v1.schema.json": "sha256:baf03bac360f894edfa8d45746098799cb11df0a35dfcd9773010352a54e2047"
+    "kiln-control-plane-v1.schema.json": "sha256:8fbdcb4224248bb4e2762a5d69176a57a16b99b627964d9f0d4f886bd1fe4049",
+    "kiln-observability-v1.schema.json": "sha256:f2577529d90ec5b8426f93f2fe6f869a6a95ee86838974a450e002caeeacccbd"
 }
 
 __all__ = ["ENTRYPOINTS", "SCHEMA_DIGESTS", "load_bundle", "openapi_document"]

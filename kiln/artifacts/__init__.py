@@ -5,6 +5,30 @@ Importing this package registers every semantic rule of the schemas.
 
 from __future__ import annotations
 
-from kiln.artifacts import base_weights, provenance, server_bodies, sft_ingestion
+from kiln.artifacts import (
+    adapter_bodies,
+    adapter_manifest,
+    base_weights,
+    checkpoint_manifest,
+    checkpoint_summary,
+    loop_state,
+    provenance,
+    receipt,
+    server_bodies,
+    sft_ingestion,
+    teachers,
+)
 
-__all__ = ["base_weights", "provenance", "server_bodies", "sft_ingestion"]
+__all__ = [
+    "adapter_bodies",
+    "adapter_manifest",
+    "base_weights",
+    "checkpoint_manifest",
+    "checkpoint_summary",
+    "loop_state",
+    "provenance",
+    "receipt",
+    "server_bodies",
+    "sft_ingestion",
+    "teachers",
+]
