@@ -109,6 +109,21 @@ def _type_tag(schema: dict[str, Any]) -> dict[str, Any] | None:
     return None
 
 
+def _union_root_model(name: str, schema: dict[str, Any], module_text: str) -> str:
+    """A RootModel for an entry point that is a union of named definitions.
+
+    ``--collapse-root-models`` inlines such unions where they are used; an entry point
+    still needs a class of its own to parse a stand-alone document.
+    """
+    branches = schema.get("oneOf") or schema.get("anyOf") or []
+    names = [b.get("$ref", "").rsplit("/", 1)[-1] for b in branches]
+    if not names or not all(n and f"\nclass {n}(" in module_text for n in names):
+        raise SchemaSourceError(f"no generated class for entry point {name}; make it an object or a union of named definitions")
+    union = " | ".join(names)
+    doc = " ".join(str(schema.get("description", name)).split())
+    return f'\n\nclass {name}(RootModel[{union}]):\n    """{doc}"""\n\n    root: {union}\n'
+
+
 def render(schema_dir: Path) -> dict[str, str]:
     """Return ``{relative path under generated/: text}`` for the whole generated tree."""
     docs = load_sources(schema_dir)
@@ -162,9 +177,10 @@ def render(schema_dir: Path) -> dict[str, str]:
         )
         files[base + "models/" + module_file] = header + text
     for name, spec in entrypoints.items():
-        text = files.get(base + "models/" + spec["module"] + ".py", "")
+        key = base + "models/" + spec["module"] + ".py"
+        text = files.get(key, "")
         if f"\nclass {name}(" not in text:
-            raise SchemaSourceError(f"no generated class for entry point {name} in {spec['module']}")
+            files[key] = text + _union_root_model(name, definitions[name], text)
     init_lines = [f'"""Generated pydantic models (schemas set {combined[:16]}). Do not edit."""', ""]
     for module_file in sorted(models):
         init_lines.append(f"from . import {module_file[:-3]}")

@@ -22,7 +22,20 @@ DATAMODEL_ARGS = [
     "--use-schema-description",
     "--use-field-description",
     "--formatters", "ruff-format",
+    "--collapse-root-models",
 ]
+
+_APPLICATORS = ("anyOf", "oneOf", "allOf", "not")
+
+
+def _constraint_only(branch: Any, own_properties: set[str]) -> bool:
+    """A branch that only restricts the enclosing object's own fields (no new shape)."""
+    if not isinstance(branch, dict) or "type" in branch or "$ref" in branch:
+        return False
+    if not set(branch.get("properties", {})) <= own_properties:
+        return False
+    nested = [b for key in _APPLICATORS for b in (branch[key] if isinstance(branch.get(key), list) else [branch[key]] if key in branch else [])]
+    return all(_constraint_only(b, own_properties) for b in nested)
 
 
 def module_name(schema_file: str) -> str:
@@ -38,13 +51,21 @@ def _prepare(node: Any) -> Any:
     * objects that do not close themselves, and objects opened for readers, get
       ``additionalProperties: true`` so that the model keeps unknown members
       (pydantic would otherwise silently drop them);
-    * examples are dropped (they are data, not types).
+    * examples are dropped (they are data, not types);
+    * applicators that only restrict an object's own fields (``oneOf`` of required sets,
+      ``not``) are dropped: they are validation, which the JSON Schema layer does, and
+      the generator would otherwise turn them into spurious model variants.
     """
     if isinstance(node, dict):
         out = {}
+        own = set(node.get("properties", {})) if isinstance(node.get("properties"), dict) else None
         for key, value in node.items():
             if key in ("format", "x-kiln-examples"):
                 continue
+            if own is not None and key in _APPLICATORS:
+                branches = value if isinstance(value, list) else [value]
+                if all(_constraint_only(b, own) for b in branches):
+                    continue  # a cross-field rule: the JSON Schema validator enforces it
             out[key] = _prepare(value)
         is_object = out.get("type") == "object" or "properties" in out
         if is_object and (out.get("x-kiln-reader-policy") == "open" or "additionalProperties" not in out):

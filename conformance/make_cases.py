@@ -34,8 +34,9 @@ def _deref(schema: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
 def _nullable_inner(schema: dict[str, Any], defs: dict[str, Any]) -> tuple[bool, dict[str, Any] | None]:
     """(accepts null, the single non-null branch if the schema is X or [X, null])."""
     schema = _deref(schema, defs)
-    if "anyOf" in schema:
-        branches = [_deref(b, defs) for b in schema["anyOf"]]
+    union = schema.get("anyOf") or schema.get("oneOf")
+    if union and "properties" not in schema:
+        branches = [_deref(b, defs) for b in union]
         nulls = [b for b in branches if b.get("type") == "null"]
         rest = [b for b in branches if b.get("type") != "null"]
         return bool(nulls), (rest[0] if len(rest) == 1 else None)
@@ -68,13 +69,18 @@ def _get(doc: Any, parts: list[Any]) -> Any:
 
 
 def _objects(value: Any, schema: dict[str, Any], defs: dict[str, Any], path: list[Any]):
-    """Yield (path, object schema) for every object instance governed by a plain object schema."""
+    """Yield (path, object schema) for every object instance governed by a plain object schema.
+
+    ``X | null`` unions are followed into ``X``; other unions are left to the properties.
+    """
     schema = _deref(schema, defs)
-    if "anyOf" in schema or "oneOf" in schema:
-        nullable, inner = _nullable_inner(schema, defs)
-        if inner is not None and value is not None:
-            yield from _objects(value, inner, defs, path)
-        return
+    if "properties" not in schema:
+        union = schema.get("anyOf") or schema.get("oneOf")
+        if union:
+            rest = [b for b in (_deref(b, defs) for b in union) if b.get("type") != "null"]
+            if value is not None and len(rest) == 1:
+                yield from _objects(value, rest[0], defs, path)
+            return
     if isinstance(value, dict) and "properties" in schema:
         yield path, schema
         for key, sub in schema["properties"].items():
@@ -168,7 +174,15 @@ def mutations(doc_type: str, example: Any, defs: dict[str, Any], reader_open: bo
         for key in sorted(required):
             m = copy.deepcopy(example)
             del _get(m, path)[key]
-            case("mutation.absent-required", f"{doc_type}: required {key} absent in {where}", m, "missing_field", _pointer([*path, key]))
+            writer_only = key in schema.get("x-kiln-writer-required", [])
+            case(
+                "mutation.absent-required",
+                f"{doc_type}: required {key} absent in {where}" + (" (writers must write it)" if writer_only else ""),
+                m,
+                "missing_field",
+                _pointer([*path, key]),
+                mode="write" if writer_only else "read",
+            )
             break
     return cases
 

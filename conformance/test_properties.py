@@ -1,12 +1,14 @@
 """Hypothesis properties per entry point, generated from the schemas themselves.
 
-* every instance generated from the strict schema either loads and round-trips
-  (load -> write -> load) unchanged, or is refused by a *semantic* rule with a declared code
-  (generated data rarely satisfies recomputed digests); a schema-level refusal would mean
-  the generator and the validator disagree, and fails the test;
-* every mutation of a generated instance (unknown field, wrong const, wrong type, null where
-  not nullable, absent required) raises a ``ContractError`` with the code and pointer the
-  schema implies, and nothing else.
+For every instance generated from an entry point's strict schema:
+
+* it either loads and round-trips (load -> write -> load) unchanged, or is refused by a
+  *semantic* rule with a declared code (generated data rarely satisfies recomputed
+  digests); a schema-level refusal would mean the generator and the validator disagree,
+  and fails the test;
+* up to three mutations of it (unknown field, wrong const, wrong type, null where not
+  nullable, absent required) each raise a ``ContractError`` carrying the code and pointer
+  that the schema implies -- and nothing else escapes.
 
 ``KILN_CONFORMANCE_EXAMPLES`` sets the number of instances per entry point (default 200).
 """
@@ -33,70 +35,60 @@ with warnings.catch_warnings():
 EXAMPLES = int(os.environ.get("KILN_CONFORMANCE_EXAMPLES", "200"))
 SEMANTIC_CODES = {"inconsistent_fields", "digest_mismatch", "unsafe_path"}
 ENTRYPOINTS = sorted(kiln_contracts.ENTRYPOINTS)
-PROPERTY_SETTINGS = settings(
-    max_examples=EXAMPLES,
-    deadline=None,
-    database=None,
-    suppress_health_check=list(HealthCheck),
-)
 
 
 def _strategy(name: str):
-    schema = _contract.entry_schema(name)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return from_schema(schema)
+        return from_schema(_contract.entry_schema(name))
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("name", ENTRYPOINTS)
-def test_generated_instances_load_and_round_trip_or_fail_a_semantic_rule(name):
-    strategy = _strategy(name)
+def _check_round_trip(name, instance):
+    try:
+        model = contracts.load(name, instance)
+    except ContractError as exc:
+        codes = {p.code for p in exc.problems}
+        assert codes <= SEMANTIC_CODES, f"schema-valid instance refused structurally: {exc}"
+        return
+    data = contracts.render(name, model)
+    assert json.loads(data) == instance
+    again = contracts.load(name, data)
+    assert json.loads(contracts.render(name, again)) == instance
 
-    @PROPERTY_SETTINGS
-    @given(instance=strategy)
-    def check(instance):
+
+def _check_mutation(name, case):
+    if case["valid"]:  # an unknown field inside an object that readers keep open
         try:
-            model = contracts.load(name, instance)
+            contracts.load(name, case["instance"])
         except ContractError as exc:
-            codes = {p.code for p in exc.problems}
-            assert codes <= SEMANTIC_CODES, f"schema-valid instance refused structurally: {exc}"
-            return
-        data = contracts.render(name, model)
-        assert json.loads(data) == instance
-        again = contracts.load(name, data)
-        assert json.loads(contracts.render(name, again)) == instance
-
-    check()
+            assert {p.code for p in exc.problems} <= SEMANTIC_CODES, str(exc)
+        return
+    with pytest.raises(ContractError) as info:
+        if case.get("mode") == "write":
+            contracts.render(name, case["instance"])
+        else:
+            contracts.load(name, case["instance"])
+    found = {(p.code, p.pointer) for p in info.value.problems}
+    assert (case["error_code"], case["pointer"]) in found, f"{case['description']}: {sorted(found)}"
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ENTRYPOINTS)
-def test_mutated_instances_raise_the_declared_error(name):
-    strategy = _strategy(name)
+def test_generated_instances_round_trip_and_their_mutations_raise_declared_errors(name):
     defs = kiln_contracts.load_bundle()["$defs"]
     reader_open = kiln_contracts.ENTRYPOINTS[name]["reader_open"]
+    seen = []
 
-    @PROPERTY_SETTINGS
-    @given(instance=strategy, data=st.data())
+    @settings(max_examples=EXAMPLES, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    @given(instance=_strategy(name), data=st.data())
     def check(instance, data):
+        seen.append(1)
+        _check_round_trip(name, instance)
         cases = mutations(name, instance, defs, reader_open)
-        if not cases:
-            return
-        chosen = data.draw(st.lists(st.sampled_from(cases), min_size=1, max_size=3, unique_by=lambda c: c["description"]))
-        for case in chosen:
-            if case["valid"]:  # an unknown field inside an object that readers keep open
-                try:
-                    contracts.load(name, case["instance"])
-                except ContractError as exc:
-                    assert {p.code for p in exc.problems} <= SEMANTIC_CODES, str(exc)
-                continue
-            with pytest.raises(ContractError) as info:
-                if case.get("mode") == "write":
-                    contracts.render(name, case["instance"])
-                else:
-                    contracts.load(name, case["instance"])
-            found = {(p.code, p.pointer) for p in info.value.problems}
-            assert (case["error_code"], case["pointer"]) in found, f"{case['description']}: {sorted(found)}"
+        if cases:
+            picks = st.lists(st.sampled_from(cases), min_size=1, max_size=3, unique_by=lambda c: c["description"])
+            for case in data.draw(picks):
+                _check_mutation(name, case)
 
     check()
+    assert len(seen) >= min(EXAMPLES, 50), f"only {len(seen)} instances were generated for {name}"

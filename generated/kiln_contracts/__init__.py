@@ -20,7 +20,7 @@ SCHEMA_DIGESTS: dict[str, str] = {
     "kiln-checkpoint-v1.schema.json": "sha256:d1497a37039b9b98d9d6292eee21a99fa5aa7e2736622352479c89ae5370c776",
     "kiln-common-v1.schema.json": "sha256:578fb0867921ff18b61214d1e6a909abccdcc2532c6c6bd5a1c1aada83583c73",
     "kiln-config-v1.schema.json": "sha256:fe225dfed3f0b89e9f92aa718d8aa56c2473d29fb9b71d99ab178444d1ddb443",
-    "kiln-control-plane-v1.schema.json": "sha256:8fbdcb4224248bb4e2762a5d69176a57a16b99b627964d9f0d4f886bd1fe4049",
+    "kiln-control-plane-v1.schema.json": "sha256:2503c4d4a027d2d9b6ba257b58731fd5edd4f08516efd8efde4c7cbcce241d64",
     "kiln-observability-v1.schema.json": "sha256:f2577529d90ec5b8426f93f2fe6f869a6a95ee86838974a450e002caeeacccbd"
 }
 

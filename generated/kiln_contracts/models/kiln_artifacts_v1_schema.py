@@ -374,11 +374,11 @@ class AdapterCanaryCheckReceipt(BaseModel):
     model_config = ConfigDict(
         extra="forbid",
     )
-    failure_reason: kiln_common_v1_schema.NonEmptyString | None = None
+    failure_reason: Annotated[StrictStr | None, Field(min_length=1)] = None
     """
     Why the check failed; omitted when it passed.
     """
-    name: kiln_common_v1_schema.NonEmptyString
+    name: Annotated[StrictStr, Field(min_length=1)]
     """
     Check name; Kiln runs `finite_logits`, `non_empty_output` and `bounded_latency`.
     """
@@ -396,15 +396,17 @@ class AdapterCanaryStatus(BaseModel):
     model_config = ConfigDict(
         extra="forbid",
     )
-    adapter_model_sha256: kiln_common_v1_schema.Sha256
+    adapter_model_sha256: Annotated[StrictStr, Field(pattern="^sha256:[0-9a-f]{64}$")]
     """
     Digest of the `adapter_model.safetensors` the canary ran against, so a later change of the weights invalidates the result.
     """
-    adapter_name: kiln_common_v1_schema.AdapterName
+    adapter_name: Annotated[
+        StrictStr, Field(max_length=255, min_length=1, pattern="^[^./\\\\][^/\\\\]*$")
+    ]
     """
     The adapter that was checked.
     """
-    checked_at: kiln_common_v1_schema.Rfc3339Timestamp
+    checked_at: StrictStr
     """
     When the canary finished.
     """
@@ -442,11 +444,15 @@ class AdapterManifestFiles(BaseModel):
     model_config = ConfigDict(
         extra="forbid",
     )
-    adapter_config: kiln_common_v1_schema.PortableFileName
+    adapter_config: Annotated[
+        StrictStr, Field(max_length=255, min_length=1, pattern="^[A-Za-z0-9._-]+$")
+    ]
     """
     The PEFT config file (normally `adapter_config.json`); its digest is `config_hash`.
     """
-    adapter_model: kiln_common_v1_schema.PortableFileName
+    adapter_model: Annotated[
+        StrictStr, Field(max_length=255, min_length=1, pattern="^[A-Za-z0-9._-]+$")
+    ]
     """
     The PEFT weights file (normally `adapter_model.safetensors`); its digest is `safetensors_hash`.
     """
@@ -464,15 +470,17 @@ class AdapterRestoreVerifiedHashes(BaseModel):
     model_config = ConfigDict(
         extra="forbid",
     )
-    adapter_config: kiln_common_v1_schema.Sha256
+    adapter_config: Annotated[StrictStr, Field(pattern="^sha256:[0-9a-f]{64}$")]
     """
     Digest of the restored `adapter_config.json` (= manifest `config_hash`).
     """
-    adapter_model: kiln_common_v1_schema.Sha256
+    adapter_model: Annotated[StrictStr, Field(pattern="^sha256:[0-9a-f]{64}$")]
     """
     Digest of the restored `adapter_model.safetensors` (= manifest `safetensors_hash`).
     """
-    train_receipt: kiln_common_v1_schema.Sha256 | None = None
+    train_receipt: Annotated[
+        StrictStr | None, Field(pattern="^sha256:[0-9a-f]{64}$")
+    ] = None
     """
     Digest of the restored `train_receipt.json` (= manifest `receipt_hash`); omitted when the manifest names no receipt.
     """
@@ -486,15 +494,17 @@ class AdapterVerifyFile(BaseModel):
     model_config = ConfigDict(
         extra="forbid",
     )
-    name: kiln_common_v1_schema.PortableFileName
+    name: Annotated[
+        StrictStr, Field(max_length=255, min_length=1, pattern="^[A-Za-z0-9._-]+$")
+    ]
     """
     File name.
     """
-    sha256: kiln_common_v1_schema.Sha256
+    sha256: Annotated[StrictStr, Field(pattern="^sha256:[0-9a-f]{64}$")]
     """
     Digest of the file bytes.
     """
-    size_bytes: kiln_common_v1_schema.U64
+    size_bytes: Annotated[StrictInt, Field(ge=0, le=18446744073709551615)]
     """
     File size in bytes.
     """
@@ -516,7 +526,7 @@ class AdapterVerifyLogitDeltaSummary(BaseModel):
     """
     Greedy base-model text.
     """
-    diagnosis: kiln_common_v1_schema.NonEmptyString
+    diagnosis: Annotated[StrictStr, Field(min_length=1)]
     """
     Explanation of the outcome, e.g. why identical text can still come with a real update.
     """
@@ -536,7 +546,7 @@ class AdapterVerifyLogitDeltaSummary(BaseModel):
     """
     Whether the two texts differ.
     """
-    url: kiln_common_v1_schema.NonEmptyString
+    url: Annotated[StrictStr, Field(min_length=1)]
     """
     Server base URL.
     """
@@ -550,11 +560,11 @@ class AdapterVerifyLora(BaseModel):
     model_config = ConfigDict(
         extra="forbid",
     )
-    alpha: kiln_common_v1_schema.FiniteNumber | None
+    alpha: float | None
     """
     Declared `lora_alpha`, or null when missing.
     """
-    alpha_over_rank: kiln_common_v1_schema.FiniteNumber | None
+    alpha_over_rank: float | None
     """
     alpha / rank, or null when either is missing.
     """
@@ -584,7 +594,7 @@ class AdapterVerifyTensorSummary(BaseModel):
     model_config = ConfigDict(
         extra="forbid",
     )
-    layer_count: kiln_common_v1_schema.NonNegativeInteger
+    layer_count: Annotated[StrictInt, Field(ge=0)]
     """
     Distinct layers with at least one pair.
     """
@@ -596,19 +606,19 @@ class AdapterVerifyTensorSummary(BaseModel):
     """
     Largest absolute parameter value.
     """
-    nonzero_tensor_count: kiln_common_v1_schema.NonNegativeInteger
+    nonzero_tensor_count: Annotated[StrictInt, Field(ge=0)]
     """
     Tensors with at least one non-zero value.
     """
-    pair_count: kiln_common_v1_schema.NonNegativeInteger
+    pair_count: Annotated[StrictInt, Field(ge=0)]
     """
     Complete (A, B) pairs.
     """
-    parameter_count: kiln_common_v1_schema.NonNegativeInteger
+    parameter_count: Annotated[StrictInt, Field(ge=0)]
     """
     Scalar parameters over all tensors.
     """
-    tensor_count: kiln_common_v1_schema.NonNegativeInteger
+    tensor_count: Annotated[StrictInt, Field(ge=0)]
     """
     Tensors in the weights file.
     """
@@ -622,7 +632,9 @@ class DeleteAdapterResponse(BaseModel):
     model_config = ConfigDict(
         extra="forbid",
     )
-    name: kiln_common_v1_schema.AdapterName
+    name: Annotated[
+        StrictStr, Field(max_length=255, min_length=1, pattern="^[^./\\\\][^/\\\\]*$")
+    ]
     """
     The adapter that was deleted.
     """
@@ -640,7 +652,7 @@ class DeleteTeacherResponse(BaseModel):
     model_config = ConfigDict(
         extra="forbid",
     )
-    alias: kiln_common_v1_schema.NonEmptyString
+    alias: Annotated[StrictStr, Field(min_length=1)]
     """
     The removed alias.
     """
@@ -662,7 +674,9 @@ class LoadAdapterRequest(BaseModel):
     """
     Load even though the adapter's canary quarantined it.
     """
-    name: kiln_common_v1_schema.AdapterName
+    name: Annotated[
+        StrictStr, Field(max_length=255, min_length=1, pattern="^[^./\\\\][^/\\\\]*$")
+    ]
     """
     Registry name of the adapter to load.
     """
@@ -680,11 +694,13 @@ class LoadAdapterResponse(BaseModel):
     model_config = ConfigDict(
         extra="forbid",
     )
-    content_revision: kiln_common_v1_schema.RawSha256
+    content_revision: Annotated[StrictStr, Field(pattern="^[0-9a-f]{64}$")]
     """
     Revision of the files that were published (see `LoadedAdapterIdentity.content_revision`).
     """
-    name: kiln_common_v1_schema.AdapterName
+    name: Annotated[
+        StrictStr, Field(max_length=255, min_length=1, pattern="^[^./\\\\][^/\\\\]*$")
+    ]
     """
     The adapter that was loaded.
     """
@@ -702,11 +718,13 @@ class LoadedAdapterIdentity(BaseModel):
     model_config = ConfigDict(
         extra="forbid",
     )
-    content_revision: kiln_common_v1_schema.RawSha256
+    content_revision: Annotated[StrictStr, Field(pattern="^[0-9a-f]{64}$")]
     """
     Raw SHA-256 identifying the exact on-disk revision that was loaded (derived from the adapter's config and weights digests); it changes whenever either file changes.
     """
-    name: kiln_common_v1_schema.AdapterName
+    name: Annotated[
+        StrictStr, Field(max_length=255, min_length=1, pattern="^[^./\\\\][^/\\\\]*$")
+    ]
     """
     Registry name of the served adapter.
     """
@@ -720,7 +738,7 @@ class LogitSourceCaps(BaseModel):
     model_config = ConfigDict(
         extra="forbid",
     )
-    max_top_k: kiln_common_v1_schema.PositiveInteger
+    max_top_k: Annotated[StrictInt, Field(ge=1)]
     """
     Largest top-K per position.
     """
@@ -732,7 +750,7 @@ class LogitSourceCaps(BaseModel):
     """
     Whether full-vocabulary scores are available.
     """
-    teacher_id: kiln_common_v1_schema.NonEmptyString
+    teacher_id: Annotated[StrictStr, Field(min_length=1)]
     """
     The teacher's alias.
     """
@@ -740,7 +758,7 @@ class LogitSourceCaps(BaseModel):
     """
     Digest of the teacher tokenizer, or null when unknown.
     """
-    vocab_size: kiln_common_v1_schema.PositiveInteger
+    vocab_size: Annotated[StrictInt, Field(ge=1)]
     """
     Vocabulary size.
     """
@@ -758,7 +776,7 @@ class RegisterTeacherRequest(BaseModel):
     """
     Registry adapter to serve on top of a `local` teacher model; null or absent otherwise.
     """
-    alias: kiln_common_v1_schema.NonEmptyString
+    alias: Annotated[StrictStr, Field(min_length=1)]
     """
     Unique, immutable name jobs use to refer to the teacher.
     """
@@ -796,15 +814,15 @@ class TeacherAdapterIdentityV1(BaseModel):
     model_config = ConfigDict(
         extra="forbid",
     )
-    config_sha256: kiln_common_v1_schema.RawSha256
+    config_sha256: Annotated[StrictStr, Field(pattern="^[0-9a-f]{64}$")]
     """
     Raw digest of the adapter config file.
     """
-    name: kiln_common_v1_schema.NonEmptyString
+    name: Annotated[StrictStr, Field(min_length=1)]
     """
     Adapter name.
     """
-    weights_sha256: kiln_common_v1_schema.RawSha256
+    weights_sha256: Annotated[StrictStr, Field(pattern="^[0-9a-f]{64}$")]
     """
     Raw digest of the adapter weights file.
     """
@@ -822,15 +840,15 @@ class TeacherIdentityV1(BaseModel):
     """
     Adapter served with the teacher, or null.
     """
-    base_model_sha256: kiln_common_v1_schema.RawSha256
+    base_model_sha256: Annotated[StrictStr, Field(pattern="^[0-9a-f]{64}$")]
     """
     Raw content digest of the teacher's base weights.
     """
-    implementation: kiln_common_v1_schema.NonEmptyString
+    implementation: Annotated[StrictStr, Field(min_length=1)]
     """
     Name and version of the serving implementation.
     """
-    inference_config_sha256: kiln_common_v1_schema.RawSha256
+    inference_config_sha256: Annotated[StrictStr, Field(pattern="^[0-9a-f]{64}$")]
     """
     Raw digest of the teacher's inference configuration.
     """
@@ -858,15 +876,15 @@ class TeacherIdentityV1(BaseModel):
     """
     Type tag of the record.
     """
-    served_model_id: kiln_common_v1_schema.NonEmptyString
+    served_model_id: Annotated[StrictStr, Field(min_length=1)]
     """
     Model id the teacher answers to.
     """
-    tokenizer_config_sha256: kiln_common_v1_schema.RawSha256
+    tokenizer_config_sha256: Annotated[StrictStr, Field(pattern="^[0-9a-f]{64}$")]
     """
     Raw digest of the teacher's tokenizer configuration.
     """
-    tokenizer_vocab_sha256: kiln_common_v1_schema.RawSha256
+    tokenizer_vocab_sha256: Annotated[StrictStr, Field(pattern="^[0-9a-f]{64}$")]
     """
     Raw digest of the teacher's tokenizer vocabulary.
     """
@@ -888,11 +906,11 @@ class TeacherSpec(BaseModel):
     """
     Adapter served on a local teacher, or null.
     """
-    alias: kiln_common_v1_schema.NonEmptyString
+    alias: Annotated[StrictStr, Field(min_length=1)]
     """
     The teacher's alias.
     """
-    credential_id: kiln_common_v1_schema.NonEmptyString | None = None
+    credential_id: Annotated[StrictStr | None, Field(min_length=1)] = None
     """
     Server-side credential name; omitted when none.
     """
@@ -986,23 +1004,33 @@ class TrainReceiptConfigHashes(BaseModel):
     model_config = ConfigDict(
         extra="allow",
     )
-    chat_template_hash: kiln_common_v1_schema.Sha256 | None = None
+    chat_template_hash: Annotated[
+        StrictStr | None, Field(pattern="^sha256:[0-9a-f]{64}$")
+    ] = None
     """
     Serving chat template digest.
     """
-    effective_config_hash: kiln_common_v1_schema.Sha256 | None = None
+    effective_config_hash: Annotated[
+        StrictStr | None, Field(pattern="^sha256:[0-9a-f]{64}$")
+    ] = None
     """
     Digest of the canonical JSON of the effective trainer configuration (`config`). Readers also accept the older member name `kiln_env_config_hash`.
     """
-    model_config_hash: kiln_common_v1_schema.Sha256 | None = None
+    model_config_hash: Annotated[
+        StrictStr | None, Field(pattern="^sha256:[0-9a-f]{64}$")
+    ] = None
     """
     Model `config.json` digest (same value as `model.config_hash`).
     """
-    tokenizer_config_hash: kiln_common_v1_schema.Sha256 | None = None
+    tokenizer_config_hash: Annotated[
+        StrictStr | None, Field(pattern="^sha256:[0-9a-f]{64}$")
+    ] = None
     """
     Tokenizer configuration digest (same value as `tokenizer.tokenizer_config_hash`).
     """
-    training_chat_template_hash: kiln_common_v1_schema.Sha256 | None = None
+    training_chat_template_hash: Annotated[
+        StrictStr | None, Field(pattern="^sha256:[0-9a-f]{64}$")
+    ] = None
     """
     SFT training chat template digest.
     """
@@ -1016,7 +1044,7 @@ class TrainReceiptEcho(BaseModel):
     model_config = ConfigDict(
         extra="allow",
     )
-    dropped_reason: kiln_common_v1_schema.NonEmptyString | None = None
+    dropped_reason: Annotated[StrictStr | None, Field(min_length=1)] = None
     """
     Why a configured term never contributed (for example no observation tokens survived the filter); omitted otherwise.
     """
@@ -1028,15 +1056,15 @@ class TrainReceiptEcho(BaseModel):
     """
     Which observation tokens count, or null when not configured.
     """
-    final_env_ce: kiln_common_v1_schema.FiniteNumber | None = None
+    final_env_ce: float | None = None
     """
     Environment cross-entropy at the last contributing step; null when it never contributed.
     """
-    initial_env_ce: kiln_common_v1_schema.FiniteNumber | None = None
+    initial_env_ce: float | None = None
     """
     Environment cross-entropy at the first contributing step; null when it never contributed.
     """
-    lambda_: Annotated[kiln_common_v1_schema.FiniteNumber | None, Field(alias="lambda")]
+    lambda_: Annotated[float | None, Field(alias="lambda")]
     """
     Configured weight λ, or null when not configured.
     """
@@ -1058,23 +1086,23 @@ class TrainReceiptGrpoBehaviorSource(BaseModel):
     """
     Identity of the policy that generated the rollouts (the rollout provenance record, passed through unchanged).
     """
-    behavior_source_sha256: kiln_common_v1_schema.Sha256
+    behavior_source_sha256: Annotated[StrictStr, Field(pattern="^sha256:[0-9a-f]{64}$")]
     """
     Digest identifying this source (`kiln.grpo-behavior-source.v1` over the five identity members below).
     """
-    completion_count: kiln_common_v1_schema.U64
+    completion_count: Annotated[StrictInt, Field(ge=0, le=18446744073709551615)]
     """
     Completions produced by this source.
     """
-    forced_action_tokens: kiln_common_v1_schema.U64
+    forced_action_tokens: Annotated[StrictInt, Field(ge=0, le=18446744073709551615)]
     """
     Action tokens that were forced (not sampled) in its completions.
     """
-    generation_backend: kiln_common_v1_schema.NonEmptyString
+    generation_backend: Annotated[StrictStr, Field(min_length=1)]
     """
     Name of the engine that generated the rollouts.
     """
-    sampled_action_tokens: kiln_common_v1_schema.U64
+    sampled_action_tokens: Annotated[StrictInt, Field(ge=0, le=18446744073709551615)]
     """
     Action tokens the source sampled itself.
     """
@@ -1100,27 +1128,27 @@ class TrainReceiptGrpoImportanceSampling(BaseModel):
     model_config = ConfigDict(
         extra="allow",
     )
-    above_clip_count: kiln_common_v1_schema.U64
+    above_clip_count: Annotated[StrictInt, Field(ge=0, le=18446744073709551615)]
     """
     Observations above the upper clip bound.
     """
-    action_tokens: kiln_common_v1_schema.U64
+    action_tokens: Annotated[StrictInt, Field(ge=0, le=18446744073709551615)]
     """
     Action tokens that entered the policy loss.
     """
-    below_clip_count: kiln_common_v1_schema.U64
+    below_clip_count: Annotated[StrictInt, Field(ge=0, le=18446744073709551615)]
     """
     Observations below 1 − ε (always 0 under CISPO, which clips from above only).
     """
-    max_ratio: kiln_common_v1_schema.FiniteNumber | None
+    max_ratio: float | None
     """
     Largest observed ratio; null without observations.
     """
-    mean_ratio: kiln_common_v1_schema.FiniteNumber | None
+    mean_ratio: float | None
     """
     Mean observed ratio; null without observations.
     """
-    min_ratio: kiln_common_v1_schema.FiniteNumber | None
+    min_ratio: float | None
     """
     Smallest observed ratio; null without observations.
     """
@@ -1128,7 +1156,7 @@ class TrainReceiptGrpoImportanceSampling(BaseModel):
     """
     (below + above) / observations; null without observations.
     """
-    ratio_observations: kiln_common_v1_schema.U64
+    ratio_observations: Annotated[StrictInt, Field(ge=0, le=18446744073709551615)]
     """
     Number of ratios observed (tokens or sequences, per `ratio_scope`).
     """
@@ -1146,23 +1174,25 @@ class TrainReceiptGrpoKlReference(BaseModel):
     model_config = ConfigDict(
         extra="allow",
     )
-    entropy_mask_applied_tokens: kiln_common_v1_schema.U64
+    entropy_mask_applied_tokens: Annotated[
+        StrictInt, Field(ge=0, le=18446744073709551615)
+    ]
     """
     Tokens removed from the KL term by the entropy-aware quantile mask.
     """
-    mean_estimator: kiln_common_v1_schema.FiniteNumber | None
+    mean_estimator: float | None
     """
     Mean KL estimator value before the entropy mask; null without observations.
     """
-    mean_masked_estimator: kiln_common_v1_schema.FiniteNumber | None
+    mean_masked_estimator: float | None
     """
     Mean KL estimator after the entropy mask, still divided by all action tokens; null without observations.
     """
-    mean_policy_reference_log_ratio: kiln_common_v1_schema.FiniteNumber | None
+    mean_policy_reference_log_ratio: float | None
     """
     Mean of log πθ − log πref over observed tokens; null without observations.
     """
-    token_observations: kiln_common_v1_schema.U64
+    token_observations: Annotated[StrictInt, Field(ge=0, le=18446744073709551615)]
     """
     Action tokens at which the KL estimate was taken.
     """
@@ -1176,7 +1206,9 @@ class TrainReceiptGrpoRecordedProvenance(BaseModel):
     model_config = ConfigDict(
         extra="allow",
     )
-    behavior_source_manifest_sha256: kiln_common_v1_schema.Sha256 | None = None
+    behavior_source_manifest_sha256: Annotated[
+        StrictStr | None, Field(pattern="^sha256:[0-9a-f]{64}$")
+    ] = None
     """
     Digest over all behaviour sources (`kiln.grpo-behavior-source-manifest.v1`); omitted when there are none.
     """
@@ -1186,19 +1218,19 @@ class TrainReceiptGrpoRecordedProvenance(BaseModel):
     """
     Each distinct behaviour source; omitted when empty.
     """
-    completion_count: kiln_common_v1_schema.U64
+    completion_count: Annotated[StrictInt, Field(ge=0, le=18446744073709551615)]
     """
     Completions with recorded provenance.
     """
-    forced_action_tokens: kiln_common_v1_schema.U64
+    forced_action_tokens: Annotated[StrictInt, Field(ge=0, le=18446744073709551615)]
     """
     Action tokens that were forced rather than sampled.
     """
-    sampled_action_tokens: kiln_common_v1_schema.U64
+    sampled_action_tokens: Annotated[StrictInt, Field(ge=0, le=18446744073709551615)]
     """
     Action tokens that were sampled by the behaviour policy.
     """
-    unique_behavior_sources: kiln_common_v1_schema.NonNegativeInteger
+    unique_behavior_sources: Annotated[StrictInt, Field(ge=0)]
     """
     Number of distinct behaviour sources; equals the length of `behavior_sources` (0 when it is omitted).
     """
@@ -1212,23 +1244,23 @@ class TrainReceiptHyperparameters(BaseModel):
     model_config = ConfigDict(
         extra="allow",
     )
-    alpha: kiln_common_v1_schema.FiniteNumber
+    alpha: float
     """
     LoRA alpha (the update is scaled by alpha / rank).
     """
-    alpha_over_rank: kiln_common_v1_schema.FiniteNumber | None
+    alpha_over_rank: float | None
     """
     The effective LoRA scale alpha / rank, or null when not computed.
     """
-    epoch_order_algorithm: kiln_common_v1_schema.NonEmptyString | None = None
+    epoch_order_algorithm: Annotated[StrictStr | None, Field(min_length=1)] = None
     """
     Identifier of the epoch-ordering algorithm when `shuffle` is true; Kiln writes `kiln.epoch-order.splitmix64-fisher-yates.v1`. Omitted by writers that do not record it.
     """
-    epochs: kiln_common_v1_schema.PositiveInteger
+    epochs: Annotated[StrictInt, Field(ge=1)]
     """
     Number of passes over the training input.
     """
-    learning_rate: kiln_common_v1_schema.FiniteNumber
+    learning_rate: float
     """
     Resolved learning rate (the optimizer-specific default when the request left it out).
     """
@@ -1236,7 +1268,7 @@ class TrainReceiptHyperparameters(BaseModel):
     """
     Which trainer ran: `sft`, `grpo` or `opd`. The mode-specific blocks (`grpo`, `opd`, `data.sft_ingestion`) must agree with it.
     """
-    rank: kiln_common_v1_schema.PositiveInteger
+    rank: Annotated[StrictInt, Field(ge=1)]
     """
     LoRA rank r.
     """
@@ -1258,7 +1290,9 @@ class TrainReceiptKiln(BaseModel):
     model_config = ConfigDict(
         extra="allow",
     )
-    env_config_hash: kiln_common_v1_schema.Sha256 | None = None
+    env_config_hash: Annotated[
+        StrictStr | None, Field(pattern="^sha256:[0-9a-f]{64}$")
+    ] = None
     """
     Legacy copy of `config_hashes.effective_config_hash` kept for older readers. Despite the name it is not a hash of the environment. Omitted when the effective configuration hash is unknown.
     """
@@ -1274,7 +1308,7 @@ class TrainReceiptKiln(BaseModel):
     """
     Where the git facts came from (for example `git` for a checkout or `build_metadata` for an installed build); null when nothing was found.
     """
-    package_version: kiln_common_v1_schema.NonEmptyString
+    package_version: Annotated[StrictStr, Field(min_length=1)]
     """
     Version of the installed `kiln` package, e.g. `0.1.0`.
     """
@@ -1288,7 +1322,7 @@ class TrainReceiptKlReferencePolicy(BaseModel):
     model_config = ConfigDict(
         extra="allow",
     )
-    decay: kiln_common_v1_schema.FiniteNumber | None = None
+    decay: float | None = None
     """
     EMA decay; present only for `ema`.
     """
@@ -1296,7 +1330,7 @@ class TrainReceiptKlReferencePolicy(BaseModel):
     """
     `base_per_step`: the frozen base model (LoRA disabled) evaluated at every step; `ema`: an exponential moving average of the LoRA weights; `none`: no reference (KL off).
     """
-    refresh_every: kiln_common_v1_schema.PositiveInteger | None = None
+    refresh_every: Annotated[StrictInt | None, Field(ge=1)] = None
     """
     How many groups pass between EMA refreshes; present only for `ema`.
     """
@@ -1334,11 +1368,11 @@ class TrainReceiptLoraDeltaNorm(BaseModel):
     """
     Mean of ‖A‖·‖B‖, an upper bound on the norm of the update B·A.
     """
-    module: kiln_common_v1_schema.NonEmptyString
+    module: Annotated[StrictStr, Field(min_length=1)]
     """
     Target module name, e.g. `q_proj`.
     """
-    pair_count: kiln_common_v1_schema.NonNegativeInteger
+    pair_count: Annotated[StrictInt, Field(ge=0)]
     """
     Number of (A, B) pairs aggregated.
     """
@@ -1364,11 +1398,11 @@ class TrainReceiptLoraGradNorm(BaseModel):
     """
     Smallest gradient L2 norm.
     """
-    module: kiln_common_v1_schema.NonEmptyString
+    module: Annotated[StrictStr, Field(min_length=1)]
     """
     Target module name.
     """
-    sample_count: kiln_common_v1_schema.NonNegativeInteger
+    sample_count: Annotated[StrictInt, Field(ge=0)]
     """
     Number of gradient-norm samples.
     """
@@ -1382,19 +1416,19 @@ class TrainReceiptOpdCollapseSnapshot(BaseModel):
     model_config = ConfigDict(
         extra="allow",
     )
-    global_step: kiln_common_v1_schema.NonNegativeInteger
+    global_step: Annotated[StrictInt, Field(ge=0)]
     """
     Optimizer step at the end of the window.
     """
-    mean_kl: kiln_common_v1_schema.FiniteNumber | None
+    mean_kl: float | None
     """
     Mean per-position reverse KL over the window; null when no position was scored.
     """
-    mean_response_tokens: kiln_common_v1_schema.FiniteNumber | None
+    mean_response_tokens: float | None
     """
     Mean rollout length in tokens; null without rollouts.
     """
-    repetition_rate: kiln_common_v1_schema.FiniteNumber | None
+    repetition_rate: float | None
     """
     Repetition measured by the compression ratio of the rollout text; null without rollouts.
     """
@@ -1416,7 +1450,9 @@ class TrainReceiptPhaseTimings(BaseModel):
     """
     Backward passes.
     """
-    gpu_writer_acquisitions: kiln_common_v1_schema.U64 | None = None
+    gpu_writer_acquisitions: Annotated[
+        StrictInt | None, Field(ge=0, le=18446744073709551615)
+    ] = None
     """
     Number of model-writer lock acquisitions.
     """
@@ -1458,19 +1494,19 @@ class TrainReceiptRewardBucket(BaseModel):
     model_config = ConfigDict(
         extra="allow",
     )
-    count: kiln_common_v1_schema.NonNegativeInteger
+    count: Annotated[StrictInt, Field(ge=0)]
     """
     Groups whose population reward variance falls in the bucket.
     """
-    label: kiln_common_v1_schema.NonEmptyString
+    label: Annotated[StrictStr, Field(min_length=1)]
     """
     Bucket name; Kiln writes `zero`, `tiny`, `low`, `medium`, `high`, `extreme`.
     """
-    max_inclusive: kiln_common_v1_schema.FiniteNumber | None
+    max_inclusive: float | None
     """
     Upper bound (inclusive), or null for an open upper end.
     """
-    min_inclusive: kiln_common_v1_schema.FiniteNumber | None
+    min_inclusive: float | None
     """
     Lower bound (inclusive), or null for an open lower end.
     """
@@ -1484,23 +1520,23 @@ class TrainReceiptRewards(BaseModel):
     model_config = ConfigDict(
         extra="allow",
     )
-    all_fail_group_count: kiln_common_v1_schema.NonNegativeInteger | None = None
+    all_fail_group_count: Annotated[StrictInt | None, Field(ge=0)] = None
     """
     Groups whose every reward is ≤ 0.
     """
-    all_pass_group_count: kiln_common_v1_schema.NonNegativeInteger | None = None
+    all_pass_group_count: Annotated[StrictInt | None, Field(ge=0)] = None
     """
     Groups whose every reward is ≥ 0.95.
     """
-    count: kiln_common_v1_schema.NonNegativeInteger
+    count: Annotated[StrictInt, Field(ge=0)]
     """
     Number of rewards.
     """
-    degenerate_group_count: kiln_common_v1_schema.NonNegativeInteger | None = None
+    degenerate_group_count: Annotated[StrictInt | None, Field(ge=0)] = None
     """
     Groups whose reward variance is ≤ 1e-12.
     """
-    group_count: kiln_common_v1_schema.NonNegativeInteger | None = None
+    group_count: Annotated[StrictInt | None, Field(ge=0)] = None
     """
     Groups with rewards.
     """
@@ -1508,19 +1544,19 @@ class TrainReceiptRewards(BaseModel):
     """
     Histogram of per-group reward variance; empty when there were no groups.
     """
-    max: kiln_common_v1_schema.FiniteNumber | None
+    max: float | None
     """
     Largest reward; null when `count` is 0.
     """
-    mean: kiln_common_v1_schema.FiniteNumber | None
+    mean: float | None
     """
     Mean reward; null when `count` is 0.
     """
-    min: kiln_common_v1_schema.FiniteNumber | None
+    min: float | None
     """
     Smallest reward; null when `count` is 0.
     """
-    stdev: kiln_common_v1_schema.FiniteNumber | None
+    stdev: float | None
     """
     Population standard deviation; null when `count` is 0.
     """
@@ -1534,7 +1570,7 @@ class TrainReceiptSmokeDiagnostic(BaseModel):
     model_config = ConfigDict(
         extra="allow",
     )
-    explanation: kiln_common_v1_schema.NonEmptyString
+    explanation: Annotated[StrictStr, Field(min_length=1)]
     """
     One-sentence explanation for a reader.
     """
@@ -1556,7 +1592,9 @@ class TrainReceiptSmokePrompt(BaseModel):
     model_config = ConfigDict(
         extra="allow",
     )
-    adapter_generation_ms: kiln_common_v1_schema.U64 | None = None
+    adapter_generation_ms: Annotated[
+        StrictInt | None, Field(ge=0, le=18446744073709551615)
+    ] = None
     """
     Adapter generation latency in milliseconds.
     """
@@ -1564,15 +1602,17 @@ class TrainReceiptSmokePrompt(BaseModel):
     """
     Greedy adapter output (at most 4 tokens, 512 characters).
     """
-    adapter_output_chars: kiln_common_v1_schema.NonNegativeInteger
+    adapter_output_chars: Annotated[StrictInt, Field(ge=0)]
     """
     Characters in `adapter_output`.
     """
-    adapter_output_tokens: kiln_common_v1_schema.NonNegativeInteger
+    adapter_output_tokens: Annotated[StrictInt, Field(ge=0)]
     """
     Tokens in `adapter_output`.
     """
-    base_generation_ms: kiln_common_v1_schema.U64 | None = None
+    base_generation_ms: Annotated[
+        StrictInt | None, Field(ge=0, le=18446744073709551615)
+    ] = None
     """
     Base generation latency in milliseconds.
     """
@@ -1588,7 +1628,7 @@ class TrainReceiptSmokePrompt(BaseModel):
     """
     Whether the greedy adapter text differs from the base text.
     """
-    logit_delta_l2: kiln_common_v1_schema.FiniteNumber | None
+    logit_delta_l2: float | None
     """
     L2 distance between adapter and base next-token logits, or null when not measured.
     """
@@ -1640,27 +1680,33 @@ class TrainReceiptTokenCounts(BaseModel):
     model_config = ConfigDict(
         extra="allow",
     )
-    action_tokens: kiln_common_v1_schema.U64
+    action_tokens: Annotated[StrictInt, Field(ge=0, le=18446744073709551615)]
     """
     Supervised tokens (SFT) or action tokens (GRPO/OPD) that entered the loss.
     """
-    context_tokens: kiln_common_v1_schema.U64
+    context_tokens: Annotated[StrictInt, Field(ge=0, le=18446744073709551615)]
     """
     Unsupervised context tokens processed.
     """
-    env_tokens: kiln_common_v1_schema.U64
+    env_tokens: Annotated[StrictInt, Field(ge=0, le=18446744073709551615)]
     """
     Environment tokens active in the ECHO term after the warning filter (legacy name; same value as `env_tokens_after_warning_filter`).
     """
-    env_tokens_after_warning_filter: kiln_common_v1_schema.U64 | None = None
+    env_tokens_after_warning_filter: Annotated[
+        StrictInt | None, Field(ge=0, le=18446744073709551615)
+    ] = None
     """
     Environment tokens after the warning filter.
     """
-    env_tokens_before_warning_filter: kiln_common_v1_schema.U64 | None = None
+    env_tokens_before_warning_filter: Annotated[
+        StrictInt | None, Field(ge=0, le=18446744073709551615)
+    ] = None
     """
     Environment tokens before the warning filter.
     """
-    warning_tokens_filtered: kiln_common_v1_schema.U64 | None = None
+    warning_tokens_filtered: Annotated[
+        StrictInt | None, Field(ge=0, le=18446744073709551615)
+    ] = None
     """
     Tokens removed by the warning filter.
     """
@@ -1674,7 +1720,9 @@ class TrainReceiptTokenizer(BaseModel):
     model_config = ConfigDict(
         extra="allow",
     )
-    chat_template_hash: kiln_common_v1_schema.Sha256 | None = None
+    chat_template_hash: Annotated[
+        StrictStr | None, Field(pattern="^sha256:[0-9a-f]{64}$")
+    ] = None
     """
     Digest of the serving chat template text.
     """
@@ -1682,11 +1730,15 @@ class TrainReceiptTokenizer(BaseModel):
     """
     Legacy combined digest of the tokenizer configuration together with the chat template; null when unavailable. Prefer the specific digests below.
     """
-    tokenizer_config_hash: kiln_common_v1_schema.Sha256 | None = None
+    tokenizer_config_hash: Annotated[
+        StrictStr | None, Field(pattern="^sha256:[0-9a-f]{64}$")
+    ] = None
     """
     Digest of the tokenizer configuration (`tokenizer_config.json` bytes).
     """
-    training_chat_template_hash: kiln_common_v1_schema.Sha256 | None = None
+    training_chat_template_hash: Annotated[
+        StrictStr | None, Field(pattern="^sha256:[0-9a-f]{64}$")
+    ] = None
     """
     Digest of the chat template used to render SFT examples into supervised tokens; present for SFT runs.
     """
@@ -1708,7 +1760,7 @@ class TrainReceiptTrainingData(BaseModel):
     """
     Digest of the input; its meaning depends on `source`. SFT: the kept-corpus digest (`kiln.sft-kept-corpus.v1`, equal to `data.sft_ingestion.kept_corpus_sha256`). Streamed GRPO: the pinned JSONL file bytes. Inline GRPO or OPD prompts: the serialized effective input. Pre-scored OPD JSONL: the exact file bytes. Null when the input was never read (for example an early failure).
     """
-    source: kiln_common_v1_schema.NonEmptyString
+    source: Annotated[StrictStr, Field(min_length=1)]
     """
     How the input reached the trainer. Kiln writes: for SFT the ingestion source (`inline`, `dataset_path`, `named_dataset`, `corrections`, `recipe`, `api`); for GRPO `inline_grpo_groups`, `jsonl_grpo_groups` or `jsonl_grpo_groups_dry_run`; for OPD `opd_prompts` (inline prompts) or `opd_teacher_jsonl` (pre-scored teacher file). Receipts from the reference implementation may carry other values, such as `sft`.
     """
@@ -1722,7 +1774,9 @@ class AdapterManifest(BaseModel):
     model_config = ConfigDict(
         extra="forbid",
     )
-    adapter_name: kiln_common_v1_schema.AdapterName
+    adapter_name: Annotated[
+        StrictStr, Field(max_length=255, min_length=1, pattern="^[^./\\\\][^/\\\\]*$")
+    ]
     """
     Registry name the adapter was trained as.
     """
@@ -1732,7 +1786,7 @@ class AdapterManifest(BaseModel):
     """
     Content identity of the base weights the adapter was trained on; omitted when not recorded.
     """
-    config_hash: kiln_common_v1_schema.Sha256
+    config_hash: Annotated[StrictStr, Field(pattern="^sha256:[0-9a-f]{64}$")]
     """
     Digest of the config file named by `files.adapter_config`.
     """
@@ -1766,7 +1820,7 @@ class AdapterManifest(BaseModel):
     """
     Digest of the receipt named by `files.train_receipt`, or null when there is no receipt.
     """
-    safetensors_hash: kiln_common_v1_schema.Sha256
+    safetensors_hash: Annotated[StrictStr, Field(pattern="^sha256:[0-9a-f]{64}$")]
     """
     Digest of the weights file named by `files.adapter_model`.
     """
@@ -1774,7 +1828,9 @@ class AdapterManifest(BaseModel):
     """
     Manifest layout version; always 1.
     """
-    training_chat_template_hash: kiln_common_v1_schema.Sha256 | None = None
+    training_chat_template_hash: Annotated[
+        StrictStr | None, Field(pattern="^sha256:[0-9a-f]{64}$")
+    ] = None
     """
     Digest of the chat template used to render the training examples; omitted when not recorded.
     """
@@ -1804,7 +1860,9 @@ class AdapterRestoreReceipt(BaseModel):
     model_config = ConfigDict(
         extra="forbid",
     )
-    adapter_name: kiln_common_v1_schema.AdapterName
+    adapter_name: Annotated[
+        StrictStr, Field(max_length=255, min_length=1, pattern="^[^./\\\\][^/\\\\]*$")
+    ]
     """
     Registry name of the restored adapter (`--name`, else the manifest's `adapter_name`).
     """
@@ -1814,15 +1872,15 @@ class AdapterRestoreReceipt(BaseModel):
     """
     Canonical names of the files written into the restored directory, in copy order.
     """
-    manifest_path: kiln_common_v1_schema.NonEmptyString
+    manifest_path: Annotated[StrictStr, Field(min_length=1)]
     """
     The manifest that was restored from.
     """
-    restored_adapter_dir: kiln_common_v1_schema.NonEmptyString
+    restored_adapter_dir: Annotated[StrictStr, Field(min_length=1)]
     """
     The new adapter directory in the registry.
     """
-    source_adapter_dir: kiln_common_v1_schema.NonEmptyString
+    source_adapter_dir: Annotated[StrictStr, Field(min_length=1)]
     """
     Directory holding the manifest and the files it names.
     """
@@ -1844,11 +1902,11 @@ class AdapterVerifyReceipt(BaseModel):
     model_config = ConfigDict(
         extra="forbid",
     )
-    adapter_dir: kiln_common_v1_schema.NonEmptyString
+    adapter_dir: Annotated[StrictStr, Field(min_length=1)]
     """
     Registry directory used to resolve a name (the parent directory when a path was given).
     """
-    adapter_path: kiln_common_v1_schema.NonEmptyString
+    adapter_path: Annotated[StrictStr, Field(min_length=1)]
     """
     The adapter directory that was checked.
     """
@@ -1860,7 +1918,7 @@ class AdapterVerifyReceipt(BaseModel):
     """
     Digest and size of each regular file that was hashed, sorted by name; empty when none was reached.
     """
-    input: kiln_common_v1_schema.NonEmptyString
+    input: Annotated[StrictStr, Field(min_length=1)]
     """
     The NAME_OR_PATH argument as given.
     """
@@ -1898,11 +1956,13 @@ class TeacherEntry(BaseModel):
     """
     Resolved capabilities, or null when they could not be determined.
     """
-    identity_revision: kiln_common_v1_schema.Sha256 | None = None
+    identity_revision: Annotated[
+        StrictStr | None, Field(pattern="^sha256:[0-9a-f]{64}$")
+    ] = None
     """
     Revision of `spec.identity`: `sha256:` + the raw SHA-256 of its canonical JSON; omitted when there is no identity.
     """
-    off_policy_manifest: kiln_common_v1_schema.NonEmptyString | None = None
+    off_policy_manifest: Annotated[StrictStr | None, Field(min_length=1)] = None
     """
     For a fixture teacher, the schema tag of the off-policy manifest it was checked against (`kiln.off-policy-distillation-manifest.v1`); omitted otherwise.
     """
@@ -1914,7 +1974,7 @@ class TeacherEntry(BaseModel):
     """
     Registry usability state.
     """
-    status_message: kiln_common_v1_schema.NonEmptyString | None = None
+    status_message: Annotated[StrictStr | None, Field(min_length=1)] = None
     """
     Explanation of the status (for example the last probe error); omitted when there is nothing to say.
     """
@@ -1946,47 +2006,50 @@ class TrainReceiptData(BaseModel):
     model_config = ConfigDict(
         extra="allow",
     )
-    completions_read: kiln_common_v1_schema.NonNegativeInteger
+    completions_read: Annotated[StrictInt, Field(ge=0)]
     """
     GRPO completions read.
     """
-    completions_trained: kiln_common_v1_schema.NonNegativeInteger
+    completions_trained: Annotated[StrictInt, Field(ge=0)]
     """
     GRPO completions that entered the loss.
     """
-    examples_filtered: kiln_common_v1_schema.NonNegativeInteger
+    examples_filtered: Annotated[StrictInt, Field(ge=0)]
     """
     SFT rows rejected by ingestion.
     """
-    examples_read: kiln_common_v1_schema.NonNegativeInteger
+    examples_read: Annotated[StrictInt, Field(ge=0)]
     """
     SFT rows read (non-blank lines or inline examples).
     """
-    examples_trained: kiln_common_v1_schema.NonNegativeInteger
+    examples_trained: Annotated[StrictInt, Field(ge=0)]
     """
     SFT examples trained, summed over epochs (kept rows × epochs on success).
     """
-    groups_filtered: kiln_common_v1_schema.NonNegativeInteger
+    groups_filtered: Annotated[StrictInt, Field(ge=0)]
     """
     GRPO groups dropped (reward filter or dynamic sampling).
     """
-    groups_read: kiln_common_v1_schema.NonNegativeInteger
+    groups_read: Annotated[StrictInt, Field(ge=0)]
     """
     GRPO groups read.
     """
-    groups_trained: kiln_common_v1_schema.NonNegativeInteger
+    groups_trained: Annotated[StrictInt, Field(ge=0)]
     """
     GRPO groups that produced optimizer steps.
     """
-    reward_filter_sidecar: kiln_common_v1_schema.PortableFileName | None = None
+    reward_filter_sidecar: Annotated[
+        StrictStr | None,
+        Field(max_length=255, min_length=1, pattern="^[A-Za-z0-9._-]+$"),
+    ] = None
     """
     File name of the reward-filter sidecar beside the receipt (`reward_filter_groups.json`); omitted when no filter ran.
     """
-    reward_groups_filtered: kiln_common_v1_schema.NonNegativeInteger | None = None
+    reward_groups_filtered: Annotated[StrictInt | None, Field(ge=0)] = None
     """
     Groups dropped by the reward-variance filter.
     """
-    reward_groups_kept: kiln_common_v1_schema.NonNegativeInteger | None = None
+    reward_groups_kept: Annotated[StrictInt | None, Field(ge=0)] = None
     """
     Groups kept by the reward-variance filter.
     """
@@ -2054,7 +2117,7 @@ class TrainReceiptOpd(BaseModel):
     model_config = ConfigDict(
         extra="allow",
     )
-    action_tokens: kiln_common_v1_schema.U64
+    action_tokens: Annotated[StrictInt, Field(ge=0, le=18446744073709551615)]
     """
     Action positions that entered the distillation loss.
     """
@@ -2068,19 +2131,19 @@ class TrainReceiptOpd(BaseModel):
     """
     Whether the ECHO environment term was combined with the distillation loss.
     """
-    echo_lambda: kiln_common_v1_schema.FiniteNumber | None
+    echo_lambda: float | None
     """
     ECHO weight when combined, else null.
     """
-    env_tokens: kiln_common_v1_schema.U64
+    env_tokens: Annotated[StrictInt, Field(ge=0, le=18446744073709551615)]
     """
     Environment/observation tokens seen.
     """
-    final_opd_loss: kiln_common_v1_schema.FiniteNumber | None
+    final_opd_loss: float | None
     """
     Distillation loss of the last optimizer step; null when no step ran.
     """
-    initial_opd_loss: kiln_common_v1_schema.FiniteNumber | None
+    initial_opd_loss: float | None
     """
     Distillation loss of the first optimizer step; null when no step ran.
     """
@@ -2092,11 +2155,11 @@ class TrainReceiptOpd(BaseModel):
     """
     Distillation objective.
     """
-    samples_per_prompt: kiln_common_v1_schema.PositiveInteger
+    samples_per_prompt: Annotated[StrictInt, Field(ge=1)]
     """
     Rollouts sampled per prompt.
     """
-    teacher_content_revision: kiln_common_v1_schema.NonEmptyString | None = None
+    teacher_content_revision: Annotated[StrictStr | None, Field(min_length=1)] = None
     """
     Content revision of the teacher pinned at registration and re-checked before training; omitted when unknown.
     """
@@ -2108,7 +2171,9 @@ class TrainReceiptOpd(BaseModel):
     """
     The full teacher identity pinned at registration; omitted when the teacher has none.
     """
-    teacher_identity_revision: kiln_common_v1_schema.RawSha256 | None = None
+    teacher_identity_revision: Annotated[
+        StrictStr | None, Field(pattern="^[0-9a-f]{64}$")
+    ] = None
     """
     Raw SHA-256 of the canonical JSON of `teacher_identity`; present only together with it.
     """
@@ -2136,7 +2201,9 @@ class TrainReceiptRuntime(BaseModel):
     """
     The self-verifying record of the process that trained; omitted when the run failed before it was captured.
     """
-    peak_host_memory_mib: kiln_common_v1_schema.U64 | None = None
+    peak_host_memory_mib: Annotated[
+        StrictInt | None, Field(ge=0, le=18446744073709551615)
+    ] = None
     """
     Peak resident host memory of the training process in MiB; omitted when not measured.
     """
@@ -2152,7 +2219,7 @@ class TrainReceiptRuntime(BaseModel):
     """
     The precision policy read from the live trainer; omitted when the trainer was never set up.
     """
-    wall_clock_ms: kiln_common_v1_schema.U64
+    wall_clock_ms: Annotated[StrictInt, Field(ge=0, le=18446744073709551615)]
     """
     Wall time of the attempt in milliseconds.
     """
@@ -2186,11 +2253,11 @@ class AdapterDiskEntry(BaseModel):
     """
     Size of `adapter_model.safetensors`, or null when absent.
     """
-    alpha: kiln_common_v1_schema.FiniteNumber | None
+    alpha: float | None
     """
     `lora_alpha` from the config, or null when not declared.
     """
-    alpha_over_rank: kiln_common_v1_schema.FiniteNumber | None
+    alpha_over_rank: float | None
     """
     alpha / rank, or null when either is missing or rank is 0.
     """
@@ -2238,15 +2305,17 @@ class AdapterDiskEntry(BaseModel):
     """
     Error of the most recent failed load of this adapter, or null.
     """
-    modified_at: kiln_common_v1_schema.Rfc3339Timestamp | None
+    modified_at: StrictStr | None
     """
     Last modification time of the directory, or null when unavailable.
     """
-    name: kiln_common_v1_schema.AdapterName
+    name: Annotated[
+        StrictStr, Field(max_length=255, min_length=1, pattern="^[^./\\\\][^/\\\\]*$")
+    ]
     """
     Directory (and registry) name.
     """
-    parent_adapter_metadata: kiln_common_v1_schema.AnyJson | None
+    parent_adapter_metadata: Any
     """
     Lineage facts about the warm-start adapter, passed through unchanged, or null.
     """
@@ -2258,7 +2327,7 @@ class AdapterDiskEntry(BaseModel):
     """
     LoRA rank `r` from the config, or null when not declared.
     """
-    size_bytes: kiln_common_v1_schema.NonNegativeInteger
+    size_bytes: Annotated[StrictInt, Field(ge=0)]
     """
     Total size of the regular files in the directory.
     """
@@ -2288,7 +2357,7 @@ class AdaptersResponse(BaseModel):
     """
     Name of the adapter new requests use by default, or null for the base model.
     """
-    adapter_dir: kiln_common_v1_schema.NonEmptyString
+    adapter_dir: Annotated[StrictStr, Field(min_length=1)]
     """
     The registry directory.
     """
@@ -2330,19 +2399,19 @@ class TrainReceiptGrpo(BaseModel):
     """
     Behaviour policy for importance ratios: none (ratio 1) or the recorded rollout log-probabilities.
     """
-    cispo_max_weight: kiln_common_v1_schema.FiniteNumber | None = None
+    cispo_max_weight: float | None = None
     """
     Cap on the stop-gradient importance weight under `is_level` `cispo` (default 5.0).
     """
-    clip_eps_high: kiln_common_v1_schema.FiniteNumber | None
+    clip_eps_high: float | None
     """
     Separate upper clip ε, or null when the clip is symmetric.
     """
-    clip_epsilon: kiln_common_v1_schema.FiniteNumber
+    clip_epsilon: float
     """
     Lower clip ε (and the upper one when `clip_eps_high` is null).
     """
-    dynamic_groups_filtered: kiln_common_v1_schema.NonNegativeInteger
+    dynamic_groups_filtered: Annotated[StrictInt, Field(ge=0)]
     """
     Groups dropped by dynamic sampling.
     """
@@ -2358,7 +2427,7 @@ class TrainReceiptGrpo(BaseModel):
     """
     Importance-sampling level: PPO-style per token, GSPO per sequence, or CISPO.
     """
-    kl_coeff: kiln_common_v1_schema.FiniteNumber
+    kl_coeff: float
     """
     Weight of the KL penalty.
     """
@@ -2388,7 +2457,9 @@ class TrainReceipt(BaseModel):
     model_config = ConfigDict(
         extra="allow",
     )
-    adapter_name: kiln_common_v1_schema.AdapterName
+    adapter_name: Annotated[
+        StrictStr, Field(max_length=255, min_length=1, pattern="^[^./\\\\][^/\\\\]*$")
+    ]
     """
     Registry name of the adapter the attempt trained.
     """
@@ -2460,7 +2531,7 @@ class TrainReceipt(BaseModel):
     """
     Always written by Kiln; tolerated as missing on read.
     """
-    produced_at: kiln_common_v1_schema.Rfc3339Timestamp
+    produced_at: StrictStr
     """
     When the receipt was written.
     """

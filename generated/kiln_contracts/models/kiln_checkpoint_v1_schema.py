@@ -9,6 +9,7 @@ from pydantic import (
     Field,
     RootModel,
     StrictBool,
+    StrictInt,
     StrictStr,
     StringConstraints,
 )
@@ -24,20 +25,6 @@ class KilnExactResumeCheckpointsV1(RootModel[Any]):
     root: Annotated[Any, Field(title="Kiln exact-resume checkpoints v1")]
     """
     Contracts of an exact-resume training checkpoint: the checkpoint manifest (`kiln.training-checkpoint.v1`) with its blocks, the typed views of its auxiliary state, planning identities v3 and v4, the SFT, GRPO and OPD loop-state files, and the checkpoint summary shown in a job's detail. Every object is closed. Rules JSON Schema cannot express are listed under `x-kiln-semantic-constraints` and enforced by Kiln's strict checkpoint loader.
-    """
-
-
-class CheckpointDirectoryName(RootModel[StrictStr]):
-    root: Annotated[
-        StrictStr,
-        Field(
-            max_length=255,
-            min_length=1,
-            pattern="^[^./\\\\][^/\\\\]*-checkpoint-step-[0-9]{8,}\\.kiln-checkpoint$",
-        ),
-    ]
-    """
-    The basename of a checkpoint directory: `<adapter>-checkpoint-step-<global step, zero-padded to 8 digits>.kiln-checkpoint`, for example `support-bot-checkpoint-step-00000025.kiln-checkpoint`. The directory sits directly inside the adapter registry and is never renamed or overwritten once published.
     """
 
 
@@ -88,27 +75,69 @@ class CheckpointStateFiles(BaseModel):
     model_config = ConfigDict(
         extra="forbid",
     )
-    adapter_parameters: CheckpointRelativePath
+    adapter_parameters: Annotated[
+        StrictStr,
+        Field(
+            max_length=1024,
+            min_length=1,
+            pattern="^[A-Za-z0-9._-]+(/[A-Za-z0-9._-]+)*$",
+        ),
+    ]
     """
     Path of the LoRA A/B tensors, normally `adapter.safetensors` (role `adapter-parameters`).
     """
-    ema_state: CheckpointRelativePath | None = None
+    ema_state: Annotated[
+        StrictStr | None,
+        Field(
+            max_length=1024,
+            min_length=1,
+            pattern="^[A-Za-z0-9._-]+(/[A-Za-z0-9._-]+)*$",
+        ),
+    ] = None
     """
     Path of the EMA state of objectives that keep one; Kiln's trainers do not write it (role `ema-state`).
     """
-    loss_history: CheckpointRelativePath | None = None
+    loss_history: Annotated[
+        StrictStr | None,
+        Field(
+            max_length=1024,
+            min_length=1,
+            pattern="^[A-Za-z0-9._-]+(/[A-Za-z0-9._-]+)*$",
+        ),
+    ] = None
     """
     Path of the loop-state JSON: `sft_loop_state.json`, `grpo_loop_state.json` or `opd_loop_state.json`; always present in checkpoints Kiln writes (role `loss-history`).
     """
-    optimizer_state: CheckpointRelativePath | None = None
+    optimizer_state: Annotated[
+        StrictStr | None,
+        Field(
+            max_length=1024,
+            min_length=1,
+            pattern="^[A-Za-z0-9._-]+(/[A-Za-z0-9._-]+)*$",
+        ),
+    ] = None
     """
     Path of the optimizer slots, normally `optimizer.safetensors`; absent for SGD (role `optimizer-state`).
     """
-    reference_state: CheckpointRelativePath | None = None
+    reference_state: Annotated[
+        StrictStr | None,
+        Field(
+            max_length=1024,
+            min_length=1,
+            pattern="^[A-Za-z0-9._-]+(/[A-Za-z0-9._-]+)*$",
+        ),
+    ] = None
     """
     Path of the GRPO EMA reference tensors, normally `reference.safetensors`; present only with an EMA KL reference (role `reference-state`).
     """
-    reward_normalization_state: CheckpointRelativePath | None = None
+    reward_normalization_state: Annotated[
+        StrictStr | None,
+        Field(
+            max_length=1024,
+            min_length=1,
+            pattern="^[A-Za-z0-9._-]+(/[A-Za-z0-9._-]+)*$",
+        ),
+    ] = None
     """
     Path of the reward normalisation statistics of objectives that keep them; Kiln's trainers do not write it (role `reward-normalization-state`).
     """
@@ -250,7 +279,7 @@ class CheckpointBackendRuntime(BaseModel):
     model_config = ConfigDict(
         extra="forbid",
     )
-    backend: kiln_common_v1_schema.NonEmptyString
+    backend: Annotated[StrictStr, Field(min_length=1)]
     """
     Backend name, equal to `execution_provenance.backend.name` (for example `torch-cpu`, `torch-cuda`).
     """
@@ -258,15 +287,15 @@ class CheckpointBackendRuntime(BaseModel):
     """
     Whether torch deterministic algorithms were enforced (Kiln always trains with true).
     """
-    device: kiln_common_v1_schema.NonEmptyString
+    device: Annotated[StrictStr, Field(min_length=1)]
     """
     Readable device description, equal to `execution_provenance.backend.device`.
     """
-    intra_op_threads: kiln_common_v1_schema.PositiveInteger
+    intra_op_threads: Annotated[StrictInt, Field(ge=1)]
     """
     torch intra-op thread count, which changes reduction order on CPU.
     """
-    torch_version: kiln_common_v1_schema.NonEmptyString
+    torch_version: Annotated[StrictStr, Field(min_length=1)]
     """
     The torch version string of the training process.
     """
@@ -280,11 +309,11 @@ class CheckpointBaseAdapter(BaseModel):
     model_config = ConfigDict(
         extra="forbid",
     )
-    adapter_model_sha256: kiln_common_v1_schema.Sha256
+    adapter_model_sha256: Annotated[StrictStr, Field(pattern="^sha256:[0-9a-f]{64}$")]
     """
     Digest of its `adapter_model.safetensors` at admission.
     """
-    name: kiln_common_v1_schema.NonEmptyString
+    name: Annotated[StrictStr, Field(min_length=1)]
     """
     The base adapter as named in the request.
     """
@@ -298,15 +327,15 @@ class CheckpointDataIdentity(BaseModel):
     model_config = ConfigDict(
         extra="forbid",
     )
-    content_sha256: kiln_common_v1_schema.RawSha256
+    content_sha256: Annotated[StrictStr, Field(pattern="^[0-9a-f]{64}$")]
     """
     Digest of the admitted training content as 64 bare lowercase hex characters (the job summary shows it with the `sha256:` prefix). SFT: the kept-corpus digest; streamed GRPO: the pinned file bytes; inline GRPO and OPD prompts: the serialized effective input; pre-scored OPD: the teacher JSONL bytes.
     """
-    item_count: kiln_common_v1_schema.PositiveInteger
+    item_count: Annotated[StrictInt, Field(ge=1)]
     """
     Number of items in one epoch; `data_order` permutes exactly this many indices.
     """
-    source_kind: kiln_common_v1_schema.NonEmptyString
+    source_kind: Annotated[StrictStr, Field(min_length=1)]
     """
     How the items were prepared and ordered. Values Kiln writes: `sft-valid-example-order-v1` (SFT, kept rows), `inline-grpo-trainable-order-v1` and `jsonl-grpo-trainable-order-v1` (GRPO trainable groups), `opd-prompt-candidate-order-v1` and `opd-teacher-jsonl-candidate-order-v1` (OPD candidates, one per prompt and sample index).
     """
@@ -324,11 +353,11 @@ class CheckpointFileEntry(BaseModel):
     """
     What the file holds; must agree with every field of the manifest that points at this path.
     """
-    sha256: kiln_common_v1_schema.RawSha256
+    sha256: Annotated[StrictStr, Field(pattern="^[0-9a-f]{64}$")]
     """
     SHA-256 of the file's bytes as 64 lowercase hex characters, without the `sha256:` prefix.
     """
-    size_bytes: kiln_common_v1_schema.U64
+    size_bytes: Annotated[StrictInt, Field(ge=0, le=18446744073709551615)]
     """
     Exact length of the file in bytes.
     """
@@ -350,11 +379,18 @@ class CheckpointOptimizerState(BaseModel):
     """
     Optimizer family. `sgd` is stateless and has no state file.
     """
-    state_file: CheckpointRelativePath | None = None
+    state_file: Annotated[
+        StrictStr | None,
+        Field(
+            max_length=1024,
+            min_length=1,
+            pattern="^[A-Za-z0-9._-]+(/[A-Za-z0-9._-]+)*$",
+        ),
+    ] = None
     """
     File (role `optimizer-state`) with the optimizer slots by parameter name and slot. Present for `adam_w` and `muon`, absent for `sgd`.
     """
-    step: kiln_common_v1_schema.U64
+    step: Annotated[StrictInt, Field(ge=0, le=18446744073709551615)]
     """
     Optimizer steps applied; always equal to `progress.global_step` and `scheduler.step`.
     """
@@ -368,7 +404,7 @@ class CheckpointProgress(BaseModel):
     model_config = ConfigDict(
         extra="forbid",
     )
-    cursor_in_epoch: kiln_common_v1_schema.U64
+    cursor_in_epoch: Annotated[StrictInt, Field(ge=0, le=18446744073709551615)]
     """
     Position in `data_order` of the next item (SFT example, GRPO group or OPD candidate). Never larger than the length of `data_order`.
     """
@@ -376,15 +412,15 @@ class CheckpointProgress(BaseModel):
     """
     The visiting order of the current epoch as item indices: a permutation of 0..item_count-1. Empty only when the run has finished.
     """
-    epoch_index: kiln_common_v1_schema.U64
+    epoch_index: Annotated[StrictInt, Field(ge=0, le=18446744073709551615)]
     """
     Zero-based epoch of the next item. A checkpoint taken at an epoch boundary already points at the next epoch with cursor 0.
     """
-    global_step: kiln_common_v1_schema.U64
+    global_step: Annotated[StrictInt, Field(ge=0, le=18446744073709551615)]
     """
     Optimizer steps committed so far. It also names the checkpoint (`<kind>-step-<global_step>`).
     """
-    total_steps: kiln_common_v1_schema.U64
+    total_steps: Annotated[StrictInt, Field(ge=0, le=18446744073709551615)]
     """
     Optimizer steps the run performs when it finishes. For SFT this is epochs x kept examples. For OPD it is the number of candidates over all epochs, an upper bound that a run reaches only if no rollout was empty.
     """
@@ -398,19 +434,26 @@ class CheckpointRngState(BaseModel):
     model_config = ConfigDict(
         extra="forbid",
     )
-    algorithm: kiln_common_v1_schema.NonEmptyString
+    algorithm: Annotated[StrictStr, Field(min_length=1)]
     """
     Identifier of the generator and how it is consumed. Kiln writes `kiln.epoch-order.splitmix64-fisher-yates.v1` for `epoch-order`, `kiln.seeded-lora-init.v1` for `lora-init` and `kiln.torch-generator-state.v1` for `rollout-sampling`. A checkpoint whose stream uses another algorithm is refused at resume as a different ordering contract.
     """
-    position: kiln_common_v1_schema.U64
+    position: Annotated[StrictInt, Field(ge=0, le=18446744073709551615)]
     """
     How far the stream has been consumed. `epoch-order`: the epoch whose order is in `progress.data_order`. `lora-init`: the number of LoRA A tensors initialised from it (0 after a warm start from a base adapter). `rollout-sampling`: the number of rollouts sampled.
     """
-    seed: kiln_common_v1_schema.U64
+    seed: Annotated[StrictInt, Field(ge=0, le=18446744073709551615)]
     """
     The seed the stream was created with, as a JSON integer (0 .. 2^64-1).
     """
-    state_file: CheckpointRelativePath | None = None
+    state_file: Annotated[
+        StrictStr | None,
+        Field(
+            max_length=1024,
+            min_length=1,
+            pattern="^[A-Za-z0-9._-]+(/[A-Za-z0-9._-]+)*$",
+        ),
+    ] = None
     """
     Optional file (role `rng-state`) holding the full generator state, for example a torch generator's state tensor in safetensors form. Omitted when seed and position fully determine the stream.
     """
@@ -432,7 +475,7 @@ class CheckpointSchedulerState(BaseModel):
     """
     Schedule state. For `constant` it is `{"learning_rate": <resolved rate>}`.
     """
-    step: kiln_common_v1_schema.U64
+    step: Annotated[StrictInt, Field(ge=0, le=18446744073709551615)]
     """
     Scheduler steps taken; always equal to `progress.global_step`.
     """
@@ -446,19 +489,19 @@ class GrpoLoopBehaviorSource(BaseModel):
     model_config = ConfigDict(
         extra="forbid",
     )
-    behavior_source_sha256: kiln_common_v1_schema.Sha256
+    behavior_source_sha256: Annotated[StrictStr, Field(pattern="^sha256:[0-9a-f]{64}$")]
     """
     Digest identifying the behaviour source, as printed in the receipt's policy audit.
     """
-    completion_count: kiln_common_v1_schema.U64
+    completion_count: Annotated[StrictInt, Field(ge=0, le=18446744073709551615)]
     """
     Completions from this source.
     """
-    forced_action_tokens: kiln_common_v1_schema.U64
+    forced_action_tokens: Annotated[StrictInt, Field(ge=0, le=18446744073709551615)]
     """
     Action tokens forced rather than sampled.
     """
-    sampled_action_tokens: kiln_common_v1_schema.U64
+    sampled_action_tokens: Annotated[StrictInt, Field(ge=0, le=18446744073709551615)]
     """
     Action tokens sampled by the behaviour policy.
     """
@@ -476,23 +519,23 @@ class GrpoLoopDataStats(BaseModel):
     model_config = ConfigDict(
         extra="forbid",
     )
-    completions_read: kiln_common_v1_schema.U64
+    completions_read: Annotated[StrictInt, Field(ge=0, le=18446744073709551615)]
     """
     Completions of the groups read.
     """
-    completions_trained: kiln_common_v1_schema.U64
+    completions_trained: Annotated[StrictInt, Field(ge=0, le=18446744073709551615)]
     """
     Completions of the groups trained.
     """
-    groups_filtered: kiln_common_v1_schema.U64
+    groups_filtered: Annotated[StrictInt, Field(ge=0, le=18446744073709551615)]
     """
     Groups skipped without an update (dynamic sampling or reward-variance filter).
     """
-    groups_read: kiln_common_v1_schema.U64
+    groups_read: Annotated[StrictInt, Field(ge=0, le=18446744073709551615)]
     """
     Groups reached by the training pass.
     """
-    groups_trained: kiln_common_v1_schema.U64
+    groups_trained: Annotated[StrictInt, Field(ge=0, le=18446744073709551615)]
     """
     Groups that contributed to optimizer steps.
     """
@@ -506,27 +549,27 @@ class GrpoLoopImportanceSampling(BaseModel):
     model_config = ConfigDict(
         extra="forbid",
     )
-    above_clip_count: kiln_common_v1_schema.U64
+    above_clip_count: Annotated[StrictInt, Field(ge=0, le=18446744073709551615)]
     """
     Ratios above the upper clip bound.
     """
-    action_tokens: kiln_common_v1_schema.U64
+    action_tokens: Annotated[StrictInt, Field(ge=0, le=18446744073709551615)]
     """
     Action tokens seen by the policy loss.
     """
-    below_clip_count: kiln_common_v1_schema.U64
+    below_clip_count: Annotated[StrictInt, Field(ge=0, le=18446744073709551615)]
     """
     Ratios below 1 - clip epsilon (always 0 for CISPO).
     """
-    max_ratio: kiln_common_v1_schema.FiniteNumber | None
+    max_ratio: float | None
     """
     Largest observed ratio, or null before any.
     """
-    min_ratio: kiln_common_v1_schema.FiniteNumber | None
+    min_ratio: float | None
     """
     Smallest observed ratio, or null before any.
     """
-    ratio_observations: kiln_common_v1_schema.U64
+    ratio_observations: Annotated[StrictInt, Field(ge=0, le=18446744073709551615)]
     """
     Ratios observed.
     """
@@ -534,7 +577,7 @@ class GrpoLoopImportanceSampling(BaseModel):
     """
     `token` for PPO-style and CISPO ratios, `sequence` for GSPO, null while no ratio has been observed.
     """
-    ratio_sum: kiln_common_v1_schema.FiniteNumber
+    ratio_sum: float
     """
     Sum of observed ratios (float64, observation order).
     """
@@ -548,23 +591,25 @@ class GrpoLoopKlReference(BaseModel):
     model_config = ConfigDict(
         extra="forbid",
     )
-    entropy_mask_applied_tokens: kiln_common_v1_schema.U64
+    entropy_mask_applied_tokens: Annotated[
+        StrictInt, Field(ge=0, le=18446744073709551615)
+    ]
     """
     Tokens masked by the entropy-aware quantile.
     """
-    estimator_sum: kiln_common_v1_schema.FiniteNumber
+    estimator_sum: float
     """
     Sum of the KL estimator before masking.
     """
-    log_ratio_sum: kiln_common_v1_schema.FiniteNumber
+    log_ratio_sum: float
     """
     Sum of policy/reference log-ratios.
     """
-    masked_estimator_sum: kiln_common_v1_schema.FiniteNumber
+    masked_estimator_sum: float
     """
     Sum of the KL estimator after masking.
     """
-    token_observations: kiln_common_v1_schema.U64
+    token_observations: Annotated[StrictInt, Field(ge=0, le=18446744073709551615)]
     """
     Action tokens with a KL estimate.
     """
@@ -582,15 +627,15 @@ class GrpoLoopRecordedProvenance(BaseModel):
     """
     Distinct behaviour sources, sorted by digest; empty when none was recorded.
     """
-    completion_count: kiln_common_v1_schema.U64
+    completion_count: Annotated[StrictInt, Field(ge=0, le=18446744073709551615)]
     """
     Completions with recorded provenance.
     """
-    forced_action_tokens: kiln_common_v1_schema.U64
+    forced_action_tokens: Annotated[StrictInt, Field(ge=0, le=18446744073709551615)]
     """
     Forced action tokens over those completions.
     """
-    sampled_action_tokens: kiln_common_v1_schema.U64
+    sampled_action_tokens: Annotated[StrictInt, Field(ge=0, le=18446744073709551615)]
     """
     Sampled action tokens over those completions.
     """
@@ -604,27 +649,31 @@ class GrpoLoopTokenCounts(BaseModel):
     model_config = ConfigDict(
         extra="forbid",
     )
-    action_tokens: kiln_common_v1_schema.U64
+    action_tokens: Annotated[StrictInt, Field(ge=0, le=18446744073709551615)]
     """
     Supervised action tokens.
     """
-    context_tokens: kiln_common_v1_schema.U64
+    context_tokens: Annotated[StrictInt, Field(ge=0, le=18446744073709551615)]
     """
     Prompt and context tokens.
     """
-    env_tokens: kiln_common_v1_schema.U64
+    env_tokens: Annotated[StrictInt, Field(ge=0, le=18446744073709551615)]
     """
     Active environment tokens after the warning filter (legacy name, equal to `env_tokens_after_warning_filter`).
     """
-    env_tokens_after_warning_filter: kiln_common_v1_schema.U64
+    env_tokens_after_warning_filter: Annotated[
+        StrictInt, Field(ge=0, le=18446744073709551615)
+    ]
     """
     Environment tokens after the warning filter.
     """
-    env_tokens_before_warning_filter: kiln_common_v1_schema.U64
+    env_tokens_before_warning_filter: Annotated[
+        StrictInt, Field(ge=0, le=18446744073709551615)
+    ]
     """
     Environment tokens before the warning filter.
     """
-    warning_tokens_filtered: kiln_common_v1_schema.U64
+    warning_tokens_filtered: Annotated[StrictInt, Field(ge=0, le=18446744073709551615)]
     """
     Environment tokens removed by the warning filter.
     """
@@ -638,7 +687,7 @@ class GrpoLoopWriterTimings(BaseModel):
     model_config = ConfigDict(
         extra="forbid",
     )
-    gpu_writer_acquisitions: kiln_common_v1_schema.U64
+    gpu_writer_acquisitions: Annotated[StrictInt, Field(ge=0, le=18446744073709551615)]
     """
     Times the lock was acquired.
     """
@@ -664,15 +713,15 @@ class LoopEchoMetrics(BaseModel):
     """
     Whether the term has contributed to at least one optimizer step.
     """
-    initial_env_ce: kiln_common_v1_schema.FiniteNumber | None
+    initial_env_ce: float | None
     """
     Environment cross-entropy of the first contributing step, or null before any.
     """
-    last_env_ce: kiln_common_v1_schema.FiniteNumber | None
+    last_env_ce: float | None
     """
     Environment cross-entropy of the latest contributing step, or null before any.
     """
-    observations: kiln_common_v1_schema.U64
+    observations: Annotated[StrictInt, Field(ge=0, le=18446744073709551615)]
     """
     Steps to which the term contributed.
     """
@@ -686,23 +735,23 @@ class LoopLoraGradNormAccumulator(BaseModel):
     model_config = ConfigDict(
         extra="forbid",
     )
-    max: kiln_common_v1_schema.FiniteNumber
+    max: float
     """
     Largest observed norm.
     """
-    min: kiln_common_v1_schema.FiniteNumber
+    min: float
     """
     Smallest observed norm.
     """
-    module: kiln_common_v1_schema.NonEmptyString
+    module: Annotated[StrictStr, Field(min_length=1)]
     """
     Module name (for example `model.layers.0.self_attn.q_proj`).
     """
-    sample_count: kiln_common_v1_schema.PositiveInteger
+    sample_count: Annotated[StrictInt, Field(ge=1)]
     """
     Gradient norms observed.
     """
-    sum: kiln_common_v1_schema.FiniteNumber
+    sum: float
     """
     Sum of the observed norms in observation order (float64).
     """
@@ -716,27 +765,27 @@ class OpdCollapseAccumulators(BaseModel):
     model_config = ConfigDict(
         extra="forbid",
     )
-    compression_ratio_sum: kiln_common_v1_schema.FiniteNumber
+    compression_ratio_sum: float
     """
     Sum over non-empty rollouts of raw length / zlib-compressed length of the response text (higher means more repetitive).
     """
-    kl_observations: kiln_common_v1_schema.U64
+    kl_observations: Annotated[StrictInt, Field(ge=0, le=18446744073709551615)]
     """
     Rollouts that contributed to `kl_sum`.
     """
-    kl_sum: kiln_common_v1_schema.FiniteNumber
+    kl_sum: float
     """
     Sum over contributing rollouts of their mean per-position reverse KL.
     """
-    response_tokens: kiln_common_v1_schema.U64
+    response_tokens: Annotated[StrictInt, Field(ge=0, le=18446744073709551615)]
     """
     Total response tokens over all rollouts.
     """
-    rollouts: kiln_common_v1_schema.U64
+    rollouts: Annotated[StrictInt, Field(ge=0, le=18446744073709551615)]
     """
     Rollouts settled (equals the candidates consumed, empty rollouts included).
     """
-    truncated_rollouts: kiln_common_v1_schema.U64
+    truncated_rollouts: Annotated[StrictInt, Field(ge=0, le=18446744073709551615)]
     """
     Rollouts stopped by the token limit rather than an end-of-turn.
     """
@@ -750,27 +799,27 @@ class OpdCollapseSnapshot(BaseModel):
     model_config = ConfigDict(
         extra="forbid",
     )
-    candidates_consumed: kiln_common_v1_schema.U64
+    candidates_consumed: Annotated[StrictInt, Field(ge=0, le=18446744073709551615)]
     """
     Candidates settled at the snapshot.
     """
-    global_step: kiln_common_v1_schema.U64
+    global_step: Annotated[StrictInt, Field(ge=0, le=18446744073709551615)]
     """
     Optimizer step of the snapshot.
     """
-    mean_compression_ratio: kiln_common_v1_schema.FiniteNumber | None
+    mean_compression_ratio: float | None
     """
     Mean response compression ratio, or null without non-empty rollouts.
     """
-    mean_kl: kiln_common_v1_schema.FiniteNumber | None
+    mean_kl: float | None
     """
     `kl_sum / kl_observations`, or null without observations.
     """
-    mean_response_tokens: kiln_common_v1_schema.FiniteNumber | None
+    mean_response_tokens: float | None
     """
     `response_tokens / rollouts`, or null without rollouts.
     """
-    truncation_rate: kiln_common_v1_schema.UnitInterval
+    truncation_rate: Annotated[float, Field(ge=0.0, le=1.0)]
     """
     `truncated_rollouts / rollouts` (0 without rollouts).
     """
@@ -784,11 +833,11 @@ class OpdLoopState(BaseModel):
     model_config = ConfigDict(
         extra="forbid",
     )
-    action_tokens: kiln_common_v1_schema.U64
+    action_tokens: Annotated[StrictInt, Field(ge=0, le=18446744073709551615)]
     """
     Action positions scored by the teacher and trained on.
     """
-    candidates_consumed: kiln_common_v1_schema.U64
+    candidates_consumed: Annotated[StrictInt, Field(ge=0, le=18446744073709551615)]
     """
     Candidates settled over all epochs, empty rollouts included.
     """
@@ -800,7 +849,7 @@ class OpdLoopState(BaseModel):
     """
     Collapse diagnostics taken at each earlier checkpoint of the run, oldest first.
     """
-    cursor_in_epoch: kiln_common_v1_schema.U64
+    cursor_in_epoch: Annotated[StrictInt, Field(ge=0, le=18446744073709551615)]
     """
     Position of the next candidate in the epoch order.
     """
@@ -808,23 +857,23 @@ class OpdLoopState(BaseModel):
     """
     ECHO term state.
     """
-    empty_rollouts: kiln_common_v1_schema.U64
+    empty_rollouts: Annotated[StrictInt, Field(ge=0, le=18446744073709551615)]
     """
     Candidates consumed without an optimizer step because the rollout had no action token.
     """
-    env_tokens: kiln_common_v1_schema.U64
+    env_tokens: Annotated[StrictInt, Field(ge=0, le=18446744073709551615)]
     """
     Environment tokens seen by the ECHO term.
     """
-    epoch_index: kiln_common_v1_schema.U64
+    epoch_index: Annotated[StrictInt, Field(ge=0, le=18446744073709551615)]
     """
     Epoch of the next candidate.
     """
-    global_step: kiln_common_v1_schema.U64
+    global_step: Annotated[StrictInt, Field(ge=0, le=18446744073709551615)]
     """
     Committed optimizer steps.
     """
-    last_loss: kiln_common_v1_schema.FiniteNumber | None
+    last_loss: float | None
     """
     Loss of the latest committed step (the last history entry), or null before the first step.
     """
@@ -832,7 +881,7 @@ class OpdLoopState(BaseModel):
     """
     Gradient-norm accumulators per LoRA module, sorted by module name, one entry per module.
     """
-    loss_history: list[kiln_common_v1_schema.FiniteNumber]
+    loss_history: list[float]
     """
     Loss of every committed optimizer step in order, one finite number per step.
     """
@@ -848,15 +897,15 @@ class OpdLoopState(BaseModel):
     """
     Type tag.
     """
-    teacher_content_revision: kiln_common_v1_schema.NonEmptyString
+    teacher_content_revision: Annotated[StrictStr, Field(min_length=1)]
     """
     Pinned teacher content revision.
     """
-    teacher_id: kiln_common_v1_schema.NonEmptyString
+    teacher_id: Annotated[StrictStr, Field(min_length=1)]
     """
     Teacher alias the run is distilling from.
     """
-    teacher_identity_revision: kiln_common_v1_schema.RawSha256
+    teacher_identity_revision: Annotated[StrictStr, Field(pattern="^[0-9a-f]{64}$")]
     """
     Pinned teacher identity revision (bare hex).
     """
@@ -874,7 +923,7 @@ class PlanningCheckpointBoundaryPolicy(BaseModel):
     """
     Keep every n-th boundary as an anchor for sparse replay, or null to keep no anchors.
     """
-    cache_target_bytes: kiln_common_v1_schema.PositiveInteger
+    cache_target_bytes: Annotated[StrictInt, Field(ge=1)]
     """
     Memory budget in bytes for retained boundary activations.
     """
@@ -882,7 +931,7 @@ class PlanningCheckpointBoundaryPolicy(BaseModel):
     """
     Whether boundary activations are recomputed instead of kept: decided by sequence length (`auto`), always, or never.
     """
-    recompute_threshold_tokens: kiln_common_v1_schema.PositiveInteger
+    recompute_threshold_tokens: Annotated[StrictInt, Field(ge=1)]
     """
     Sequence length in tokens from which `auto` starts recomputing boundary activations.
     """
@@ -900,7 +949,7 @@ class PlanningEffectiveMemory(BaseModel):
     """
     Where the figure came from: the accelerator's own report, the machine's physical memory (CPU training), or a memory budget set in configuration.
     """
-    total_bytes: kiln_common_v1_schema.PositiveInteger
+    total_bytes: Annotated[StrictInt, Field(ge=1)]
     """
     Bytes available to training after the configured budget was applied.
     """
@@ -936,26 +985,9 @@ class PlanningGradientCheckpointExplicitSegments(BaseModel):
     """
     Fixed segmentation.
     """
-    segments: kiln_common_v1_schema.PositiveInteger
+    segments: Annotated[StrictInt, Field(ge=1)]
     """
     Number of contiguous layer segments whose activations are recomputed in the backward pass.
-    """
-
-
-class PlanningGradientCheckpointPolicy(
-    RootModel[
-        PlanningGradientCheckpointAuto
-        | PlanningGradientCheckpointExplicitSegments
-        | PlanningGradientCheckpointDisabled
-    ]
-):
-    root: (
-        PlanningGradientCheckpointAuto
-        | PlanningGradientCheckpointExplicitSegments
-        | PlanningGradientCheckpointDisabled
-    )
-    """
-    How the trainer trades recomputation for memory during backward, tagged by `mode`. Part of the planning identity because it changes the order of floating-point work.
     """
 
 
@@ -967,35 +999,35 @@ class SftLoopState(BaseModel):
     model_config = ConfigDict(
         extra="forbid",
     )
-    best_epoch_loss: kiln_common_v1_schema.FiniteNumber | None = None
+    best_epoch_loss: float | None = None
     """
     Lowest mean epoch loss of the completed epochs. Present exactly when `epoch_index` > 0.
     """
-    current_epoch_items: kiln_common_v1_schema.U64
+    current_epoch_items: Annotated[StrictInt, Field(ge=0, le=18446744073709551615)]
     """
     Examples of the current epoch trained so far; equals `cursor_in_epoch`.
     """
-    current_epoch_loss_sum: kiln_common_v1_schema.FiniteNumber
+    current_epoch_loss_sum: float
     """
     Sum of the losses of the current epoch so far, added left to right in float64 starting from 0.0.
     """
-    cursor_in_epoch: kiln_common_v1_schema.U64
+    cursor_in_epoch: Annotated[StrictInt, Field(ge=0, le=18446744073709551615)]
     """
     Position of the next example in the epoch order.
     """
-    epoch_index: kiln_common_v1_schema.U64
+    epoch_index: Annotated[StrictInt, Field(ge=0, le=18446744073709551615)]
     """
     Epoch of the next example.
     """
-    first_epoch_loss: kiln_common_v1_schema.FiniteNumber | None = None
+    first_epoch_loss: float | None = None
     """
     Mean loss of the first epoch. Present exactly when `epoch_index` > 0.
     """
-    global_step: kiln_common_v1_schema.U64
+    global_step: Annotated[StrictInt, Field(ge=0, le=18446744073709551615)]
     """
     Committed optimizer steps (one per example).
     """
-    last_loss: kiln_common_v1_schema.FiniteNumber | None
+    last_loss: float | None
     """
     Loss of the latest committed step (the last history entry), or null before the first step.
     """
@@ -1003,7 +1035,7 @@ class SftLoopState(BaseModel):
     """
     Gradient-norm accumulators per LoRA module, sorted by module name, one entry per module.
     """
-    loss_history: list[kiln_common_v1_schema.FiniteNumber]
+    loss_history: list[float]
     """
     Loss of every committed optimizer step in order, one finite number per step.
     """
@@ -1025,7 +1057,9 @@ class TrainingCheckpointManifest(BaseModel):
     model_config = ConfigDict(
         extra="forbid",
     )
-    adapter_name: kiln_common_v1_schema.AdapterName
+    adapter_name: Annotated[
+        StrictStr, Field(max_length=255, min_length=1, pattern="^[^./\\\\][^/\\\\]*$")
+    ]
     """
     The output adapter the run trains; the directory name starts with it.
     """
@@ -1033,7 +1067,10 @@ class TrainingCheckpointManifest(BaseModel):
     """
     Objective-specific identity and planning, validated by the loader against the typed view of the kind. SFT (SftCheckpointAuxiliaryState): `loop_state_type`, model/tokenizer/template digests, `base_model_weights_sha256`, `base_weight_shard_manifest`, `execution_provenance`, `backend_runtime`, `kiln_train_version`, `gradient_checkpoint_plan_sha256`, `training_precision_policy`, `training_runtime_planning_identity` (v4), `ingestion_receipt_sha256`, `valid_indices_sha256`. GRPO (GrpoCheckpointAuxiliaryState): the shared members with a v3 `training_runtime_planning_identity`, plus `route`, `trainable_order_sha256`, `reference_policy` and, when they apply, `source_byte_offset`, `source_lines_consumed`, `consumed_lines_sha256`, `ema_groups_since_refresh`. OPD (OpdCheckpointAuxiliaryState): the shared members with the v3 planning identity under `checkpoint_planning`, plus `prompt_source`, `prepared_source_sha256`, `candidates_consumed`, `rollout_rng_stream`, `collapse_guardrail`, `base_adapter`, `teacher_id`, `teacher_identity_revision`, `teacher_content_revision`.
     """
-    checkpoint_id: kiln_common_v1_schema.Identifier
+    checkpoint_id: Annotated[
+        StrictStr,
+        Field(max_length=255, min_length=1, pattern="^[A-Za-z0-9][A-Za-z0-9._-]*$"),
+    ]
     """
     `<training_kind>-step-<global step zero-padded to 8 digits>`, for example `sft-step-00000025`.
     """
@@ -1041,7 +1078,7 @@ class TrainingCheckpointManifest(BaseModel):
     """
     The only checkpoint kind: an exact-resume checkpoint. A PEFT adapter directory is not one.
     """
-    created_at: kiln_common_v1_schema.Rfc3339Timestamp
+    created_at: StrictStr
     """
     When the checkpoint was written.
     """
@@ -1131,7 +1168,10 @@ class TrainingCheckpointSummary(BaseModel):
     model_config = ConfigDict(
         extra="forbid",
     )
-    checkpoint_id: kiln_common_v1_schema.Identifier
+    checkpoint_id: Annotated[
+        StrictStr,
+        Field(max_length=255, min_length=1, pattern="^[A-Za-z0-9][A-Za-z0-9._-]*$"),
+    ]
     """
     The manifest's `checkpoint_id`.
     """
@@ -1139,19 +1179,19 @@ class TrainingCheckpointSummary(BaseModel):
     """
     True exactly when `global_step` == `total_steps`.
     """
-    created_at: kiln_common_v1_schema.Rfc3339Timestamp
+    created_at: StrictStr
     """
     When the checkpoint was written.
     """
-    data_content_sha256: kiln_common_v1_schema.Sha256
+    data_content_sha256: Annotated[StrictStr, Field(pattern="^sha256:[0-9a-f]{64}$")]
     """
     The manifest's `data.content_sha256` with the `sha256:` prefix added.
     """
-    data_item_count: kiln_common_v1_schema.PositiveInteger
+    data_item_count: Annotated[StrictInt, Field(ge=1)]
     """
     Items per epoch.
     """
-    data_source_kind: kiln_common_v1_schema.NonEmptyString
+    data_source_kind: Annotated[StrictStr, Field(min_length=1)]
     """
     The manifest's `data.source_kind`.
     """
@@ -1159,35 +1199,44 @@ class TrainingCheckpointSummary(BaseModel):
     """
     The manifest's resolved trainer configuration.
     """
-    global_step: kiln_common_v1_schema.NonNegativeInteger
+    global_step: Annotated[StrictInt, Field(ge=0)]
     """
     Committed optimizer steps.
     """
-    next_cursor_in_epoch: kiln_common_v1_schema.NonNegativeInteger
+    next_cursor_in_epoch: Annotated[StrictInt, Field(ge=0)]
     """
     Position of the next item in its epoch: SFT example, GRPO group or OPD candidate.
     """
-    next_epoch_index: kiln_common_v1_schema.NonNegativeInteger
+    next_epoch_index: Annotated[StrictInt, Field(ge=0)]
     """
     Epoch of the next item.
     """
-    resume_checkpoint: CheckpointDirectoryName
+    resume_checkpoint: Annotated[
+        StrictStr,
+        Field(
+            max_length=255,
+            min_length=1,
+            pattern="^[^./\\\\][^/\\\\]*-checkpoint-step-[0-9]{8,}\\.kiln-checkpoint$",
+        ),
+    ]
     """
     Directory basename to pass back as `config.resume_checkpoint`.
     """
-    teacher_content_revision: kiln_common_v1_schema.NonEmptyString | None = None
+    teacher_content_revision: Annotated[StrictStr | None, Field(min_length=1)] = None
     """
     OPD only: the pinned teacher content revision.
     """
-    teacher_id: kiln_common_v1_schema.NonEmptyString | None = None
+    teacher_id: Annotated[StrictStr | None, Field(min_length=1)] = None
     """
     OPD only: the teacher alias.
     """
-    teacher_identity_revision: kiln_common_v1_schema.RawSha256 | None = None
+    teacher_identity_revision: Annotated[
+        StrictStr | None, Field(pattern="^[0-9a-f]{64}$")
+    ] = None
     """
     OPD only: the pinned teacher identity revision.
     """
-    total_steps: kiln_common_v1_schema.NonNegativeInteger
+    total_steps: Annotated[StrictInt, Field(ge=0)]
     """
     Optimizer steps of the whole run.
     """
@@ -1213,7 +1262,11 @@ class CheckpointPlanningIdentityV3(BaseModel):
     """
     The memory figure the plan was made for.
     """
-    gradient_checkpoint_policy: PlanningGradientCheckpointPolicy
+    gradient_checkpoint_policy: (
+        PlanningGradientCheckpointAuto
+        | PlanningGradientCheckpointExplicitSegments
+        | PlanningGradientCheckpointDisabled
+    )
     """
     Activation-checkpointing policy resolved for the run.
     """
@@ -1245,7 +1298,11 @@ class CheckpointPlanningIdentityV4(BaseModel):
     """
     The memory figure the plan was made for.
     """
-    gradient_checkpoint_policy: PlanningGradientCheckpointPolicy
+    gradient_checkpoint_policy: (
+        PlanningGradientCheckpointAuto
+        | PlanningGradientCheckpointExplicitSegments
+        | PlanningGradientCheckpointDisabled
+    )
     """
     Activation-checkpointing policy resolved for the run.
     """
@@ -1277,7 +1334,9 @@ class GrpoCheckpointAuxiliaryState(BaseModel):
     """
     The runtime the state was produced on.
     """
-    base_model_weights_sha256: kiln_common_v1_schema.Sha256
+    base_model_weights_sha256: Annotated[
+        StrictStr, Field(pattern="^sha256:[0-9a-f]{64}$")
+    ]
     """
     The base-weight content aggregate; equals `base_weight_shard_manifest.aggregate_sha256`.
     """
@@ -1289,11 +1348,15 @@ class GrpoCheckpointAuxiliaryState(BaseModel):
     """
     Digest of the serving chat template, or null when the model has none; equals `execution_provenance.model.chat_template_sha256` (null when that is absent).
     """
-    consumed_lines_sha256: kiln_common_v1_schema.Sha256 | None = None
+    consumed_lines_sha256: Annotated[
+        StrictStr | None, Field(pattern="^sha256:[0-9a-f]{64}$")
+    ] = None
     """
     JSONL route only: digest of the canonical JSON of the list of `sha256:` digests of the consumed lines, in file order.
     """
-    ema_groups_since_refresh: kiln_common_v1_schema.U64 | None = None
+    ema_groups_since_refresh: Annotated[
+        StrictInt | None, Field(ge=0, le=18446744073709551615)
+    ] = None
     """
     EMA reference only: groups committed since the EMA reference was last refreshed.
     """
@@ -1301,11 +1364,13 @@ class GrpoCheckpointAuxiliaryState(BaseModel):
     """
     The execution provenance record of the training process (`kiln.execution-provenance.v1`); its self-digest must recompute.
     """
-    gradient_checkpoint_plan_sha256: kiln_common_v1_schema.Sha256
+    gradient_checkpoint_plan_sha256: Annotated[
+        StrictStr, Field(pattern="^sha256:[0-9a-f]{64}$")
+    ]
     """
     Digest of the canonical JSON of the resolved activation-checkpoint plan (the layer ranges recomputed in backward), recomputed from the live model at resume.
     """
-    kiln_train_version: kiln_common_v1_schema.NonEmptyString
+    kiln_train_version: Annotated[StrictStr, Field(min_length=1)]
     """
     Kiln package version that wrote the checkpoint; equals `execution_provenance.build.package_version`.
     """
@@ -1313,7 +1378,7 @@ class GrpoCheckpointAuxiliaryState(BaseModel):
     """
     State type of the loop-state file of this kind; must match the training kind.
     """
-    model_config_sha256: kiln_common_v1_schema.Sha256
+    model_config_sha256: Annotated[StrictStr, Field(pattern="^sha256:[0-9a-f]{64}$")]
     """
     Digest of the model's `config.json`; equals `execution_provenance.model.model_config_sha256`.
     """
@@ -1325,19 +1390,25 @@ class GrpoCheckpointAuxiliaryState(BaseModel):
     """
     Whether the groups came inline or from a streamed JSONL file.
     """
-    source_byte_offset: kiln_common_v1_schema.U64 | None = None
+    source_byte_offset: Annotated[
+        StrictInt | None, Field(ge=0, le=18446744073709551615)
+    ] = None
     """
     JSONL route only: byte offset in the pinned file just after the last consumed line.
     """
-    source_lines_consumed: kiln_common_v1_schema.U64 | None = None
+    source_lines_consumed: Annotated[
+        StrictInt | None, Field(ge=0, le=18446744073709551615)
+    ] = None
     """
     JSONL route only: physical lines of the pinned file consumed so far, blank lines included.
     """
-    tokenizer_config_sha256: kiln_common_v1_schema.Sha256
+    tokenizer_config_sha256: Annotated[
+        StrictStr, Field(pattern="^sha256:[0-9a-f]{64}$")
+    ]
     """
     Digest of the tokenizer configuration; equals `execution_provenance.model.tokenizer_config_sha256`.
     """
-    trainable_order_sha256: kiln_common_v1_schema.Sha256
+    trainable_order_sha256: Annotated[StrictStr, Field(pattern="^sha256:[0-9a-f]{64}$")]
     """
     Digest of the canonical JSON of the list of source group indices (0-based) that are trainable, in training order; `data_order` indexes into this list.
     """
@@ -1389,7 +1460,7 @@ class GrpoLoopState(BaseModel):
     """
     Group and completion counters.
     """
-    dynamic_groups_filtered: kiln_common_v1_schema.U64
+    dynamic_groups_filtered: Annotated[StrictInt, Field(ge=0, le=18446744073709551615)]
     """
     Groups dropped by dynamic sampling because all their rewards were equal.
     """
@@ -1397,15 +1468,17 @@ class GrpoLoopState(BaseModel):
     """
     ECHO term state.
     """
-    ema_groups_since_refresh: kiln_common_v1_schema.U64 | None = None
+    ema_groups_since_refresh: Annotated[
+        StrictInt | None, Field(ge=0, le=18446744073709551615)
+    ] = None
     """
     EMA reference only: groups committed since the last EMA refresh.
     """
-    global_step: kiln_common_v1_schema.U64
+    global_step: Annotated[StrictInt, Field(ge=0, le=18446744073709551615)]
     """
     Committed optimizer steps (one per group with `token_level` aggregation, one per completion with `per_sample`).
     """
-    last_loss: kiln_common_v1_schema.FiniteNumber | None
+    last_loss: float | None
     """
     Loss of the latest committed step (the last history entry), or null before the first step.
     """
@@ -1413,7 +1486,7 @@ class GrpoLoopState(BaseModel):
     """
     Gradient-norm accumulators per LoRA module, sorted by module name, one entry per module.
     """
-    loss_history: list[kiln_common_v1_schema.FiniteNumber]
+    loss_history: list[float]
     """
     Loss of every committed optimizer step in order, one finite number per step.
     """
@@ -1425,7 +1498,7 @@ class GrpoLoopState(BaseModel):
     """
     Policy-audit accumulators.
     """
-    processed_completions: kiln_common_v1_schema.U64
+    processed_completions: Annotated[StrictInt, Field(ge=0, le=18446744073709551615)]
     """
     Completions that went through the policy loss; equals `data_stats.completions_trained`.
     """
@@ -1437,11 +1510,15 @@ class GrpoLoopState(BaseModel):
     """
     Loop-state format version.
     """
-    source_byte_offset: kiln_common_v1_schema.U64 | None = None
+    source_byte_offset: Annotated[
+        StrictInt | None, Field(ge=0, le=18446744073709551615)
+    ] = None
     """
     JSONL route only: byte offset just after the last consumed line.
     """
-    source_lines_consumed: kiln_common_v1_schema.U64 | None = None
+    source_lines_consumed: Annotated[
+        StrictInt | None, Field(ge=0, le=18446744073709551615)
+    ] = None
     """
     JSONL route only: physical lines consumed.
     """
@@ -1475,7 +1552,9 @@ class OpdCheckpointAuxiliaryState(BaseModel):
     """
     The warm-start adapter, or null when training started from fresh LoRA weights.
     """
-    base_model_weights_sha256: kiln_common_v1_schema.Sha256
+    base_model_weights_sha256: Annotated[
+        StrictStr, Field(pattern="^sha256:[0-9a-f]{64}$")
+    ]
     """
     The base-weight content aggregate; equals `base_weight_shard_manifest.aggregate_sha256`.
     """
@@ -1483,7 +1562,7 @@ class OpdCheckpointAuxiliaryState(BaseModel):
     """
     The full base-weight shard manifest (`kiln.base-weight-shards.v1`). Resume compares the bytes of every shard through it; a checkpoint that only had the aggregate would be refused.
     """
-    candidates_consumed: kiln_common_v1_schema.U64
+    candidates_consumed: Annotated[StrictInt, Field(ge=0, le=18446744073709551615)]
     """
     Candidates settled so far over all epochs, including those whose rollout was empty and produced no optimizer step. Always `progress.epoch_index` x `data.item_count` + `progress.cursor_in_epoch`.
     """
@@ -1503,11 +1582,13 @@ class OpdCheckpointAuxiliaryState(BaseModel):
     """
     The execution provenance record of the training process (`kiln.execution-provenance.v1`); its self-digest must recompute.
     """
-    gradient_checkpoint_plan_sha256: kiln_common_v1_schema.Sha256
+    gradient_checkpoint_plan_sha256: Annotated[
+        StrictStr, Field(pattern="^sha256:[0-9a-f]{64}$")
+    ]
     """
     Digest of the canonical JSON of the resolved activation-checkpoint plan (the layer ranges recomputed in backward), recomputed from the live model at resume.
     """
-    kiln_train_version: kiln_common_v1_schema.NonEmptyString
+    kiln_train_version: Annotated[StrictStr, Field(min_length=1)]
     """
     Kiln package version that wrote the checkpoint; equals `execution_provenance.build.package_version`.
     """
@@ -1515,11 +1596,11 @@ class OpdCheckpointAuxiliaryState(BaseModel):
     """
     State type of the loop-state file of this kind; must match the training kind.
     """
-    model_config_sha256: kiln_common_v1_schema.Sha256
+    model_config_sha256: Annotated[StrictStr, Field(pattern="^sha256:[0-9a-f]{64}$")]
     """
     Digest of the model's `config.json`; equals `execution_provenance.model.model_config_sha256`.
     """
-    prepared_source_sha256: kiln_common_v1_schema.Sha256
+    prepared_source_sha256: Annotated[StrictStr, Field(pattern="^sha256:[0-9a-f]{64}$")]
     """
     Digest of the canonical JSON of the prepared candidate list (prompt index and sample index per candidate, in preparation order); `data_order` indexes into this list.
     """
@@ -1531,19 +1612,21 @@ class OpdCheckpointAuxiliaryState(BaseModel):
     """
     Name of the `rng_states` stream rollouts are sampled from.
     """
-    teacher_content_revision: kiln_common_v1_schema.NonEmptyString
+    teacher_content_revision: Annotated[StrictStr, Field(min_length=1)]
     """
     The teacher's content revision as pinned at registration.
     """
-    teacher_id: kiln_common_v1_schema.NonEmptyString
+    teacher_id: Annotated[StrictStr, Field(min_length=1)]
     """
     The registered teacher alias.
     """
-    teacher_identity_revision: kiln_common_v1_schema.RawSha256
+    teacher_identity_revision: Annotated[StrictStr, Field(pattern="^[0-9a-f]{64}$")]
     """
     Digest (bare hex) of the canonical JSON of the teacher's pinned `TeacherIdentityV1` record.
     """
-    tokenizer_config_sha256: kiln_common_v1_schema.Sha256
+    tokenizer_config_sha256: Annotated[
+        StrictStr, Field(pattern="^sha256:[0-9a-f]{64}$")
+    ]
     """
     Digest of the tokenizer configuration; equals `execution_provenance.model.tokenizer_config_sha256`.
     """
@@ -1569,7 +1652,9 @@ class SftCheckpointAuxiliaryState(BaseModel):
     """
     The runtime the state was produced on.
     """
-    base_model_weights_sha256: kiln_common_v1_schema.Sha256
+    base_model_weights_sha256: Annotated[
+        StrictStr, Field(pattern="^sha256:[0-9a-f]{64}$")
+    ]
     """
     The base-weight content aggregate; equals `base_weight_shard_manifest.aggregate_sha256`.
     """
@@ -1585,15 +1670,19 @@ class SftCheckpointAuxiliaryState(BaseModel):
     """
     The execution provenance record of the training process (`kiln.execution-provenance.v1`); its self-digest must recompute.
     """
-    gradient_checkpoint_plan_sha256: kiln_common_v1_schema.Sha256
+    gradient_checkpoint_plan_sha256: Annotated[
+        StrictStr, Field(pattern="^sha256:[0-9a-f]{64}$")
+    ]
     """
     Digest of the canonical JSON of the resolved activation-checkpoint plan (the layer ranges recomputed in backward), recomputed from the live model at resume.
     """
-    ingestion_receipt_sha256: kiln_common_v1_schema.Sha256
+    ingestion_receipt_sha256: Annotated[
+        StrictStr, Field(pattern="^sha256:[0-9a-f]{64}$")
+    ]
     """
     Digest of the canonical JSON of the run's `kiln.sft-ingestion.v1` record.
     """
-    kiln_train_version: kiln_common_v1_schema.NonEmptyString
+    kiln_train_version: Annotated[StrictStr, Field(min_length=1)]
     """
     Kiln package version that wrote the checkpoint; equals `execution_provenance.build.package_version`.
     """
@@ -1601,15 +1690,19 @@ class SftCheckpointAuxiliaryState(BaseModel):
     """
     State type of the loop-state file of this kind; must match the training kind.
     """
-    model_config_sha256: kiln_common_v1_schema.Sha256
+    model_config_sha256: Annotated[StrictStr, Field(pattern="^sha256:[0-9a-f]{64}$")]
     """
     Digest of the model's `config.json`; equals `execution_provenance.model.model_config_sha256`.
     """
-    tokenizer_config_sha256: kiln_common_v1_schema.Sha256
+    tokenizer_config_sha256: Annotated[
+        StrictStr, Field(pattern="^sha256:[0-9a-f]{64}$")
+    ]
     """
     Digest of the tokenizer configuration; equals `execution_provenance.model.tokenizer_config_sha256`.
     """
-    training_chat_template_sha256: kiln_common_v1_schema.Sha256
+    training_chat_template_sha256: Annotated[
+        StrictStr, Field(pattern="^sha256:[0-9a-f]{64}$")
+    ]
     """
     Digest of the template used to render training conversations; equals `execution_provenance.model.training_chat_template_sha256`.
     """
@@ -1621,7 +1714,7 @@ class SftCheckpointAuxiliaryState(BaseModel):
     """
     Planning identity v4, including the admitted SFT loss route.
     """
-    valid_indices_sha256: kiln_common_v1_schema.Sha256
+    valid_indices_sha256: Annotated[StrictStr, Field(pattern="^sha256:[0-9a-f]{64}$")]
     """
     Digest of the canonical JSON of the list of kept rows (1-based indices among non-blank input rows, in input order); `data_order` indexes into this list.
     """

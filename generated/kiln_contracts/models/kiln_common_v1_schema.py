@@ -23,24 +23,10 @@ class AdapterName(RootModel[StrictStr]):
     """
 
 
-class AnyJson(RootModel[Any]):
-    root: Any
-    """
-    Any JSON value; Kiln does not interpret its nested fields at this point.
-    """
-
-
 class DecimalU64(RootModel[StrictStr]):
     root: Annotated[StrictStr, Field(max_length=20, pattern="^(0|[1-9][0-9]*)$")]
     """
     An unsigned 64-bit integer written as decimal text so that clients without 64-bit integers keep it exact (seeds in HTTP bodies). Values above 2^64-1 are rejected by the loaders.
-    """
-
-
-class FiniteNumber(RootModel[float]):
-    root: float
-    """
-    A finite JSON number (JSON has no NaN or infinity; Kiln writers refuse them).
     """
 
 
@@ -98,13 +84,6 @@ class RawSha256(RootModel[StrictStr]):
     root: Annotated[StrictStr, Field(pattern="^[0-9a-f]{64}$")]
     """
     A bare lowercase 64-hex SHA-256 digest (checkpoint file entries, data content digests, teacher identity digests).
-    """
-
-
-class Rfc3339Timestamp(RootModel[StrictStr]):
-    root: StrictStr
-    """
-    An RFC 3339 date-time with an explicit offset.
     """
 
 

@@ -36,7 +36,7 @@ class BaseWeightIdentitySummary(BaseModel):
     """
     Recipe of the aggregate digest.
     """
-    aggregate_sha256: kiln_common_v1_schema.Sha256
+    aggregate_sha256: Annotated[StrictStr, Field(pattern="^sha256:[0-9a-f]{64}$")]
     """
     Content digest of the loaded weights; the same value as in every artifact trained on them.
     """
@@ -62,23 +62,33 @@ class ConfigHashes(BaseModel):
     model_config = ConfigDict(
         extra="forbid",
     )
-    chat_template_hash: kiln_common_v1_schema.Sha256 | None = None
+    chat_template_hash: Annotated[
+        StrictStr | None, Field(pattern="^sha256:[0-9a-f]{64}$")
+    ] = None
     """
     Digest of the UTF-8 text of the serving chat template.
     """
-    effective_config_hash: kiln_common_v1_schema.Sha256 | None = None
+    effective_config_hash: Annotated[
+        StrictStr | None, Field(pattern="^sha256:[0-9a-f]{64}$")
+    ] = None
     """
     In a train receipt: digest of the canonical JSON of the effective trainer configuration. Not reported by `GET /health`, which identifies the server configuration through `execution_identity.effective_server_config_sha256`.
     """
-    model_config_hash: kiln_common_v1_schema.Sha256 | None = None
+    model_config_hash: Annotated[
+        StrictStr | None, Field(pattern="^sha256:[0-9a-f]{64}$")
+    ] = None
     """
     Digest of the model's `config.json` bytes.
     """
-    tokenizer_config_hash: kiln_common_v1_schema.Sha256 | None = None
+    tokenizer_config_hash: Annotated[
+        StrictStr | None, Field(pattern="^sha256:[0-9a-f]{64}$")
+    ] = None
     """
     Digest of the `tokenizer_config.json` bytes.
     """
-    training_chat_template_hash: kiln_common_v1_schema.Sha256 | None = None
+    training_chat_template_hash: Annotated[
+        StrictStr | None, Field(pattern="^sha256:[0-9a-f]{64}$")
+    ] = None
     """
     Digest of the UTF-8 text of the chat template used to render SFT training examples.
     """
@@ -103,11 +113,15 @@ class ExecutionConfigurationIdentity(BaseModel):
     model_config = ConfigDict(
         extra="forbid",
     )
-    effective_environment_sha256: kiln_common_v1_schema.Sha256
+    effective_environment_sha256: Annotated[
+        StrictStr, Field(pattern="^sha256:[0-9a-f]{64}$")
+    ]
     """
     Digest of the canonical JSON of the object mapping every `KILN_*` environment variable name to its value, where values of names containing KEY, TOKEN, SECRET, PASSWORD, PRIVATE, AUTH or CREDENTIAL are replaced by `<redacted-present>`.
     """
-    effective_server_config_sha256: kiln_common_v1_schema.Sha256
+    effective_server_config_sha256: Annotated[
+        StrictStr, Field(pattern="^sha256:[0-9a-f]{64}$")
+    ]
     """
     Digest of the canonical JSON of the effective `kiln.toml` configuration after defaults, file, environment and command line are combined, with secret values replaced by `<redacted-present>`. It is the `effective_server_config_sha256` that `GET /v1/config` reports.
     """
@@ -121,23 +135,29 @@ class ExecutionModelIdentity(BaseModel):
     model_config = ConfigDict(
         extra="forbid",
     )
-    chat_template_sha256: kiln_common_v1_schema.Sha256 | None = None
+    chat_template_sha256: Annotated[
+        StrictStr | None, Field(pattern="^sha256:[0-9a-f]{64}$")
+    ] = None
     """
     Digest of the UTF-8 text of the chat template used for serving; omitted when the model has none.
     """
-    model_config_sha256: kiln_common_v1_schema.Sha256
+    model_config_sha256: Annotated[StrictStr, Field(pattern="^sha256:[0-9a-f]{64}$")]
     """
     Digest of the model's `config.json` bytes.
     """
-    tokenizer_config_sha256: kiln_common_v1_schema.Sha256
+    tokenizer_config_sha256: Annotated[
+        StrictStr, Field(pattern="^sha256:[0-9a-f]{64}$")
+    ]
     """
     Digest of the `tokenizer_config.json` bytes.
     """
-    tokenizer_vocab_sha256: kiln_common_v1_schema.Sha256
+    tokenizer_vocab_sha256: Annotated[StrictStr, Field(pattern="^sha256:[0-9a-f]{64}$")]
     """
     Digest of the tokenizer vocabulary file (`tokenizer.json`) bytes.
     """
-    training_chat_template_sha256: kiln_common_v1_schema.Sha256 | None = None
+    training_chat_template_sha256: Annotated[
+        StrictStr | None, Field(pattern="^sha256:[0-9a-f]{64}$")
+    ] = None
     """
     Digest of the UTF-8 text of the chat template used to render SFT examples; omitted when it is not resolved. Must equal the same digest wherever else it appears in a receipt.
     """
@@ -151,7 +171,9 @@ class HealthActiveJob(BaseModel):
     model_config = ConfigDict(
         extra="forbid",
     )
-    adapter_name: kiln_common_v1_schema.AdapterName
+    adapter_name: Annotated[
+        StrictStr, Field(max_length=255, min_length=1, pattern="^[^./\\\\][^/\\\\]*$")
+    ]
     """
     Adapter the job writes.
     """
@@ -159,7 +181,7 @@ class HealthActiveJob(BaseModel):
     """
     True once cancellation was requested; the job stops at its next safe boundary.
     """
-    job_id: kiln_common_v1_schema.NonEmptyString
+    job_id: Annotated[StrictStr, Field(min_length=1)]
     """
     Identifier of the running training job.
     """
@@ -167,7 +189,7 @@ class HealthActiveJob(BaseModel):
     """
     Trainer the job runs.
     """
-    progress: kiln_common_v1_schema.UnitInterval
+    progress: Annotated[float, Field(ge=0.0, le=1.0)]
     """
     Fraction of planned optimizer steps committed so far, from 0 to 1.
     """
@@ -211,7 +233,7 @@ class HealthMemoryInfo(BaseModel):
     model_config = ConfigDict(
         extra="forbid",
     )
-    device: kiln_common_v1_schema.NonEmptyString
+    device: Annotated[StrictStr, Field(min_length=1)]
     """
     Torch device the model lives on, e.g. `cpu` or `cuda:0`.
     """
@@ -275,11 +297,11 @@ class HealthTrainingInfo(BaseModel):
     """
     The running job, or null when the worker is idle.
     """
-    queue_capacity: kiln_common_v1_schema.PositiveInteger
+    queue_capacity: Annotated[StrictInt, Field(ge=1)]
     """
     Maximum number of queued jobs (`training.max_queued_jobs`); further submissions get HTTP 503 with `Retry-After`.
     """
-    queued: kiln_common_v1_schema.NonNegativeInteger
+    queued: Annotated[StrictInt, Field(ge=0)]
     """
     Number of jobs waiting in the queue (the running job is not counted).
     """
@@ -307,35 +329,21 @@ class ResolvedKilnPaths(BaseModel):
     model_config = ConfigDict(
         extra="forbid",
     )
-    adapter_dir: kiln_common_v1_schema.NonEmptyString
+    adapter_dir: Annotated[StrictStr, Field(min_length=1)]
     """
     Absolute path of the adapter registry (`model.adapter_dir`, or `<home>/adapters`).
     """
-    home: kiln_common_v1_schema.NonEmptyString
+    home: Annotated[StrictStr, Field(min_length=1)]
     """
     Absolute path of the Kiln data directory.
     """
-    job_store: kiln_common_v1_schema.NonEmptyString
+    job_store: Annotated[StrictStr, Field(min_length=1)]
     """
     Absolute path of the SQLite job database.
     """
-    model_dir: kiln_common_v1_schema.NonEmptyString
+    model_dir: Annotated[StrictStr, Field(min_length=1)]
     """
     Absolute path of the loaded model directory (`model.path`, or where the built-in tiny model was materialised).
-    """
-
-
-class SafetensorsShardFileName(RootModel[StrictStr]):
-    root: Annotated[
-        StrictStr,
-        Field(
-            max_length=255,
-            min_length=13,
-            pattern="^[A-Za-z0-9_-][A-Za-z0-9._-]*\\.safetensors$",
-        ),
-    ]
-    """
-    The plain file name of one base-model weight shard: ASCII letters, digits, `.`, `_` and `-`, not starting with `.`, ending in `.safetensors`, at most 255 characters. It never contains a directory part.
     """
 
 
@@ -385,11 +393,11 @@ class SftRejectedRow(BaseModel):
     """
     Why the row was dropped: not valid JSON, no messages, a message with an unsupported role, or the row could not be tokenized.
     """
-    row_index: kiln_common_v1_schema.PositiveInteger
+    row_index: Annotated[StrictInt, Field(ge=1)]
     """
     1-based position of the row among the non-blank rows of the input.
     """
-    row_sha256: kiln_common_v1_schema.Sha256
+    row_sha256: Annotated[StrictStr, Field(pattern="^sha256:[0-9a-f]{64}$")]
     """
     Digest of the rejected row: the parsed-row hash (`kiln.sft-parsed-row.v1`) when the row is valid JSON, otherwise the raw-row hash (`kiln.sft-raw-row.v1`) of its whitespace-trimmed bytes.
     """
@@ -403,11 +411,18 @@ class BaseWeightShardIdentity(BaseModel):
     model_config = ConfigDict(
         extra="forbid",
     )
-    filename: SafetensorsShardFileName
+    filename: Annotated[
+        StrictStr,
+        Field(
+            max_length=255,
+            min_length=13,
+            pattern="^[A-Za-z0-9_-][A-Za-z0-9._-]*\\.safetensors$",
+        ),
+    ]
     """
     File name of the shard inside the model directory.
     """
-    sha256: kiln_common_v1_schema.Sha256
+    sha256: Annotated[StrictStr, Field(pattern="^sha256:[0-9a-f]{64}$")]
     """
     Prefixed SHA-256 of the shard file's bytes.
     """
@@ -429,7 +444,7 @@ class BaseWeightShardManifest(BaseModel):
     """
     Name of the recipe that combines the shard digests into `aggregate_sha256`.
     """
-    aggregate_sha256: kiln_common_v1_schema.Sha256
+    aggregate_sha256: Annotated[StrictStr, Field(pattern="^sha256:[0-9a-f]{64}$")]
     """
     Content digest of the whole weight set under `kiln.base-model-content.v1`: the (digest, size) pairs of all shards are sorted and hashed with a domain tag, so the value does not depend on file names or directory layout but changes when any shard's bytes, size or the shard count change.
     """
@@ -461,7 +476,7 @@ class ConfigFieldOrigin(BaseModel):
     model_config = ConfigDict(
         extra="forbid",
     )
-    environment_variable: kiln_common_v1_schema.NonEmptyString
+    environment_variable: Annotated[StrictStr, Field(min_length=1)]
     """
     The environment variable that sets this field (`KILN_<SECTION>_<FIELD>`).
     """
@@ -488,7 +503,9 @@ class ConfigResponse(BaseModel):
     """
     The configuration in force after precedence, in `kiln.toml` shape: all four sections present, every field that has a default filled in, optional fields without a value omitted, secrets shown as `<redacted-present>`. Every value is read once at startup; changing one requires a restart.
     """
-    effective_server_config_sha256: kiln_common_v1_schema.Sha256
+    effective_server_config_sha256: Annotated[
+        StrictStr, Field(pattern="^sha256:[0-9a-f]{64}$")
+    ]
     """
     Digest of the canonical JSON of `effective_config`; equal to `configuration.effective_server_config_sha256` of the server's execution provenance.
     """
@@ -515,15 +532,31 @@ class ExecutionBackendIdentity(BaseModel):
     model_config = ConfigDict(
         extra="forbid",
     )
-    device: ProvenanceText
+    device: Annotated[
+        StrictStr,
+        Field(
+            max_length=512,
+            min_length=1,
+            pattern="^[^\\x00-\\x20\\x7f-\\x9f]([^\\x00-\\x1f\\x7f-\\x9f]*[^\\x00-\\x20\\x7f-\\x9f])?$",
+        ),
+    ]
     """
     Human-readable description of the device the model runs on, e.g. `cpu (x86_64, 16 threads)` or `NVIDIA H200 (cuda:0, sm_90)`.
     """
-    name: ProvenanceText
+    name: Annotated[
+        StrictStr,
+        Field(
+            max_length=512,
+            min_length=1,
+            pattern="^[^\\x00-\\x20\\x7f-\\x9f]([^\\x00-\\x1f\\x7f-\\x9f]*[^\\x00-\\x20\\x7f-\\x9f])?$",
+        ),
+    ]
     """
     The compute backend, e.g. `torch-cpu` or `torch-cuda`.
     """
-    numerical_runtime_sha256: kiln_common_v1_schema.Sha256
+    numerical_runtime_sha256: Annotated[
+        StrictStr, Field(pattern="^sha256:[0-9a-f]{64}$")
+    ]
     """
     Digest of every setting that can change floating-point results: torch version, CUDA and cuDNN versions, BLAS/LAPACK build information, CPU instruction set, intra-op thread count and determinism flags.
     """
@@ -537,15 +570,29 @@ class ExecutionBuildIdentity(BaseModel):
     model_config = ConfigDict(
         extra="forbid",
     )
-    executable_sha256: kiln_common_v1_schema.Sha256
+    executable_sha256: Annotated[StrictStr, Field(pattern="^sha256:[0-9a-f]{64}$")]
     """
     Digest of the Python interpreter binary that runs the process.
     """
-    git_commit: ProvenanceText | None = None
+    git_commit: Annotated[
+        StrictStr | None,
+        Field(
+            max_length=512,
+            min_length=1,
+            pattern="^[^\\x00-\\x20\\x7f-\\x9f]([^\\x00-\\x1f\\x7f-\\x9f]*[^\\x00-\\x20\\x7f-\\x9f])?$",
+        ),
+    ] = None
     """
     Commit of the Kiln source tree when it is known; omitted otherwise.
     """
-    package_version: ProvenanceText
+    package_version: Annotated[
+        StrictStr,
+        Field(
+            max_length=512,
+            min_length=1,
+            pattern="^[^\\x00-\\x20\\x7f-\\x9f]([^\\x00-\\x1f\\x7f-\\x9f]*[^\\x00-\\x20\\x7f-\\x9f])?$",
+        ),
+    ]
     """
     Version of the installed `kiln` package.
     """
@@ -553,11 +600,20 @@ class ExecutionBuildIdentity(BaseModel):
     """
     Whether the source checkout had uncommitted changes; omitted when unknown.
     """
-    source_tree_sha256: kiln_common_v1_schema.Sha256 | None = None
+    source_tree_sha256: Annotated[
+        StrictStr | None, Field(pattern="^sha256:[0-9a-f]{64}$")
+    ] = None
     """
     Digest over the installed `kiln` and generated contract package files; omitted when it could not be computed.
     """
-    target: ProvenanceText
+    target: Annotated[
+        StrictStr,
+        Field(
+            max_length=512,
+            min_length=1,
+            pattern="^[^\\x00-\\x20\\x7f-\\x9f]([^\\x00-\\x1f\\x7f-\\x9f]*[^\\x00-\\x20\\x7f-\\x9f])?$",
+        ),
+    ]
     """
     The platform the process runs on: interpreter implementation and version, operating system and machine architecture, e.g. `cpython-3.11-linux-x86_64`.
     """
@@ -571,39 +627,66 @@ class ExecutionIdentitySummary(BaseModel):
     model_config = ConfigDict(
         extra="forbid",
     )
-    backend: ProvenanceText
+    backend: Annotated[
+        StrictStr,
+        Field(
+            max_length=512,
+            min_length=1,
+            pattern="^[^\\x00-\\x20\\x7f-\\x9f]([^\\x00-\\x1f\\x7f-\\x9f]*[^\\x00-\\x20\\x7f-\\x9f])?$",
+        ),
+    ]
     """
     Copy of `backend.name`.
     """
-    device: ProvenanceText
+    device: Annotated[
+        StrictStr,
+        Field(
+            max_length=512,
+            min_length=1,
+            pattern="^[^\\x00-\\x20\\x7f-\\x9f]([^\\x00-\\x1f\\x7f-\\x9f]*[^\\x00-\\x20\\x7f-\\x9f])?$",
+        ),
+    ]
     """
     Copy of `backend.device`.
     """
-    effective_environment_sha256: kiln_common_v1_schema.Sha256
+    effective_environment_sha256: Annotated[
+        StrictStr, Field(pattern="^sha256:[0-9a-f]{64}$")
+    ]
     """
     Copy of `configuration.effective_environment_sha256`.
     """
-    effective_server_config_sha256: kiln_common_v1_schema.Sha256
+    effective_server_config_sha256: Annotated[
+        StrictStr, Field(pattern="^sha256:[0-9a-f]{64}$")
+    ]
     """
     Copy of `configuration.effective_server_config_sha256`.
     """
-    executable_sha256: kiln_common_v1_schema.Sha256
+    executable_sha256: Annotated[StrictStr, Field(pattern="^sha256:[0-9a-f]{64}$")]
     """
     Copy of `build.executable_sha256`.
     """
-    inference_dtype: ProvenanceText
+    inference_dtype: Annotated[
+        StrictStr,
+        Field(
+            max_length=512,
+            min_length=1,
+            pattern="^[^\\x00-\\x20\\x7f-\\x9f]([^\\x00-\\x1f\\x7f-\\x9f]*[^\\x00-\\x20\\x7f-\\x9f])?$",
+        ),
+    ]
     """
     Copy of `precision.inference_dtype`.
     """
-    kernel_contract_sha256: kiln_common_v1_schema.Sha256
+    kernel_contract_sha256: Annotated[StrictStr, Field(pattern="^sha256:[0-9a-f]{64}$")]
     """
     Copy of `kernels.contract_sha256`.
     """
-    numerical_runtime_sha256: kiln_common_v1_schema.Sha256
+    numerical_runtime_sha256: Annotated[
+        StrictStr, Field(pattern="^sha256:[0-9a-f]{64}$")
+    ]
     """
     Copy of `backend.numerical_runtime_sha256`.
     """
-    provenance_sha256: kiln_common_v1_schema.Sha256
+    provenance_sha256: Annotated[StrictStr, Field(pattern="^sha256:[0-9a-f]{64}$")]
     """
     Self-digest of the full provenance record; equal to the `provenance_sha256` embedded in artifacts this process writes.
     """
@@ -611,7 +694,14 @@ class ExecutionIdentitySummary(BaseModel):
     """
     Type tag of the summarised provenance record.
     """
-    training_policy: ProvenanceText
+    training_policy: Annotated[
+        StrictStr,
+        Field(
+            max_length=512,
+            min_length=1,
+            pattern="^[^\\x00-\\x20\\x7f-\\x9f]([^\\x00-\\x1f\\x7f-\\x9f]*[^\\x00-\\x20\\x7f-\\x9f])?$",
+        ),
+    ]
     """
     Copy of `precision.training_policy`.
     """
@@ -629,7 +719,7 @@ class ExecutionKernelIdentity(BaseModel):
     """
     Build and runtime capabilities that select kernels (CPU capability level, CUDA and cuDNN versions, available attention implementations, ...), sorted and without duplicates.
     """
-    contract_sha256: kiln_common_v1_schema.Sha256
+    contract_sha256: Annotated[StrictStr, Field(pattern="^sha256:[0-9a-f]{64}$")]
     """
     Digest of the canonical JSON of `["kiln.kernel-contract.v1", versions, compiled_features]`.
     """
@@ -662,11 +752,25 @@ class ExecutionPrecisionIdentity(BaseModel):
     model_config = ConfigDict(
         extra="forbid",
     )
-    inference_dtype: ProvenanceText
+    inference_dtype: Annotated[
+        StrictStr,
+        Field(
+            max_length=512,
+            min_length=1,
+            pattern="^[^\\x00-\\x20\\x7f-\\x9f]([^\\x00-\\x1f\\x7f-\\x9f]*[^\\x00-\\x20\\x7f-\\x9f])?$",
+        ),
+    ]
     """
     Data type of the resident base weights used for forward passes, lowercase (`f32`, `bf16`, `f16`).
     """
-    training_policy: ProvenanceText
+    training_policy: Annotated[
+        StrictStr,
+        Field(
+            max_length=512,
+            min_length=1,
+            pattern="^[^\\x00-\\x20\\x7f-\\x9f]([^\\x00-\\x1f\\x7f-\\x9f]*[^\\x00-\\x20\\x7f-\\x9f])?$",
+        ),
+    ]
     """
     Compact text naming the training precision policy, e.g. `parameter=f32,optimizer_state=f32,activation=f32,gradient=f32,rounding=round_to_nearest`. The full policy of a run is its training precision record.
     """
@@ -686,7 +790,7 @@ class ExecutionProvenanceV1(BaseModel):
     kernels: ExecutionKernelIdentity
     model: ExecutionModelIdentity
     precision: ExecutionPrecisionIdentity
-    provenance_sha256: kiln_common_v1_schema.Sha256
+    provenance_sha256: Annotated[StrictStr, Field(pattern="^sha256:[0-9a-f]{64}$")]
     """
     Self-digest: the canonical JSON of this record without the `provenance_sha256` member.
     """
@@ -732,12 +836,12 @@ class HealthResponse(BaseModel):
     """
     Summary of the execution provenance record; null while none is captured (the `execution_provenance_valid` check then fails).
     """
-    loaded_adapter_count: kiln_common_v1_schema.NonNegativeInteger
+    loaded_adapter_count: Annotated[StrictInt, Field(ge=0)]
     """
     Number of adapters currently loaded for serving.
     """
     memory: HealthMemoryInfo
-    model: kiln_common_v1_schema.NonEmptyString
+    model: Annotated[StrictStr, Field(min_length=1)]
     """
     Name of the loaded base model: `kiln-tiny-default` for the built-in model, otherwise the model directory's name.
     """
@@ -750,11 +854,11 @@ class HealthResponse(BaseModel):
     `ok` when every check passes (HTTP 200); `degraded` when at least one fails (HTTP 503).
     """
     training: HealthTrainingInfo
-    uptime_seconds: kiln_common_v1_schema.NonNegativeInteger
+    uptime_seconds: Annotated[StrictInt, Field(ge=0)]
     """
     Whole seconds since the server became ready.
     """
-    version: kiln_common_v1_schema.NonEmptyString
+    version: Annotated[StrictStr, Field(min_length=1)]
     """
     Version of the running `kiln` package.
     """
@@ -772,7 +876,7 @@ class SftIngestion(BaseModel):
     """
     What ingestion did with an invalid row: stop the job (`fail`) or drop and record it (`skip`).
     """
-    kept_corpus_sha256: kiln_common_v1_schema.Sha256
+    kept_corpus_sha256: Annotated[StrictStr, Field(pattern="^sha256:[0-9a-f]{64}$")]
     """
     Digest of the ordered kept-row hashes (`kiln.sft-kept-corpus.v1`); it is also the receipt's `training_data.sha256`.
     """
@@ -784,15 +888,15 @@ class SftIngestion(BaseModel):
     """
     Every rejected row in input order; empty when nothing was rejected.
     """
-    rows_kept: kiln_common_v1_schema.PositiveInteger
+    rows_kept: Annotated[StrictInt, Field(ge=1)]
     """
     Number of rows accepted as training examples; at least one.
     """
-    rows_read: kiln_common_v1_schema.PositiveInteger
+    rows_read: Annotated[StrictInt, Field(ge=1)]
     """
     Number of non-blank input rows examined.
     """
-    rows_rejected: kiln_common_v1_schema.NonNegativeInteger
+    rows_rejected: Annotated[StrictInt, Field(ge=0)]
     """
     Number of rows dropped.
     """

@@ -1,0 +1,79 @@
+"""The exception tree and the schema's closed ErrorCode enum stay one set."""
+
+from __future__ import annotations
+
+import kiln_contracts
+import pytest
+
+from kiln import errors
+from kiln_contracts.models import kiln_control_plane_v1_schema as cp
+
+ERROR_CODE = kiln_contracts.load_bundle()["$defs"]["ErrorCode"]
+
+
+def test_exception_codes_equal_the_schema_enum():
+    assert errors.all_codes() == set(ERROR_CODE["enum"])
+    assert {m.value for m in cp.ErrorCode} == set(ERROR_CODE["enum"])
+
+
+def test_every_code_has_an_http_status_and_a_description():
+    statuses = ERROR_CODE["x-kiln-http-status"]
+    descriptions = ERROR_CODE["x-kiln-enum-descriptions"]
+    for code in ERROR_CODE["enum"]:
+        assert statuses[code] in {400, 401, 404, 409, 413, 500, 503}, code
+        assert descriptions[code].strip(), code
+
+
+def test_conflict_codes_map_to_409_and_not_found_codes_to_404():
+    statuses = ERROR_CODE["x-kiln-http-status"]
+    for code in errors.ConflictError.codes:
+        assert statuses[code] == 409, code
+    for code in errors.NotFoundError.codes:
+        assert statuses[code] == 404, code
+    assert statuses["queue_full"] == 503
+
+
+def test_each_code_belongs_to_exactly_one_leaf_family():
+    owners: dict[str, list[str]] = {}
+    for cls in (
+        errors.DocumentReadError,
+        errors.UnknownDocumentType,
+        errors.IntegrityError,
+        errors.CheckpointError,
+        errors.RequestError,
+        errors.NotFoundError,
+        errors.AdapterError,
+        errors.ConflictError,
+        errors.CapacityError,
+        errors.AuthError,
+        errors.InternalError,
+    ):
+        for code in cls.codes:
+            owners.setdefault(code, []).append(cls.__name__)
+    assert all(len(v) == 1 for v in owners.values()), owners
+
+
+def test_an_error_refuses_a_code_outside_its_family():
+    with pytest.raises(ValueError):
+        errors.NotFoundError("x", code="queue_full")
+
+
+def test_contract_error_reports_the_first_problem_and_counts_the_rest():
+    exc = errors.ContractError(
+        [errors.Problem("missing_field", "/a", "required field 'a' is absent"), errors.Problem("wrong_type", "/b", "bad")],
+        document="doc.json",
+    )
+    assert exc.code == "missing_field"
+    assert exc.pointer == "/a"
+    assert "doc.json" in str(exc)
+    assert "and 1 more" in str(exc)
+    envelope = exc.as_envelope()
+    assert envelope["error"]["code"] == "missing_field"
+    assert envelope["error"]["pointer"] == "/a"
+
+
+def test_error_envelope_validates_against_the_schema():
+    from kiln import contracts
+
+    exc = errors.ConflictError("adapter 'x' is active; unload it first", code="adapter_active", hint="kiln adapters unload x")
+    assert contracts.problems("ErrorEnvelope", exc.as_envelope()) == []

@@ -1,0 +1,75 @@
+"""Strict JSON parsing and crash-atomic writes."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from kiln import _jsonio
+from kiln.errors import DocumentReadError
+
+
+@pytest.mark.parametrize(
+    ("text", "reason"),
+    [
+        ('{"a": 1, "a": 2}', "duplicate key"),
+        ('{"a": NaN}', "non-finite"),
+        ('{"a": Infinity}', "non-finite"),
+        ('{"a": -Infinity}', "non-finite"),
+        ('{"a": 1} trailing', "Extra data"),
+        ("", "Expecting value"),
+    ],
+)
+def test_json_that_is_not_strict_is_refused(text, reason):
+    with pytest.raises(DocumentReadError) as info:
+        _jsonio.parse_json(text)
+    assert info.value.code == "invalid_json"
+    assert reason in info.value.message
+
+
+def test_bytes_that_are_not_utf8_are_refused():
+    with pytest.raises(DocumentReadError) as info:
+        _jsonio.parse_json(b'{"a": "\xff"}')
+    assert info.value.code == "invalid_json"
+
+
+def test_documents_over_the_limit_are_refused_before_parsing(tmp_path):
+    path = tmp_path / "big.json"
+    path.write_bytes(b"[" + b"1," * 100 + b"1]")
+    with pytest.raises(DocumentReadError) as info:
+        _jsonio.read_json_file(path, limit=50)
+    assert info.value.code == "document_too_large"
+
+
+def test_a_missing_file_is_reported_as_unreadable(tmp_path):
+    with pytest.raises(DocumentReadError) as info:
+        _jsonio.read_json_file(tmp_path / "absent.json")
+    assert info.value.code == "document_unreadable"
+
+
+def test_nested_duplicate_keys_are_refused():
+    with pytest.raises(DocumentReadError):
+        _jsonio.parse_json('{"a": {"b": 1, "b": 1}}')
+
+
+def test_atomic_write_replaces_content_and_leaves_no_temporary_files(tmp_path):
+    target = tmp_path / "doc.json"
+    target.write_bytes(b"old")
+    _jsonio.atomic_write_bytes(target, b"new")
+    assert target.read_bytes() == b"new"
+    assert os.listdir(tmp_path) == ["doc.json"]
+
+
+def test_a_failed_atomic_write_keeps_the_old_content(tmp_path, monkeypatch):
+    target = tmp_path / "doc.json"
+    target.write_bytes(b"old")
+
+    def broken_replace(src, dst):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(_jsonio.os, "replace", broken_replace)
+    with pytest.raises(OSError):
+        _jsonio.atomic_write_bytes(target, b"new")
+    assert target.read_bytes() == b"old"
+    assert os.listdir(tmp_path) == ["doc.json"]
