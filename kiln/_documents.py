@@ -49,31 +49,51 @@ def _occurrences(definitions: dict[str, Any], name: str, value: Any, at: str, ou
 
 
 def _walk(definitions: dict[str, Any], schema: Any, value: Any, at: str, out: list[tuple[str, Any, str]]) -> None:
-    if not isinstance(schema, dict):
+    if not isinstance(schema, dict) or not _leads_to_rules(schema):
         return
     ref = schema.get("$ref")
     if isinstance(ref, str):
-        target = ref.rsplit("/", 1)[1]
-        if _has_rules_below(target):
-            _occurrences(definitions, target, value, at, out)
+        _occurrences(definitions, ref.rsplit("/", 1)[1], value, at, out)
         return
     for key in ("anyOf", "oneOf"):
         for branch in schema.get(key, ()):
             if value is None:
                 break
-            if _branch_has_rules(branch) and _contract.fragment_valid(branch, value):
+            if _leads_to_rules(branch) and _contract.fragment_valid(branch, value):
                 _walk(definitions, branch, value, at, out)
                 break
     if isinstance(value, dict):
         props = schema.get("properties", {})
+        extra = schema.get("additionalProperties")
         for k, v in value.items():
-            if k in props:
-                _walk(definitions, props[k], v, ptr(at, k), out)
-            elif isinstance(schema.get("additionalProperties"), dict):
-                _walk(definitions, schema["additionalProperties"], v, ptr(at, k), out)
-    elif isinstance(value, list) and isinstance(schema.get("items"), dict):
+            sub = props.get(k, extra if isinstance(extra, dict) else None)
+            if sub is not None and _leads_to_rules(sub):
+                _walk(definitions, sub, v, ptr(at, k), out)
+    elif isinstance(value, list) and isinstance(schema.get("items"), dict) and _leads_to_rules(schema["items"]):
         for i, v in enumerate(value):
             _walk(definitions, schema["items"], v, ptr(at, i), out)
+
+
+_LEADS: dict[int, bool] = {}
+
+
+def _leads_to_rules(schema: Any) -> bool:
+    """Whether a schema node (of the cached bundle) can reach a definition that has rules."""
+    key = id(schema)
+    known = _LEADS.get(key)
+    if known is None:
+        refs: list[str] = []
+        stack = [schema]
+        while stack:
+            node = stack.pop()
+            if isinstance(node, dict):
+                if isinstance(node.get("$ref"), str):
+                    refs.append(node["$ref"].rsplit("/", 1)[1])
+                stack.extend(node.values())
+            elif isinstance(node, list):
+                stack.extend(node)
+        known = _LEADS[key] = any(_has_rules_below(r) for r in refs)
+    return known
 
 
 @cache

@@ -68,7 +68,7 @@ def _text_problem(value: Any) -> str | None:
         return "has leading or trailing whitespace"
     if len(value.encode("utf-8")) > MAX_TEXT_BYTES:
         return f"is longer than {MAX_TEXT_BYTES} UTF-8 bytes"
-    if any(unicodedata.category(ch) == "Cc" for ch in value):
+    if not value.isprintable() and any(unicodedata.category(ch) == "Cc" for ch in value):
         return "contains a control character"
     return None
 
