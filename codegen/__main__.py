@@ -118,7 +118,9 @@ def _union_root_model(name: str, schema: dict[str, Any], module_text: str) -> st
     branches = schema.get("oneOf") or schema.get("anyOf") or []
     names = [b.get("$ref", "").rsplit("/", 1)[-1] for b in branches]
     if not names or not all(n and f"\nclass {n}(" in module_text for n in names):
-        raise SchemaSourceError(f"no generated class for entry point {name}; make it an object or a union of named definitions")
+        raise SchemaSourceError(
+            f"no generated class for entry point {name}; make it an object or a union of named definitions"
+        )
     union = " | ".join(names)
     doc = " ".join(str(schema.get("description", name)).split())
     return f'\n\nclass {name}(RootModel[{union}]):\n    """{doc}"""\n\n    root: {union}\n'
@@ -194,7 +196,9 @@ def render(schema_dir: Path) -> dict[str, str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m codegen", description="Regenerate generated/ from schemas/.")
-    parser.add_argument("--check", action="store_true", help="regenerate in memory; exit 1 with a diff if generated/ is stale")
+    parser.add_argument(
+        "--check", action="store_true", help="regenerate in memory; exit 1 with a diff if generated/ is stale"
+    )
     parser.add_argument("--schemas", type=Path, default=ROOT / "schemas")
     parser.add_argument("--out", type=Path, default=ROOT / "generated")
     args = parser.parse_args(argv)
@@ -203,11 +207,15 @@ def main(argv: list[str] | None = None) -> int:
     except SchemaSourceError as exc:
         print(f"codegen: {exc}", file=sys.stderr)
         return 2
-    existing = {
-        str(p.relative_to(args.out)): p.read_text(encoding="utf-8")
-        for p in (args.out / PACKAGE).rglob("*")
-        if p.is_file() and "__pycache__" not in p.parts
-    } if (args.out / PACKAGE).exists() else {}
+    existing = (
+        {
+            str(p.relative_to(args.out)): p.read_text(encoding="utf-8")
+            for p in (args.out / PACKAGE).rglob("*")
+            if p.is_file() and "__pycache__" not in p.parts
+        }
+        if (args.out / PACKAGE).exists()
+        else {}
+    )
     if args.check:
         stale = False
         for rel in sorted(set(files) | set(existing)):
@@ -215,7 +223,12 @@ def main(argv: list[str] | None = None) -> int:
             if old != new:
                 stale = True
                 sys.stdout.writelines(
-                    difflib.unified_diff(old.splitlines(True), new.splitlines(True), f"generated/{rel}", f"generated/{rel} (from schemas)")
+                    difflib.unified_diff(
+                        old.splitlines(True),
+                        new.splitlines(True),
+                        f"generated/{rel}",
+                        f"generated/{rel} (from schemas)",
+                    )
                 )
         if stale:
             print("codegen: generated/ is stale; run `python -m codegen`", file=sys.stderr)

@@ -11,17 +11,24 @@ from pathlib import Path
 from typing import Any
 
 DATAMODEL_ARGS = [
-    "--input-file-type", "jsonschema",
-    "--output-model-type", "pydantic_v2.BaseModel",
+    "--input-file-type",
+    "jsonschema",
+    "--output-model-type",
+    "pydantic_v2.BaseModel",
     "--use-annotated",
     "--field-constraints",
-    "--strict-types", "str", "int", "bool",
+    "--strict-types",
+    "str",
+    "int",
+    "bool",
     "--use-double-quotes",
-    "--target-python-version", "3.11",
+    "--target-python-version",
+    "3.11",
     "--disable-timestamp",
     "--use-schema-description",
     "--use-field-description",
-    "--formatters", "ruff-format",
+    "--formatters",
+    "ruff-format",
     "--collapse-root-models",
 ]
 
@@ -34,7 +41,11 @@ def _constraint_only(branch: Any, own_properties: set[str]) -> bool:
         return False
     if not set(branch.get("properties", {})) <= own_properties:
         return False
-    nested = [b for key in _APPLICATORS for b in (branch[key] if isinstance(branch.get(key), list) else [branch[key]] if key in branch else [])]
+    nested = [
+        b
+        for key in _APPLICATORS
+        for b in (branch[key] if isinstance(branch.get(key), list) else [branch[key]] if key in branch else [])
+    ]
     return all(_constraint_only(b, own_properties) for b in nested)
 
 
@@ -84,7 +95,16 @@ def generate_models(docs: dict[str, dict[str, Any]]) -> dict[str, str]:
         for name, doc in docs.items():
             prepared = _prepare(copy.deepcopy(doc))
             (src / name).write_text(json.dumps(prepared, indent=2, sort_keys=True), encoding="utf-8")
-        cmd = [sys.executable, "-m", "datamodel_code_generator", "--input", str(src), "--output", str(out), *DATAMODEL_ARGS]
+        cmd = [
+            sys.executable,
+            "-m",
+            "datamodel_code_generator",
+            "--input",
+            str(src),
+            "--output",
+            str(out),
+            *DATAMODEL_ARGS,
+        ]
         proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
         if proc.returncode != 0:
             raise RuntimeError(f"datamodel-codegen failed:\n{proc.stdout}\n{proc.stderr}")

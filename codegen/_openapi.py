@@ -42,23 +42,31 @@ def build_openapi(definitions: dict[str, Any], routes: list[dict[str, Any]], ver
         params = re.findall(r"\{([^}]+)\}", route["path"])
         if params:
             operation["parameters"] = [
-                {"name": p, "in": "path", "required": True, "schema": {"type": "string", "minLength": 1}} for p in params
+                {"name": p, "in": "path", "required": True, "schema": {"type": "string", "minLength": 1}}
+                for p in params
             ]
         if route.get("request"):
             operation["requestBody"] = {
                 "required": True,
-                "content": {"application/json": {"schema": {"$ref": "#/components/schemas/" + _body_name(route["request"])}}},
+                "content": {
+                    "application/json": {"schema": {"$ref": "#/components/schemas/" + _body_name(route["request"])}}
+                },
             }
         responses: dict[str, Any] = {}
         for status, body in sorted(route.get("responses", {}).items()):
             entry: dict[str, Any] = {"description": "Success." if status.startswith("2") else "See the error envelope."}
             if body:
-                entry["content"] = {"application/json": {"schema": {"$ref": "#/components/schemas/" + _body_name(body)}}}
+                entry["content"] = {
+                    "application/json": {"schema": {"$ref": "#/components/schemas/" + _body_name(body)}}
+                }
             responses[status] = entry
         for status, text in ERROR_STATUSES.items():
             responses.setdefault(
                 status,
-                {"description": text, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorEnvelope"}}}},
+                {
+                    "description": text,
+                    "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorEnvelope"}}},
+                },
             )
         operation["responses"] = responses
         if method in paths.get(route["path"], {}):

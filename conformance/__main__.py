@@ -27,7 +27,14 @@ def scan(root: Path) -> list[dict]:
             if exc.code == "unknown_document_type":
                 results.append({"path": str(path), "status": "skipped", "type": None, "errors": []})
             else:
-                results.append({"path": str(path), "status": "invalid", "type": None, "errors": [p.as_dict() for p in exc.problems]})
+                results.append(
+                    {
+                        "path": str(path),
+                        "status": "invalid",
+                        "type": None,
+                        "errors": [p.as_dict() for p in exc.problems],
+                    }
+                )
             continue
         problems = contracts.problems(doc_type, value)
         results.append(

@@ -146,13 +146,21 @@ def mutations(doc_type: str, example: Any, defs: dict[str, Any], reader_open: bo
             if key in obj and "const" in _deref(props[key], defs):
                 const = _deref(props[key], defs)["const"]
                 m = copy.deepcopy(example)
-                _get(m, path)[key] = (const + 1) if isinstance(const, int) and not isinstance(const, bool) else f"{const}-other"
+                _get(m, path)[key] = (
+                    (const + 1) if isinstance(const, int) and not isinstance(const, bool) else f"{const}-other"
+                )
                 code = "wrong_const"
                 if not path and key == "schema_version":
                     code = "unsupported_schema_version"
                 elif not path and key in TAG_FIELDS:
                     code = "wrong_type_tag"
-                case("mutation.wrong-const", f"{doc_type}: wrong constant {key} in {where}", m, code, _pointer([*path, key]))
+                case(
+                    "mutation.wrong-const",
+                    f"{doc_type}: wrong constant {key} in {where}",
+                    m,
+                    code,
+                    _pointer([*path, key]),
+                )
                 break
         for key in sorted(props):
             if key not in obj:
@@ -162,14 +170,26 @@ def mutations(doc_type: str, example: Any, defs: dict[str, Any], reader_open: bo
             if t is not None:
                 m = copy.deepcopy(example)
                 _get(m, path)[key] = WRONG_VALUES[t]
-                case("mutation.wrong-type", f"{doc_type}: wrong type for {key} in {where}", m, "wrong_type", _pointer([*path, key]))
+                case(
+                    "mutation.wrong-type",
+                    f"{doc_type}: wrong type for {key} in {where}",
+                    m,
+                    "wrong_type",
+                    _pointer([*path, key]),
+                )
                 break
         for key in sorted(required):
             nullable, inner = _nullable_inner(props[key], defs)
             if not nullable and inner is not None:
                 m = copy.deepcopy(example)
                 _get(m, path)[key] = None
-                case("mutation.null-not-nullable", f"{doc_type}: null for non-nullable {key} in {where}", m, "null_not_allowed", _pointer([*path, key]))
+                case(
+                    "mutation.null-not-nullable",
+                    f"{doc_type}: null for non-nullable {key} in {where}",
+                    m,
+                    "null_not_allowed",
+                    _pointer([*path, key]),
+                )
                 break
         for key in sorted(required):
             m = copy.deepcopy(example)
@@ -220,7 +240,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--schemas", type=Path, default=ROOT / "schemas")
     args = parser.parse_args(argv)
     files = build(args.schemas)
-    stale = [n for n, text in files.items() if not (CASES / n).exists() or (CASES / n).read_text(encoding="utf-8") != text]
+    stale = [
+        n for n, text in files.items() if not (CASES / n).exists() or (CASES / n).read_text(encoding="utf-8") != text
+    ]
     if args.check:
         for n in stale:
             print(f"conformance/cases/{n} is stale; run `python -m conformance.make_cases`", file=sys.stderr)

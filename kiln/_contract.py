@@ -16,7 +16,7 @@ from typing import Any
 import jsonschema_rs
 import kiln_contracts
 
-from kiln.errors import ContractError, Problem, UnknownDocumentType
+from kiln.errors import ContractError, Problem, UnknownDocumentTypeError
 
 ENVELOPE_CODES = ("unsupported_schema_version", "wrong_type_tag")
 _TAG_FIELDS = ("receipt_type", "manifest_type", "provenance_type", "state_type", "sidecar_type", "schema")
@@ -29,7 +29,7 @@ def entrypoint(name: str) -> dict[str, Any]:
         return kiln_contracts.ENTRYPOINTS[name]
     except KeyError:
         known = ", ".join(sorted(kiln_contracts.ENTRYPOINTS))
-        raise UnknownDocumentType(
+        raise UnknownDocumentTypeError(
             [Problem("unknown_document_type", "", f"unknown document type {name!r}; known types: {known}")]
         ) from None
 
@@ -133,7 +133,11 @@ def _map_error(error: Any, out: list[Problem]) -> None:
         if instance is None:
             out.append(Problem("null_not_allowed", pointer, "null is not allowed here"))
         elif len(path) == 1 and field == "schema_version":
-            out.append(Problem("unsupported_schema_version", pointer, f"unsupported schema_version {instance!r}: {error.message}"))
+            out.append(
+                Problem(
+                    "unsupported_schema_version", pointer, f"unsupported schema_version {instance!r}: {error.message}"
+                )
+            )
         elif len(path) == 1 and field in _TAG_FIELDS:
             out.append(Problem("wrong_type_tag", pointer, f"wrong type tag {instance!r}: {error.message}"))
         else:

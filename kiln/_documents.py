@@ -17,7 +17,7 @@ from pydantic import BaseModel, ValidationError
 from kiln import _contract
 from kiln._jsonio import atomic_write_bytes, canonical_json, parse_json, read_json_file
 from kiln._rules import RULES, ptr
-from kiln.errors import ContractError, IntegrityError, Problem, UnknownDocumentType
+from kiln.errors import ContractError, IntegrityError, Problem, UnknownDocumentTypeError
 
 Source = bytes | str | os.PathLike[str] | dict[str, Any] | list[Any]
 
@@ -194,7 +194,7 @@ def detect_type(value: Any) -> str:
             tag = entry.get("type_tag")
             if tag and value.get(tag["field"]) == tag["value"]:
                 return name
-    raise UnknownDocumentType(
+    raise UnknownDocumentTypeError(
         [
             Problem(
                 "unknown_document_type",

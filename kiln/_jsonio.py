@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import tempfile
@@ -61,7 +62,9 @@ def read_json_file(path: str | os.PathLike[str], *, limit: int = MAX_DOCUMENT_BY
                 )
             data = fh.read(limit + 1)
     except OSError as exc:
-        raise DocumentReadError([Problem("document_unreadable", "", f"cannot read {p}: {exc.strerror or exc}")], document=str(p)) from None
+        raise DocumentReadError(
+            [Problem("document_unreadable", "", f"cannot read {p}: {exc.strerror or exc}")], document=str(p)
+        ) from None
     return parse_json(data, source=str(p), limit=limit)
 
 
@@ -92,9 +95,7 @@ def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
             os.fsync(fh.fileno())
         os.replace(tmp, target)
     except BaseException:
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
-        except FileNotFoundError:
-            pass
         raise
     fsync_dir(target.parent)

@@ -40,7 +40,7 @@ def _cmd_types(args: argparse.Namespace) -> int:
 
     for name, entry in contracts.document_types().items():
         tag = entry.get("type_tag")
-        tag_text = f'{tag["field"]}={tag["value"]}' if tag else "(use --type)"
+        tag_text = f"{tag['field']}={tag['value']}" if tag else "(use --type)"
         print(f"{name:32} {entry['schema_file']:36} {tag_text}")
     return 0
 
@@ -62,7 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("file", help="path of the JSON document")
     p.add_argument("--type", help="document type (see `kiln types`); required for untagged documents such as requests")
-    p.add_argument("--json", action="store_true", help='print {"valid", "type", "errors": [{"code", "pointer", "message"}]}')
+    p.add_argument(
+        "--json", action="store_true", help='print {"valid", "type", "errors": [{"code", "pointer", "message"}]}'
+    )
     p.set_defaults(func=_cmd_validate)
 
     p = sub.add_parser("types", help="list the document types `kiln validate` knows")

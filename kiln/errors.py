@@ -7,7 +7,7 @@ what to do, an optional ``hint`` and, for documents, the JSON pointer of the bad
     KilnError
     ├── ContractError            a JSON document breaks its schema or semantic rules
     │   ├── DocumentReadError    unreadable, not strict JSON, too large
-    │   ├── UnknownDocumentType  no loader for this document
+    │   ├── UnknownDocumentTypeError  no loader for this document
     │   └── IntegrityError       a recomputed digest does not match (fail fast)
     ├── CheckpointError          checkpoint_invalid / _incompatible / _not_resumable / _exists
     ├── RequestError             training_invalid_request, config_invalid, training_backend_unsupported
@@ -41,7 +41,7 @@ __all__ = [
     "NotFoundError",
     "Problem",
     "RequestError",
-    "UnknownDocumentType",
+    "UnknownDocumentTypeError",
 ]
 
 
@@ -105,7 +105,14 @@ SCHEMA_CODES = (
 class ContractError(KilnError):
     """A document breaks its contract. ``problems`` holds every problem found."""
 
-    codes = (*SCHEMA_CODES, "digest_mismatch", "document_unreadable", "invalid_json", "document_too_large", "unknown_document_type")
+    codes = (
+        *SCHEMA_CODES,
+        "digest_mismatch",
+        "document_unreadable",
+        "invalid_json",
+        "document_too_large",
+        "unknown_document_type",
+    )
     default_code = "schema_violation"
 
     def __init__(self, problems: list[Problem], *, document: str | None = None, hint: str | None = None):
@@ -126,7 +133,7 @@ class DocumentReadError(ContractError):
     default_code = "invalid_json"
 
 
-class UnknownDocumentType(ContractError):
+class UnknownDocumentTypeError(ContractError):
     """No loader is registered for the document (unknown type tag or ``--type``)."""
 
     codes = ("unknown_document_type",)

@@ -24,16 +24,43 @@ from referencing.jsonschema import DRAFT202012
 
 ROOT = Path(__file__).resolve().parent.parent
 FORBIDDEN = {
-    "unevaluatedProperties", "unevaluatedItems", "prefixItems", "dependentSchemas",
-    "$dynamicRef", "$dynamicAnchor", "$recursiveRef", "if", "then", "else",
+    "unevaluatedProperties",
+    "unevaluatedItems",
+    "prefixItems",
+    "dependentSchemas",
+    "$dynamicRef",
+    "$dynamicAnchor",
+    "$recursiveRef",
+    "if",
+    "then",
+    "else",
 }
 COMPAT = [
-    "AdapterManifest", "AdapterManifestFiles", "BaseWeightShardManifest", "ExecutionProvenanceV1",
-    "TrainingCheckpointPrecision", "SftRequest", "SftConfig", "GrpoRequest", "GrpoConfig",
-    "OpdRequest", "OpdConfig", "TrainingResponse", "TrainingStatus", "TrainingJobDetail",
-    "TrainingCheckpointSummary", "QueueResponse", "CancelTrainingJobResponse",
-    "AdaptersResponse", "AdapterDiskEntry", "LoadAdapterRequest", "LoadAdapterResponse",
-    "UnloadAdapterResponse", "DeleteAdapterResponse", "RegisterTeacherRequest", "TeacherEntry",
+    "AdapterManifest",
+    "AdapterManifestFiles",
+    "BaseWeightShardManifest",
+    "ExecutionProvenanceV1",
+    "TrainingCheckpointPrecision",
+    "SftRequest",
+    "SftConfig",
+    "GrpoRequest",
+    "GrpoConfig",
+    "OpdRequest",
+    "OpdConfig",
+    "TrainingResponse",
+    "TrainingStatus",
+    "TrainingJobDetail",
+    "TrainingCheckpointSummary",
+    "QueueResponse",
+    "CancelTrainingJobResponse",
+    "AdaptersResponse",
+    "AdapterDiskEntry",
+    "LoadAdapterRequest",
+    "LoadAdapterResponse",
+    "UnloadAdapterResponse",
+    "DeleteAdapterResponse",
+    "RegisterTeacherRequest",
+    "TeacherEntry",
     "TeacherIdentityV1",
 ]
 
@@ -80,8 +107,14 @@ def main() -> int:
         )
 
     def validator_for(doc, defname, reg):
-        schema = {"$schema": doc["$schema"], "$id": doc["$id"] + "#entry-" + defname, "$ref": f"{doc['$id']}#/$defs/{defname}"}
-        return jsonschema.Draft202012Validator(schema, registry=reg, format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER)
+        schema = {
+            "$schema": doc["$schema"],
+            "$id": doc["$id"] + "#entry-" + defname,
+            "$ref": f"{doc['$id']}#/$defs/{defname}",
+        }
+        return jsonschema.Draft202012Validator(
+            schema, registry=reg, format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER
+        )
 
     checked = 0
     for name, doc in docs.items():
@@ -108,7 +141,9 @@ def main() -> int:
                         if defname in up_doc.get("$defs", {}):
                             uv = validator_for(up_doc, defname, up_registry)
                             for err in uv.iter_errors(ex):
-                                problems.append(f"{name}: example {defname}[{i}] fails UPSTREAM {up_name} at {err.json_path}: {err.message[:200]}")
+                                problems.append(
+                                    f"{name}: example {defname}[{i}] fails UPSTREAM {up_name} at {err.json_path}: {err.message[:200]}"
+                                )
                             break
     if up_docs:
         for defname in COMPAT:
@@ -121,7 +156,9 @@ def main() -> int:
                 for i, ex in enumerate(up_doc.get("x-kiln-examples", {}).get(defname, [])):
                     checked += 1
                     for err in v.iter_errors(ex):
-                        problems.append(f"upstream example {up_name}:{defname}[{i}] fails OURS at {err.json_path}: {err.message[:200]}")
+                        problems.append(
+                            f"upstream example {up_name}:{defname}[{i}] fails OURS at {err.json_path}: {err.message[:200]}"
+                        )
     for p in problems:
         print(p)
     print(f"{len(docs)} schema files, {checked} example checks, {len(problems)} problems")

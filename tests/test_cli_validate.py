@@ -14,7 +14,14 @@ from kiln.cli import main
 CASES = Path(__file__).resolve().parent.parent / "conformance" / "cases"
 EXAMPLES = json.loads((CASES / "examples.json").read_text(encoding="utf-8"))
 MUTATIONS = json.loads((CASES / "schema-mutations.json").read_text(encoding="utf-8"))
-TAGGED = {"TrainReceipt", "AdapterManifest", "BaseWeightShardManifest", "ExecutionProvenanceV1", "SftIngestion", "TrainingCheckpointManifest"}
+TAGGED = {
+    "TrainReceipt",
+    "AdapterManifest",
+    "BaseWeightShardManifest",
+    "ExecutionProvenanceV1",
+    "SftIngestion",
+    "TrainingCheckpointManifest",
+}
 
 
 def _write(tmp_path, name, value):
@@ -33,7 +40,13 @@ def test_valid_documents_of_every_type_are_accepted(tmp_path, capsys):
 
 @pytest.mark.parametrize(
     "rule",
-    ["mutation.unknown-field", "mutation.wrong-const", "mutation.wrong-type", "mutation.null-not-nullable", "mutation.absent-required"],
+    [
+        "mutation.unknown-field",
+        "mutation.wrong-const",
+        "mutation.wrong-type",
+        "mutation.null-not-nullable",
+        "mutation.absent-required",
+    ],
 )
 def test_each_mutation_class_is_rejected_with_its_code_and_pointer(tmp_path, capsys, rule):
     cases = [c for c in MUTATIONS if c["rule"] == rule and c["mode"] == "read" and c["type"] != "TrainReceipt"]

@@ -14,7 +14,9 @@ from kiln.errors import ContractError, IntegrityError
 
 EXAMPLES = {
     (c["type"], c["description"]): c["instance"]
-    for c in json.loads((Path(__file__).parent.parent / "conformance" / "cases" / "examples.json").read_text(encoding="utf-8"))
+    for c in json.loads(
+        (Path(__file__).parent.parent / "conformance" / "cases" / "examples.json").read_text(encoding="utf-8")
+    )
 }
 
 
@@ -74,7 +76,11 @@ def test_all_schema_problems_are_collected_together():
     with pytest.raises(ContractError) as info:
         contracts.load("BaseWeightShardManifest", doc)
     found = {(p.code, p.pointer) for p in info.value.problems}
-    assert {("missing_field", "/total_size_bytes"), ("wrong_type", "/shards/0/size_bytes"), ("unknown_field", "/surprise")} <= found
+    assert {
+        ("missing_field", "/total_size_bytes"),
+        ("wrong_type", "/shards/0/size_bytes"),
+        ("unknown_field", "/surprise"),
+    } <= found
 
 
 def test_writer_emits_canonical_json_atomically(tmp_path):

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import kiln_contracts
 import pytest
+from kiln_contracts.models import kiln_control_plane_v1_schema as cp
 
 from kiln import errors
-from kiln_contracts.models import kiln_control_plane_v1_schema as cp
 
 ERROR_CODE = kiln_contracts.load_bundle()["$defs"]["ErrorCode"]
 
@@ -37,7 +37,7 @@ def test_each_code_belongs_to_exactly_one_leaf_family():
     owners: dict[str, list[str]] = {}
     for cls in (
         errors.DocumentReadError,
-        errors.UnknownDocumentType,
+        errors.UnknownDocumentTypeError,
         errors.IntegrityError,
         errors.CheckpointError,
         errors.RequestError,
@@ -60,7 +60,10 @@ def test_an_error_refuses_a_code_outside_its_family():
 
 def test_contract_error_reports_the_first_problem_and_counts_the_rest():
     exc = errors.ContractError(
-        [errors.Problem("missing_field", "/a", "required field 'a' is absent"), errors.Problem("wrong_type", "/b", "bad")],
+        [
+            errors.Problem("missing_field", "/a", "required field 'a' is absent"),
+            errors.Problem("wrong_type", "/b", "bad"),
+        ],
         document="doc.json",
     )
     assert exc.code == "missing_field"
@@ -75,5 +78,7 @@ def test_contract_error_reports_the_first_problem_and_counts_the_rest():
 def test_error_envelope_validates_against_the_schema():
     from kiln import contracts
 
-    exc = errors.ConflictError("adapter 'x' is active; unload it first", code="adapter_active", hint="kiln adapters unload x")
+    exc = errors.ConflictError(
+        "adapter 'x' is active; unload it first", code="adapter_active", hint="kiln adapters unload x"
+    )
     assert contracts.problems("ErrorEnvelope", exc.as_envelope()) == []

@@ -17,7 +17,7 @@ def test_public_modules_export_exactly_their_declared_names():
     assert sorted(kiln.errors.__all__) == [
         "AdapterError", "AuthError", "CapacityError", "CheckpointError", "ConflictError", "ContractError",
         "DocumentReadError", "IntegrityError", "InternalError", "KilnError", "NotFoundError", "Problem",
-        "RequestError", "UnknownDocumentType",
+        "RequestError", "UnknownDocumentTypeError",
     ]  # fmt: skip
     assert sorted(kiln.digests.__all__) == [
         "BASE_MODEL_CONTENT_ALGORITHM", "KERNEL_CONTRACT_TYPE", "base_model_content_aggregate", "canonical_json",

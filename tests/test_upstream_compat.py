@@ -47,7 +47,9 @@ def _upstream_validator(defname):
     for doc in docs.values():
         if defname in doc.get("$defs", {}):
             schema = {"$schema": doc["$schema"], "$ref": f"{doc['$id']}#/$defs/{defname}"}
-            return jsonschema.Draft202012Validator(schema, registry=registry, format_checker=jsonschema.FormatChecker()), doc
+            return jsonschema.Draft202012Validator(
+                schema, registry=registry, format_checker=jsonschema.FormatChecker()
+            ), doc
     raise AssertionError(f"{defname} not in the reference contracts")
 
 
@@ -58,10 +60,13 @@ def _emitted(defname):
 
 @pytest.mark.parametrize("defname", COMPAT)
 def test_reference_examples_validate_against_kiln(defname):
-    validator, _ = _upstream_validator(defname)
     docs, _ = _upstream()
-    ours = jsonschema.Draft202012Validator(_contract.entry_schema(defname) if defname in kiln_contracts.ENTRYPOINTS else {
-        "$ref": f"#/$defs/{defname}", "$defs": kiln_contracts.load_bundle()["$defs"]}, format_checker=jsonschema.FormatChecker())
+    ours = jsonschema.Draft202012Validator(
+        _contract.entry_schema(defname)
+        if defname in kiln_contracts.ENTRYPOINTS
+        else {"$ref": f"#/$defs/{defname}", "$defs": kiln_contracts.load_bundle()["$defs"]},
+        format_checker=jsonschema.FormatChecker(),
+    )
     for doc in docs.values():
         for example in doc.get("x-kiln-examples", {}).get(defname, []):
             errors = [f"{e.json_path}: {e.message}" for e in ours.iter_errors(example)]
@@ -84,7 +89,10 @@ def test_embedded_compat_objects_in_kiln_documents_validate_against_the_referenc
     files_validator, _ = _upstream_validator("AdapterManifestFiles")
     assert not list(files_validator.iter_errors(manifest["files"]))
     receipt = _emitted("TrainReceipt")[0]
-    for key, defname in (("execution_provenance", "ExecutionProvenanceV1"), ("training_precision", "TrainingCheckpointPrecision")):
+    for key, defname in (
+        ("execution_provenance", "ExecutionProvenanceV1"),
+        ("training_precision", "TrainingCheckpointPrecision"),
+    ):
         validator, _ = _upstream_validator(defname)
         assert not list(validator.iter_errors(receipt["runtime"][key])), defname
     validator, _ = _upstream_validator("BaseWeightShardManifest")

@@ -37,7 +37,7 @@ GRPO = "GrpoLoopState"
 OPD = "OpdLoopState"
 LOOP_STATE_TYPES = {"sft": SFT, "grpo": GRPO, "opd": OPD}
 
-__all__ = ["LOOP_STATE_TYPES", "load_loop_state", "loop_state_file_name", "write_loop_state"]
+__all__ = ["LOOP_STATE_TYPES", "float_sum", "load_loop_state", "loop_state_file_name", "write_loop_state"]
 
 
 def float_sum(values: Sequence[float]) -> float:

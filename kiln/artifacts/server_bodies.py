@@ -22,7 +22,9 @@ def _health_status(doc: dict[str, Any], at: str) -> Iterable[Problem]:
     seen: set[str] = set()
     for i, check in enumerate(doc["checks"]):
         if check["name"] in seen:
-            yield Problem("inconsistent_fields", ptr(at, "checks", i, "name"), f"check {check['name']!r} is listed twice")
+            yield Problem(
+                "inconsistent_fields", ptr(at, "checks", i, "name"), f"check {check['name']!r} is listed twice"
+            )
         seen.add(check["name"])
     all_pass = all(check["pass"] for check in doc["checks"])
     if (doc["status"] == "ok") != all_pass:
@@ -42,7 +44,11 @@ def _config_complete(doc: dict[str, Any], at: str) -> Iterable[Problem]:
     config = doc["effective_config"]
     for section in CONFIG_SECTIONS:
         if section not in config:
-            yield Problem("inconsistent_fields", ptr(at, "effective_config", section), f"effective config lacks section [{section}]")
+            yield Problem(
+                "inconsistent_fields",
+                ptr(at, "effective_config", section),
+                f"effective config lacks section [{section}]",
+            )
     present = _present_fields(config)
     for name in DEFAULTED_FIELDS:
         if name not in present:
@@ -72,14 +78,22 @@ def _config_fields(doc: dict[str, Any], at: str) -> Iterable[Problem]:
     for name in sorted(present - listed):
         yield Problem("inconsistent_fields", ptr(at, "fields"), f"no origin listed for {name}")
     for name in sorted(listed - present):
-        yield Problem("inconsistent_fields", ptr(at, "fields", name), f"origin listed for {name}, which is not in the effective config")
+        yield Problem(
+            "inconsistent_fields",
+            ptr(at, "fields", name),
+            f"origin listed for {name}, which is not in the effective config",
+        )
 
 
 @semantic_rule("ConfigResponse", "config-response.redaction")
 def _config_redaction(doc: dict[str, Any], at: str) -> Iterable[Problem]:
     for name, origin in doc["fields"].items():
         if origin["redacted"] and name not in SECRET_FIELDS:
-            yield Problem("inconsistent_fields", ptr(at, "fields", name, "redacted"), f"{name} is not a secret and is never redacted")
+            yield Problem(
+                "inconsistent_fields",
+                ptr(at, "fields", name, "redacted"),
+                f"{name} is not a secret and is never redacted",
+            )
     for name in SECRET_FIELDS:
         section, key = name.split(".")
         value = doc["effective_config"].get(section, {}).get(key)
@@ -91,4 +105,8 @@ def _config_redaction(doc: dict[str, Any], at: str) -> Iterable[Problem]:
             )
         origin = doc["fields"].get(name)
         if value is not None and origin is not None and not origin["redacted"]:
-            yield Problem("inconsistent_fields", ptr(at, "fields", name, "redacted"), f"{name} is present and must be marked redacted")
+            yield Problem(
+                "inconsistent_fields",
+                ptr(at, "fields", name, "redacted"),
+                f"{name} is present and must be marked redacted",
+            )

@@ -131,7 +131,8 @@ def _capabilities(doc: dict[str, Any], at: str) -> Iterable[Problem]:
         yield Problem(
             "inconsistent_fields",
             ptr(at, "capabilities", "max_top_k"),
-            f"capabilities.max_top_k is {caps['max_top_k']} but the pinned identity allows at most {identity['max_top_k']}",
+            f"capabilities.max_top_k is {caps['max_top_k']} but the pinned identity allows at most "
+            f"{identity['max_top_k']}",
         )
 
 
