@@ -199,7 +199,10 @@ def _listing_loaded(doc: dict[str, Any], at: str) -> Iterable[Problem]:
     loaded, identity, names = doc["loaded_adapter"], doc["loaded_adapter_identity"], doc["loaded_adapters"]
     identity_name = identity["name"] if identity is not None else None
     if loaded != identity_name:
-        pointer = ptr(at, "loaded_adapter_identity", *(("name",) if identity is not None else ()))
+        if loaded is None:
+            pointer = ptr(at, "loaded_adapter")
+        else:
+            pointer = ptr(at, "loaded_adapter_identity", *(("name",) if identity is not None else ()))
         yield Problem(
             "inconsistent_fields",
             pointer,

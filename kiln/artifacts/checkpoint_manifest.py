@@ -10,8 +10,12 @@ directory with its role, size and SHA-256.
 ``opd`` the ``manifest.auxiliary-state`` rule validates it against the typed view of the
 kind (``SftCheckpointAuxiliaryState``, ``GrpoCheckpointAuxiliaryState``,
 ``OpdCheckpointAuxiliaryState``) with that view's schema and rules, and reports what it
-finds under ``/auxiliary_state``. A ``capability-distillation`` checkpoint's auxiliary state
-is not interpreted (Kiln never resumes one).
+finds under ``/auxiliary_state``; ``manifest.effective-config`` does the same for
+``effective_config`` against ``SftConfig``/``GrpoConfig``/``OpdConfig``. The manifest is
+schema-valid at that point, so such problems carry ``inconsistent_fields`` (the
+sub-object's own code is named in the message); a stale digest inside still fails fast as
+``digest_mismatch``. A ``capability-distillation`` checkpoint's auxiliary state is not
+interpreted (Kiln never resumes one).
 
 Rules of the typed views that need only the auxiliary state are registered on the view;
 those that compare it with the enclosing manifest are registered on the manifest under
@@ -59,6 +63,7 @@ RESERVED_PATHS = (MANIFEST_FILE, INCOMPLETE_SENTINEL)
 MAX_RELATIVE_PATH_BYTES = 1024
 _RELATIVE_PATH = re.compile(r"[A-Za-z0-9._-]+(?:/[A-Za-z0-9._-]+)*")
 U64_MAX = 2**64 - 1
+SEMANTIC_CODES = ("inconsistent_fields", "unsafe_path", "digest_mismatch")
 
 STATE_FILE_ROLES = {
     "adapter_parameters": "adapter-parameters",
@@ -83,7 +88,12 @@ REQUIRED_RNG_STREAMS = {
 SFT_SOURCE_KIND = "sft-valid-example-order-v1"
 GRPO_SOURCE_KINDS = {"inline": "inline-grpo-trainable-order-v1", "jsonl": "jsonl-grpo-trainable-order-v1"}
 OPD_SOURCE_KINDS = {"prompts": "opd-prompt-candidate-order-v1", "teacher_jsonl": "opd-teacher-jsonl-candidate-order-v1"}
-MODEL_IDENTITY_FIELDS = ("model_config_sha256", "tokenizer_config_sha256", "chat_template_sha256", "training_chat_template_sha256")
+MODEL_IDENTITY_FIELDS = (
+    "model_config_sha256",
+    "tokenizer_config_sha256",
+    "chat_template_sha256",
+    "training_chat_template_sha256",
+)
 
 __all__ = ["load_checkpoint_manifest", "relative_path_problem", "write_checkpoint_manifest"]
 
@@ -121,13 +131,19 @@ def relative_path_problem(path: str) -> str | None:
 def _embedded_problems(definition: str, value: Any, at: str, what: str) -> Iterator[Problem]:
     """Problems of ``value`` as a ``definition`` (schema and rules), re-rooted at ``at``.
 
-    A recomputed digest that does not match raises ``IntegrityError`` at once, as it would
-    anywhere else in a document.
+    The manifest itself is schema-valid here, so a schema problem of the sub-object is a
+    semantic inconsistency of the manifest: it is reported as ``inconsistent_fields`` with
+    the sub-object's own code in the message. A recomputed digest that does not match
+    raises ``IntegrityError`` at once, as it would anywhere else in a document.
     """
     from kiln import contracts  # internal import: contracts imports the artifact modules
 
     found = [
-        Problem(p.code, at + p.pointer, f"{what} is not a valid {definition}: {p.message}")
+        Problem(
+            p.code if p.code in SEMANTIC_CODES else "inconsistent_fields",
+            at + p.pointer,
+            f"{what} does not fit {definition} ({p.code}): {p.message}",
+        )
         for p in contracts.problems(definition, value)
     ]
     digests = [p for p in found if p.code == "digest_mismatch"]
@@ -141,10 +157,20 @@ def _referenced_paths(doc: dict[str, Any], at: str) -> Iterator[tuple[str, str, 
     for key, path in doc["state_files"].items():
         yield ptr(at, "state_files", key), f"state_files.{key}", path, STATE_FILE_ROLES[key]
     if "state_file" in doc["optimizer"]:
-        yield ptr(at, "optimizer", "state_file"), "optimizer.state_file", doc["optimizer"]["state_file"], "optimizer-state"
+        yield (
+            ptr(at, "optimizer", "state_file"),
+            "optimizer.state_file",
+            doc["optimizer"]["state_file"],
+            "optimizer-state",
+        )
     for name, stream in doc["rng_states"].items():
         if "state_file" in stream:
-            yield ptr(at, "rng_states", name, "state_file"), f"rng_states.{name}.state_file", stream["state_file"], "rng-state"
+            yield (
+                ptr(at, "rng_states", name, "state_file"),
+                f"rng_states.{name}.state_file",
+                stream["state_file"],
+                "rng-state",
+            )
 
 
 # -- paths and names ----------------------------------------------------------------------
@@ -308,7 +334,11 @@ def _rng_streams(doc: dict[str, Any], at: str) -> Iterable[Problem]:
     kind, streams = doc["training_kind"], doc["rng_states"]
     for name in REQUIRED_RNG_STREAMS[kind]:
         if name not in streams:
-            yield Problem("inconsistent_fields", ptr(at, "rng_states", name), f"a {kind} checkpoint needs the {name!r} random stream")
+            yield Problem(
+                "inconsistent_fields",
+                ptr(at, "rng_states", name),
+                f"a {kind} checkpoint needs the {name!r} random stream",
+            )
     seed = doc["effective_config"].get("seed")
     if "lora-init" in streams and _is_int(seed) and streams["lora-init"]["seed"] != seed:
         yield Problem(
@@ -360,11 +390,23 @@ def _optimizer_agreement(doc: dict[str, Any], at: str) -> Iterable[Problem]:
     names = OPTIMIZER_HYPERPARAMETERS[kind]
     for name in names:
         if name not in settings:
-            yield Problem("inconsistent_fields", ptr(at, "optimizer", "hyperparameters", name), f"{kind} hyperparameter {name!r} is missing")
+            yield Problem(
+                "inconsistent_fields",
+                ptr(at, "optimizer", "hyperparameters", name),
+                f"{kind} hyperparameter {name!r} is missing",
+            )
         elif name in BOOLEAN_HYPERPARAMETERS and not isinstance(settings[name], bool):
-            yield Problem("inconsistent_fields", ptr(at, "optimizer", "hyperparameters", name), f"{name} is {settings[name]!r}, not a boolean")
+            yield Problem(
+                "inconsistent_fields",
+                ptr(at, "optimizer", "hyperparameters", name),
+                f"{name} is {settings[name]!r}, not a boolean",
+            )
         elif name not in BOOLEAN_HYPERPARAMETERS and not _is_number(settings[name]):
-            yield Problem("inconsistent_fields", ptr(at, "optimizer", "hyperparameters", name), f"{name} is {settings[name]!r}, not a number")
+            yield Problem(
+                "inconsistent_fields",
+                ptr(at, "optimizer", "hyperparameters", name),
+                f"{name} is {settings[name]!r}, not a number",
+            )
     for name in sorted(set(settings) - set(names)):
         yield Problem(
             "inconsistent_fields",
@@ -399,7 +441,11 @@ def _optimizer_agreement(doc: dict[str, Any], at: str) -> Iterable[Problem]:
         rate, source = settings.get("learning_rate"), "optimizer.hyperparameters.learning_rate"
     schedule = doc["scheduler"]["state"]
     if "learning_rate" not in schedule:
-        yield Problem("inconsistent_fields", ptr(at, "scheduler", "state", "learning_rate"), "scheduler.state.learning_rate is missing")
+        yield Problem(
+            "inconsistent_fields",
+            ptr(at, "scheduler", "state", "learning_rate"),
+            "scheduler.state.learning_rate is missing",
+        )
     elif _is_number(rate) and not _same_setting(schedule["learning_rate"], rate):
         yield Problem(
             "inconsistent_fields",
@@ -413,14 +459,24 @@ def _optimizer_state_file(doc: dict[str, Any], at: str) -> Iterable[Problem]:
     optimizer, state_files = doc["optimizer"], doc["state_files"]
     if optimizer["kind"] == "sgd":
         if "state_file" in optimizer:
-            yield Problem("inconsistent_fields", ptr(at, "optimizer", "state_file"), "sgd is stateless: optimizer.state_file must be absent")
+            yield Problem(
+                "inconsistent_fields",
+                ptr(at, "optimizer", "state_file"),
+                "sgd is stateless: optimizer.state_file must be absent",
+            )
         if "optimizer_state" in state_files:
             yield Problem(
-                "inconsistent_fields", ptr(at, "state_files", "optimizer_state"), "sgd is stateless: state_files.optimizer_state must be absent"
+                "inconsistent_fields",
+                ptr(at, "state_files", "optimizer_state"),
+                "sgd is stateless: state_files.optimizer_state must be absent",
             )
         for path, entry in doc["files"].items():
             if entry["role"] == "optimizer-state":
-                yield Problem("inconsistent_fields", ptr(at, "files", path, "role"), f"sgd is stateless but {path!r} has role optimizer-state")
+                yield Problem(
+                    "inconsistent_fields",
+                    ptr(at, "files", path, "role"),
+                    f"sgd is stateless but {path!r} has role optimizer-state",
+                )
         dtype = doc["precision_policy"]["optimizer_state_dtype"]
         if dtype != "none":
             yield Problem(
@@ -431,12 +487,22 @@ def _optimizer_state_file(doc: dict[str, Any], at: str) -> Iterable[Problem]:
         return
     kind = optimizer["kind"]
     if "state_file" not in optimizer:
-        yield Problem("inconsistent_fields", ptr(at, "optimizer", "state_file"), f"{kind} keeps state: optimizer.state_file is required")
+        yield Problem(
+            "inconsistent_fields",
+            ptr(at, "optimizer", "state_file"),
+            f"{kind} keeps state: optimizer.state_file is required",
+        )
     if "optimizer_state" not in state_files:
         yield Problem(
-            "inconsistent_fields", ptr(at, "state_files", "optimizer_state"), f"{kind} keeps state: state_files.optimizer_state is required"
+            "inconsistent_fields",
+            ptr(at, "state_files", "optimizer_state"),
+            f"{kind} keeps state: state_files.optimizer_state is required",
         )
-    if "state_file" in optimizer and "optimizer_state" in state_files and optimizer["state_file"] != state_files["optimizer_state"]:
+    if (
+        "state_file" in optimizer
+        and "optimizer_state" in state_files
+        and optimizer["state_file"] != state_files["optimizer_state"]
+    ):
         yield Problem(
             "inconsistent_fields",
             ptr(at, "optimizer", "state_file"),
@@ -477,7 +543,11 @@ def _reference_state(doc: dict[str, Any], at: str) -> Iterable[Problem]:
                 "(an EMA reference, and only it, keeps reference tensors)",
             )
     elif "reference_state" in state_files:
-        yield Problem("inconsistent_fields", ptr(at, "state_files", "reference_state"), f"a {kind} checkpoint has no reference_state")
+        yield Problem(
+            "inconsistent_fields",
+            ptr(at, "state_files", "reference_state"),
+            f"a {kind} checkpoint has no reference_state",
+        )
     for key in ("ema_state", "reward_normalization_state"):
         if key in state_files:
             yield Problem("inconsistent_fields", ptr(at, "state_files", key), f"Kiln's {kind} trainer keeps no {key}")
@@ -647,7 +717,11 @@ def _model_identity_binding(aux: dict[str, Any], at: str) -> Iterable[Problem]:
 def _planning_identity(aux: dict[str, Any], at: str, field: str, schema: str) -> Iterator[Problem]:
     found = aux[field]["schema"]
     if found != schema:
-        yield Problem("inconsistent_fields", ptr(at, field, "schema"), f"{field} is a {found!r} record; this kind needs {schema!r}")
+        yield Problem(
+            "inconsistent_fields",
+            ptr(at, field, "schema"),
+            f"{field} is a {found!r} record; this kind needs {schema!r}",
+        )
 
 
 @semantic_rule(SFT_AUX, "sft-aux.planning-identity")

@@ -70,11 +70,21 @@ def _last_loss(state: dict[str, Any], at: str) -> Iterable[Problem]:
     last, history = state["last_loss"], state["loss_history"]
     if state["global_step"] == 0:
         if last is not None:
-            yield Problem("inconsistent_fields", ptr(at, "last_loss"), f"last_loss is {last!r} but no step has been committed (global_step 0)")
+            yield Problem(
+                "inconsistent_fields",
+                ptr(at, "last_loss"),
+                f"last_loss is {last!r} but no step has been committed (global_step 0)",
+            )
     elif last is None:
-        yield Problem("inconsistent_fields", ptr(at, "last_loss"), f"last_loss is null but global_step is {state['global_step']}")
+        yield Problem(
+            "inconsistent_fields", ptr(at, "last_loss"), f"last_loss is null but global_step is {state['global_step']}"
+        )
     elif history and last != history[-1]:
-        yield Problem("inconsistent_fields", ptr(at, "last_loss"), f"last_loss is {last!r} but the last entry of loss_history is {history[-1]!r}")
+        yield Problem(
+            "inconsistent_fields",
+            ptr(at, "last_loss"),
+            f"last_loss is {last!r} but the last entry of loss_history is {history[-1]!r}",
+        )
 
 
 @semantic_rule(SFT, "sft-loop.grad-norms")
@@ -157,11 +167,15 @@ def _sft_epoch_summaries(state: dict[str, Any], at: str) -> Iterable[Problem]:
     if epoch == 0:
         for name in ("first_epoch_loss", "best_epoch_loss"):
             if name in state:
-                yield Problem("inconsistent_fields", ptr(at, name), f"{name} is present but no epoch has finished (epoch_index 0)")
+                yield Problem(
+                    "inconsistent_fields", ptr(at, name), f"{name} is present but no epoch has finished (epoch_index 0)"
+                )
         return
     missing = [name for name in ("first_epoch_loss", "best_epoch_loss") if name not in state]
     for name in missing:
-        yield Problem("inconsistent_fields", ptr(at, name), f"{name} is required once an epoch has finished (epoch_index {epoch})")
+        yield Problem(
+            "inconsistent_fields", ptr(at, name), f"{name} is required once an epoch has finished (epoch_index {epoch})"
+        )
     # The per-epoch item count n follows from global_step = epoch_index x n + cursor_in_epoch.
     finished = state["global_step"] - state["cursor_in_epoch"]
     if finished <= 0 or finished % epoch:
@@ -239,7 +253,10 @@ def _grpo_counters(state: dict[str, Any], at: str) -> Iterable[Problem]:
             f"token_counts.env_tokens ({tokens['env_tokens']}) differs from env_tokens_after_warning_filter "
             f"({tokens['env_tokens_after_warning_filter']})",
         )
-    if tokens["env_tokens_after_warning_filter"] != tokens["env_tokens_before_warning_filter"] - tokens["warning_tokens_filtered"]:
+    if (
+        tokens["env_tokens_after_warning_filter"]
+        != tokens["env_tokens_before_warning_filter"] - tokens["warning_tokens_filtered"]
+    ):
         yield Problem(
             "inconsistent_fields",
             ptr(at, "token_counts", "env_tokens_after_warning_filter"),
@@ -268,7 +285,11 @@ def _grpo_policy_audit(state: dict[str, Any], at: str) -> Iterable[Problem]:
             ptr(here, "ratio_sum"),
             f"importance_sampling.ratio_sum is {sampling['ratio_sum']!r} without any ratio observation",
         )
-    if sampling["min_ratio"] is not None and sampling["max_ratio"] is not None and sampling["min_ratio"] > sampling["max_ratio"]:
+    if (
+        sampling["min_ratio"] is not None
+        and sampling["max_ratio"] is not None
+        and sampling["min_ratio"] > sampling["max_ratio"]
+    ):
         yield Problem(
             "inconsistent_fields",
             ptr(here, "min_ratio"),
@@ -362,7 +383,9 @@ def _doc_type(training_kind: str) -> str:
     try:
         return LOOP_STATE_TYPES[training_kind]
     except KeyError:
-        raise ValueError(f"no loop state for training kind {training_kind!r}; known: {', '.join(LOOP_STATE_TYPES)}") from None
+        raise ValueError(
+            f"no loop state for training kind {training_kind!r}; known: {', '.join(LOOP_STATE_TYPES)}"
+        ) from None
 
 
 def loop_state_file_name(training_kind: str) -> str:
