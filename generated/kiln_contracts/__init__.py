@@ -16,8 +16,8 @@ from importlib import resources
 from typing import Any
 
 SCHEMA_DIGESTS: dict[str, str] = {
-    "kiln-artifacts-v1.schema.json": "sha256:413ef2769a7fe208b83dc96f304a6c97b73c3ba6fc17b7d6f405c84c01925146",
-    "kiln-checkpoint-v1.schema.json": "sha256:c18c81aa6498b85e821dcb19c52f8402a85310bc18309a2c4ec6676731c042f9",
+    "kiln-artifacts-v1.schema.json": "sha256:e094b8bfe34667f709071aef5a8e4a5936e808d9b96dae0977319b480dedb53d",
+    "kiln-checkpoint-v1.schema.json": "sha256:21078388440e610ce4d4d6fce5d827c70ca463bae76b0f28ef0791e0ada4b66a",
     "kiln-common-v1.schema.json": "sha256:578fb0867921ff18b61214d1e6a909abccdcc2532c6c6bd5a1c1aada83583c73",
     "kiln-config-v1.schema.json": "sha256:fe225dfed3f0b89e9f92aa718d8aa56c2473d29fb9b71d99ab178444d1ddb443",
     "kiln-control-plane-v1.schema.json": "sha256:2503c4d4a027d2d9b6ba257b58731fd5edd4f08516efd8efde4c7cbcce241d64",
