@@ -116,41 +116,40 @@ def bundle_definitions(docs: dict[str, dict[str, Any]]) -> tuple[dict[str, Any],
     return definitions, owner
 
 
+def _transformed(definitions: dict[str, Any], change: Any) -> dict[str, Any]:
+    """A deep copy of ``definitions`` with ``change(node)`` applied to every schema object."""
+    out = copy.deepcopy(definitions)
+    stack: list[Any] = [out]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            change(node)
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return out
+
+
 def writer_variant(definitions: dict[str, Any]) -> dict[str, Any]:
     """Add ``x-kiln-writer-required`` fields to ``required``: always written, tolerated as missing on read."""
-    out = copy.deepcopy(definitions)
 
-    def visit(node: Any) -> None:
-        if isinstance(node, dict):
-            extra = node.get("x-kiln-writer-required")
-            if extra:
-                node["required"] = [*node.get("required", []), *[f for f in extra if f not in node.get("required", [])]]
-            for value in node.values():
-                visit(value)
-        elif isinstance(node, list):
-            for value in node:
-                visit(value)
+    def change(node: dict[str, Any]) -> None:
+        extra = node.get("x-kiln-writer-required")
+        if extra:
+            required = node.get("required", [])
+            node["required"] = [*required, *[f for f in extra if f not in required]]
 
-    visit(out)
-    return out
+    return _transformed(definitions, change)
 
 
 def reader_variant(definitions: dict[str, Any]) -> dict[str, Any]:
     """Open every object marked ``x-kiln-reader-policy: open`` (the train receipt's own objects)."""
-    out = copy.deepcopy(definitions)
 
-    def visit(node: Any) -> None:
-        if isinstance(node, dict):
-            if node.get("x-kiln-reader-policy") == "open":
-                node.pop("additionalProperties", None)
-            for value in node.values():
-                visit(value)
-        elif isinstance(node, list):
-            for value in node:
-                visit(value)
+    def change(node: dict[str, Any]) -> None:
+        if node.get("x-kiln-reader-policy") == "open":
+            node.pop("additionalProperties", None)
 
-    visit(out)
-    return out
+    return _transformed(definitions, change)
 
 
 def reachable(definitions: dict[str, Any], root: str) -> dict[str, Any]:

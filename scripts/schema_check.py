@@ -23,18 +23,11 @@ from referencing import Registry, Resource
 from referencing.jsonschema import DRAFT202012
 
 ROOT = Path(__file__).resolve().parent.parent
-FORBIDDEN = {
-    "unevaluatedProperties",
-    "unevaluatedItems",
-    "prefixItems",
-    "dependentSchemas",
-    "$dynamicRef",
-    "$dynamicAnchor",
-    "$recursiveRef",
-    "if",
-    "then",
-    "else",
-}
+sys.path.insert(0, str(ROOT))
+
+from codegen._bundle import FORBIDDEN_KEYWORDS  # noqa: E402 - after the path setup
+
+FORBIDDEN = FORBIDDEN_KEYWORDS
 COMPAT = [
     "AdapterManifest",
     "AdapterManifestFiles",
