@@ -17,9 +17,10 @@ DATAMODEL_ARGS = [
     "pydantic_v2.BaseModel",
     "--use-annotated",
     "--field-constraints",
-    "--strict-types",
+    "--strict-types",  # no coercion: "1" is not an int, "1.5" is not a float (a JSON 1 is still a float)
     "str",
     "int",
+    "float",
     "bool",
     "--use-double-quotes",
     "--target-python-version",

@@ -9,6 +9,7 @@ from pydantic import (
     Field,
     RootModel,
     StrictBool,
+    StrictFloat,
     StrictInt,
     StrictStr,
 )
@@ -560,11 +561,11 @@ class AdapterVerifyLora(BaseModel):
     model_config = ConfigDict(
         extra="forbid",
     )
-    alpha: float | None
+    alpha: StrictFloat | None
     """
     Declared `lora_alpha`, or null when missing.
     """
-    alpha_over_rank: float | None
+    alpha_over_rank: StrictFloat | None
     """
     alpha / rank, or null when either is missing.
     """
@@ -598,11 +599,11 @@ class AdapterVerifyTensorSummary(BaseModel):
     """
     Distinct layers with at least one pair.
     """
-    lora_update_l2_upper_bound: Annotated[float, Field(ge=0.0)]
+    lora_update_l2_upper_bound: Annotated[StrictFloat, Field(ge=0.0)]
     """
     Σ over pairs of ‖A‖₂·‖B‖₂ (Frobenius norms, unscaled by alpha/rank): an upper bound on the total norm of the weight updates. 0 means the adapter cannot change the model.
     """
-    max_abs_value: Annotated[float, Field(ge=0.0)]
+    max_abs_value: Annotated[StrictFloat, Field(ge=0.0)]
     """
     Largest absolute parameter value.
     """
@@ -1056,15 +1057,15 @@ class TrainReceiptEcho(BaseModel):
     """
     Which observation tokens count, or null when not configured.
     """
-    final_env_ce: float | None = None
+    final_env_ce: StrictFloat | None = None
     """
     Environment cross-entropy at the last contributing step; null when it never contributed.
     """
-    initial_env_ce: float | None = None
+    initial_env_ce: StrictFloat | None = None
     """
     Environment cross-entropy at the first contributing step; null when it never contributed.
     """
-    lambda_: Annotated[float | None, Field(alias="lambda")]
+    lambda_: Annotated[StrictFloat | None, Field(alias="lambda")]
     """
     Configured weight λ, or null when not configured.
     """
@@ -1140,15 +1141,15 @@ class TrainReceiptGrpoImportanceSampling(BaseModel):
     """
     Observations below 1 − ε (always 0 under CISPO, which clips from above only).
     """
-    max_ratio: float | None
+    max_ratio: StrictFloat | None
     """
     Largest observed ratio; null without observations.
     """
-    mean_ratio: float | None
+    mean_ratio: StrictFloat | None
     """
     Mean observed ratio; null without observations.
     """
-    min_ratio: float | None
+    min_ratio: StrictFloat | None
     """
     Smallest observed ratio; null without observations.
     """
@@ -1180,15 +1181,15 @@ class TrainReceiptGrpoKlReference(BaseModel):
     """
     Tokens removed from the KL term by the entropy-aware quantile mask.
     """
-    mean_estimator: float | None
+    mean_estimator: StrictFloat | None
     """
     Mean KL estimator value before the entropy mask; null without observations.
     """
-    mean_masked_estimator: float | None
+    mean_masked_estimator: StrictFloat | None
     """
     Mean KL estimator after the entropy mask, still divided by all action tokens; null without observations.
     """
-    mean_policy_reference_log_ratio: float | None
+    mean_policy_reference_log_ratio: StrictFloat | None
     """
     Mean of log πθ − log πref over observed tokens; null without observations.
     """
@@ -1244,11 +1245,11 @@ class TrainReceiptHyperparameters(BaseModel):
     model_config = ConfigDict(
         extra="allow",
     )
-    alpha: float
+    alpha: StrictFloat
     """
     LoRA alpha (the update is scaled by alpha / rank).
     """
-    alpha_over_rank: float | None
+    alpha_over_rank: StrictFloat | None
     """
     The effective LoRA scale alpha / rank, or null when not computed.
     """
@@ -1260,7 +1261,7 @@ class TrainReceiptHyperparameters(BaseModel):
     """
     Number of passes over the training input.
     """
-    learning_rate: float
+    learning_rate: StrictFloat
     """
     Resolved learning rate (the optimizer-specific default when the request left it out).
     """
@@ -1322,7 +1323,7 @@ class TrainReceiptKlReferencePolicy(BaseModel):
     model_config = ConfigDict(
         extra="allow",
     )
-    decay: float | None = None
+    decay: StrictFloat | None = None
     """
     EMA decay; present only for `ema`.
     """
@@ -1344,27 +1345,27 @@ class TrainReceiptLoraDeltaNorm(BaseModel):
     model_config = ConfigDict(
         extra="allow",
     )
-    a_l2_max: Annotated[float, Field(ge=0.0)]
+    a_l2_max: Annotated[StrictFloat, Field(ge=0.0)]
     """
     Largest L2 norm of A.
     """
-    a_l2_mean: Annotated[float, Field(ge=0.0)]
+    a_l2_mean: Annotated[StrictFloat, Field(ge=0.0)]
     """
     Mean L2 (Frobenius) norm of A.
     """
-    b_l2_max: Annotated[float, Field(ge=0.0)]
+    b_l2_max: Annotated[StrictFloat, Field(ge=0.0)]
     """
     Largest L2 norm of B.
     """
-    b_l2_mean: Annotated[float, Field(ge=0.0)]
+    b_l2_mean: Annotated[StrictFloat, Field(ge=0.0)]
     """
     Mean L2 norm of B.
     """
-    delta_l2_upper_bound_max: Annotated[float, Field(ge=0.0)]
+    delta_l2_upper_bound_max: Annotated[StrictFloat, Field(ge=0.0)]
     """
     Largest ‖A‖·‖B‖.
     """
-    delta_l2_upper_bound_mean: Annotated[float, Field(ge=0.0)]
+    delta_l2_upper_bound_mean: Annotated[StrictFloat, Field(ge=0.0)]
     """
     Mean of ‖A‖·‖B‖, an upper bound on the norm of the update B·A.
     """
@@ -1386,15 +1387,15 @@ class TrainReceiptLoraGradNorm(BaseModel):
     model_config = ConfigDict(
         extra="allow",
     )
-    max: Annotated[float, Field(ge=0.0)]
+    max: Annotated[StrictFloat, Field(ge=0.0)]
     """
     Largest gradient L2 norm.
     """
-    mean: Annotated[float, Field(ge=0.0)]
+    mean: Annotated[StrictFloat, Field(ge=0.0)]
     """
     Mean gradient L2 norm.
     """
-    min: Annotated[float, Field(ge=0.0)]
+    min: Annotated[StrictFloat, Field(ge=0.0)]
     """
     Smallest gradient L2 norm.
     """
@@ -1420,15 +1421,15 @@ class TrainReceiptOpdCollapseSnapshot(BaseModel):
     """
     Optimizer step at the end of the window.
     """
-    mean_kl: float | None
+    mean_kl: StrictFloat | None
     """
     Mean per-position reverse KL over the window; null when no position was scored.
     """
-    mean_response_tokens: float | None
+    mean_response_tokens: StrictFloat | None
     """
     Mean rollout length in tokens; null without rollouts.
     """
-    repetition_rate: float | None
+    repetition_rate: StrictFloat | None
     """
     Repetition measured by the compression ratio of the rollout text; null without rollouts.
     """
@@ -1446,7 +1447,7 @@ class TrainReceiptPhaseTimings(BaseModel):
     model_config = ConfigDict(
         extra="allow",
     )
-    backward_ms: Annotated[float | None, Field(ge=0.0)] = None
+    backward_ms: Annotated[StrictFloat | None, Field(ge=0.0)] = None
     """
     Backward passes.
     """
@@ -1456,31 +1457,31 @@ class TrainReceiptPhaseTimings(BaseModel):
     """
     Number of model-writer lock acquisitions.
     """
-    gpu_writer_held_ms: Annotated[float | None, Field(ge=0.0)] = None
+    gpu_writer_held_ms: Annotated[StrictFloat | None, Field(ge=0.0)] = None
     """
     Time the model-writer lock was held.
     """
-    gpu_writer_wait_ms: Annotated[float | None, Field(ge=0.0)] = None
+    gpu_writer_wait_ms: Annotated[StrictFloat | None, Field(ge=0.0)] = None
     """
     Time spent waiting for the shared model-writer lock.
     """
-    mask_build_ms: Annotated[float | None, Field(ge=0.0)] = None
+    mask_build_ms: Annotated[StrictFloat | None, Field(ge=0.0)] = None
     """
     Building label and action masks.
     """
-    optimizer_ms: Annotated[float | None, Field(ge=0.0)] = None
+    optimizer_ms: Annotated[StrictFloat | None, Field(ge=0.0)] = None
     """
     Optimizer steps.
     """
-    policy_forward_ms: Annotated[float | None, Field(ge=0.0)] = None
+    policy_forward_ms: Annotated[StrictFloat | None, Field(ge=0.0)] = None
     """
     Trained-policy forward passes.
     """
-    reference_forward_ms: Annotated[float | None, Field(ge=0.0)] = None
+    reference_forward_ms: Annotated[StrictFloat | None, Field(ge=0.0)] = None
     """
     Reference-policy forward passes.
     """
-    tokenize_ms: Annotated[float | None, Field(ge=0.0)] = None
+    tokenize_ms: Annotated[StrictFloat | None, Field(ge=0.0)] = None
     """
     Rendering and tokenisation.
     """
@@ -1502,11 +1503,11 @@ class TrainReceiptRewardBucket(BaseModel):
     """
     Bucket name; Kiln writes `zero`, `tiny`, `low`, `medium`, `high`, `extreme`.
     """
-    max_inclusive: float | None
+    max_inclusive: StrictFloat | None
     """
     Upper bound (inclusive), or null for an open upper end.
     """
-    min_inclusive: float | None
+    min_inclusive: StrictFloat | None
     """
     Lower bound (inclusive), or null for an open lower end.
     """
@@ -1544,19 +1545,19 @@ class TrainReceiptRewards(BaseModel):
     """
     Histogram of per-group reward variance; empty when there were no groups.
     """
-    max: float | None
+    max: StrictFloat | None
     """
     Largest reward; null when `count` is 0.
     """
-    mean: float | None
+    mean: StrictFloat | None
     """
     Mean reward; null when `count` is 0.
     """
-    min: float | None
+    min: StrictFloat | None
     """
     Smallest reward; null when `count` is 0.
     """
-    stdev: float | None
+    stdev: StrictFloat | None
     """
     Population standard deviation; null when `count` is 0.
     """
@@ -1628,7 +1629,7 @@ class TrainReceiptSmokePrompt(BaseModel):
     """
     Whether the greedy adapter text differs from the base text.
     """
-    logit_delta_l2: float | None
+    logit_delta_l2: StrictFloat | None
     """
     L2 distance between adapter and base next-token logits, or null when not measured.
     """
@@ -2131,7 +2132,7 @@ class TrainReceiptOpd(BaseModel):
     """
     Whether the ECHO environment term was combined with the distillation loss.
     """
-    echo_lambda: float | None
+    echo_lambda: StrictFloat | None
     """
     ECHO weight when combined, else null.
     """
@@ -2139,11 +2140,11 @@ class TrainReceiptOpd(BaseModel):
     """
     Environment/observation tokens seen.
     """
-    final_opd_loss: float | None
+    final_opd_loss: StrictFloat | None
     """
     Distillation loss of the last optimizer step; null when no step ran.
     """
-    initial_opd_loss: float | None
+    initial_opd_loss: StrictFloat | None
     """
     Distillation loss of the first optimizer step; null when no step ran.
     """
@@ -2253,11 +2254,11 @@ class AdapterDiskEntry(BaseModel):
     """
     Size of `adapter_model.safetensors`, or null when absent.
     """
-    alpha: float | None
+    alpha: StrictFloat | None
     """
     `lora_alpha` from the config, or null when not declared.
     """
-    alpha_over_rank: float | None
+    alpha_over_rank: StrictFloat | None
     """
     alpha / rank, or null when either is missing or rank is 0.
     """
@@ -2399,15 +2400,15 @@ class TrainReceiptGrpo(BaseModel):
     """
     Behaviour policy for importance ratios: none (ratio 1) or the recorded rollout log-probabilities.
     """
-    cispo_max_weight: float | None = None
+    cispo_max_weight: StrictFloat | None = None
     """
     Cap on the stop-gradient importance weight under `is_level` `cispo` (default 5.0).
     """
-    clip_eps_high: float | None
+    clip_eps_high: StrictFloat | None
     """
     Separate upper clip ε, or null when the clip is symmetric.
     """
-    clip_epsilon: float
+    clip_epsilon: StrictFloat
     """
     Lower clip ε (and the upper one when `clip_eps_high` is null).
     """
@@ -2427,7 +2428,7 @@ class TrainReceiptGrpo(BaseModel):
     """
     Importance-sampling level: PPO-style per token, GSPO per sequence, or CISPO.
     """
-    kl_coeff: float
+    kl_coeff: StrictFloat
     """
     Weight of the KL penalty.
     """

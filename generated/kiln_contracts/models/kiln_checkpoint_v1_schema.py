@@ -9,6 +9,7 @@ from pydantic import (
     Field,
     RootModel,
     StrictBool,
+    StrictFloat,
     StrictInt,
     StrictStr,
     StringConstraints,
@@ -190,27 +191,27 @@ class LoopPhaseTimings(BaseModel):
     model_config = ConfigDict(
         extra="forbid",
     )
-    backward_ms: Annotated[float, Field(ge=0.0)]
+    backward_ms: Annotated[StrictFloat, Field(ge=0.0)]
     """
     Cumulative milliseconds spent in backward passes.
     """
-    mask_build_ms: Annotated[float, Field(ge=0.0)]
+    mask_build_ms: Annotated[StrictFloat, Field(ge=0.0)]
     """
     Cumulative milliseconds spent building loss masks.
     """
-    optimizer_ms: Annotated[float, Field(ge=0.0)]
+    optimizer_ms: Annotated[StrictFloat, Field(ge=0.0)]
     """
     Cumulative milliseconds spent in optimizer updates.
     """
-    policy_forward_ms: Annotated[float, Field(ge=0.0)]
+    policy_forward_ms: Annotated[StrictFloat, Field(ge=0.0)]
     """
     Cumulative milliseconds spent in policy forward passes.
     """
-    reference_forward_ms: Annotated[float, Field(ge=0.0)]
+    reference_forward_ms: Annotated[StrictFloat, Field(ge=0.0)]
     """
     Cumulative milliseconds spent in reference-model forward passes.
     """
-    tokenize_ms: Annotated[float, Field(ge=0.0)]
+    tokenize_ms: Annotated[StrictFloat, Field(ge=0.0)]
     """
     Cumulative milliseconds spent tokenizing.
     """
@@ -561,11 +562,11 @@ class GrpoLoopImportanceSampling(BaseModel):
     """
     Ratios below 1 - clip epsilon (always 0 for CISPO).
     """
-    max_ratio: float | None
+    max_ratio: StrictFloat | None
     """
     Largest observed ratio, or null before any.
     """
-    min_ratio: float | None
+    min_ratio: StrictFloat | None
     """
     Smallest observed ratio, or null before any.
     """
@@ -577,7 +578,7 @@ class GrpoLoopImportanceSampling(BaseModel):
     """
     `token` for PPO-style and CISPO ratios, `sequence` for GSPO, null while no ratio has been observed.
     """
-    ratio_sum: float
+    ratio_sum: StrictFloat
     """
     Sum of observed ratios (float64, observation order).
     """
@@ -597,15 +598,15 @@ class GrpoLoopKlReference(BaseModel):
     """
     Tokens masked by the entropy-aware quantile.
     """
-    estimator_sum: float
+    estimator_sum: StrictFloat
     """
     Sum of the KL estimator before masking.
     """
-    log_ratio_sum: float
+    log_ratio_sum: StrictFloat
     """
     Sum of policy/reference log-ratios.
     """
-    masked_estimator_sum: float
+    masked_estimator_sum: StrictFloat
     """
     Sum of the KL estimator after masking.
     """
@@ -691,11 +692,11 @@ class GrpoLoopWriterTimings(BaseModel):
     """
     Times the lock was acquired.
     """
-    gpu_writer_held_ms: Annotated[float, Field(ge=0.0)]
+    gpu_writer_held_ms: Annotated[StrictFloat, Field(ge=0.0)]
     """
     Cumulative milliseconds spent holding the device lock.
     """
-    gpu_writer_wait_ms: Annotated[float, Field(ge=0.0)]
+    gpu_writer_wait_ms: Annotated[StrictFloat, Field(ge=0.0)]
     """
     Cumulative milliseconds spent waiting for the device lock.
     """
@@ -713,11 +714,11 @@ class LoopEchoMetrics(BaseModel):
     """
     Whether the term has contributed to at least one optimizer step.
     """
-    initial_env_ce: float | None
+    initial_env_ce: StrictFloat | None
     """
     Environment cross-entropy of the first contributing step, or null before any.
     """
-    last_env_ce: float | None
+    last_env_ce: StrictFloat | None
     """
     Environment cross-entropy of the latest contributing step, or null before any.
     """
@@ -735,11 +736,11 @@ class LoopLoraGradNormAccumulator(BaseModel):
     model_config = ConfigDict(
         extra="forbid",
     )
-    max: float
+    max: StrictFloat
     """
     Largest observed norm.
     """
-    min: float
+    min: StrictFloat
     """
     Smallest observed norm.
     """
@@ -751,7 +752,7 @@ class LoopLoraGradNormAccumulator(BaseModel):
     """
     Gradient norms observed.
     """
-    sum: float
+    sum: StrictFloat
     """
     Sum of the observed norms in observation order (float64).
     """
@@ -765,7 +766,7 @@ class OpdCollapseAccumulators(BaseModel):
     model_config = ConfigDict(
         extra="forbid",
     )
-    compression_ratio_sum: float
+    compression_ratio_sum: StrictFloat
     """
     Sum over non-empty rollouts of raw length / zlib-compressed length of the response text (higher means more repetitive).
     """
@@ -773,7 +774,7 @@ class OpdCollapseAccumulators(BaseModel):
     """
     Rollouts that contributed to `kl_sum`.
     """
-    kl_sum: float
+    kl_sum: StrictFloat
     """
     Sum over contributing rollouts of their mean per-position reverse KL.
     """
@@ -807,19 +808,19 @@ class OpdCollapseSnapshot(BaseModel):
     """
     Optimizer step of the snapshot.
     """
-    mean_compression_ratio: float | None
+    mean_compression_ratio: StrictFloat | None
     """
     Mean response compression ratio, or null without non-empty rollouts.
     """
-    mean_kl: float | None
+    mean_kl: StrictFloat | None
     """
     `kl_sum / kl_observations`, or null without observations.
     """
-    mean_response_tokens: float | None
+    mean_response_tokens: StrictFloat | None
     """
     `response_tokens / rollouts`, or null without rollouts.
     """
-    truncation_rate: Annotated[float, Field(ge=0.0, le=1.0)]
+    truncation_rate: Annotated[StrictFloat, Field(ge=0.0, le=1.0)]
     """
     `truncated_rollouts / rollouts` (0 without rollouts).
     """
@@ -873,7 +874,7 @@ class OpdLoopState(BaseModel):
     """
     Committed optimizer steps.
     """
-    last_loss: float | None
+    last_loss: StrictFloat | None
     """
     Loss of the latest committed step (the last history entry), or null before the first step.
     """
@@ -881,7 +882,7 @@ class OpdLoopState(BaseModel):
     """
     Gradient-norm accumulators per LoRA module, sorted by module name, one entry per module.
     """
-    loss_history: list[float]
+    loss_history: list[StrictFloat]
     """
     Loss of every committed optimizer step in order, one finite number per step.
     """
@@ -999,7 +1000,7 @@ class SftLoopState(BaseModel):
     model_config = ConfigDict(
         extra="forbid",
     )
-    best_epoch_loss: float | None = None
+    best_epoch_loss: StrictFloat | None = None
     """
     Lowest mean epoch loss of the completed epochs. Present exactly when `epoch_index` > 0.
     """
@@ -1007,7 +1008,7 @@ class SftLoopState(BaseModel):
     """
     Examples of the current epoch trained so far; equals `cursor_in_epoch`.
     """
-    current_epoch_loss_sum: float
+    current_epoch_loss_sum: StrictFloat
     """
     Sum of the losses of the current epoch so far, added left to right in float64 starting from 0.0.
     """
@@ -1019,7 +1020,7 @@ class SftLoopState(BaseModel):
     """
     Epoch of the next example.
     """
-    first_epoch_loss: float | None = None
+    first_epoch_loss: StrictFloat | None = None
     """
     Mean loss of the first epoch. Present exactly when `epoch_index` > 0.
     """
@@ -1027,7 +1028,7 @@ class SftLoopState(BaseModel):
     """
     Committed optimizer steps (one per example).
     """
-    last_loss: float | None
+    last_loss: StrictFloat | None
     """
     Loss of the latest committed step (the last history entry), or null before the first step.
     """
@@ -1035,7 +1036,7 @@ class SftLoopState(BaseModel):
     """
     Gradient-norm accumulators per LoRA module, sorted by module name, one entry per module.
     """
-    loss_history: list[float]
+    loss_history: list[StrictFloat]
     """
     Loss of every committed optimizer step in order, one finite number per step.
     """
@@ -1478,7 +1479,7 @@ class GrpoLoopState(BaseModel):
     """
     Committed optimizer steps (one per group with `token_level` aggregation, one per completion with `per_sample`).
     """
-    last_loss: float | None
+    last_loss: StrictFloat | None
     """
     Loss of the latest committed step (the last history entry), or null before the first step.
     """
@@ -1486,7 +1487,7 @@ class GrpoLoopState(BaseModel):
     """
     Gradient-norm accumulators per LoRA module, sorted by module name, one entry per module.
     """
-    loss_history: list[float]
+    loss_history: list[StrictFloat]
     """
     Loss of every committed optimizer step in order, one finite number per step.
     """

@@ -3,7 +3,15 @@
 # Do not edit: change the schema or the generator, then regenerate.
 from __future__ import annotations
 from typing import Annotated, Any
-from pydantic import BaseModel, ConfigDict, Field, RootModel, StrictInt, StrictStr
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    RootModel,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+)
 from enum import StrEnum
 
 
@@ -122,8 +130,8 @@ class U64(RootModel[StrictInt]):
     """
 
 
-class UnitInterval(RootModel[float]):
-    root: Annotated[float, Field(ge=0.0, le=1.0)]
+class UnitInterval(RootModel[StrictFloat]):
+    root: Annotated[StrictFloat, Field(ge=0.0, le=1.0)]
     """
     A number from 0 through 1 inclusive.
     """

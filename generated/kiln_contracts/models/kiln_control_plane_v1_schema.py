@@ -9,6 +9,7 @@ from pydantic import (
     Field,
     RootModel,
     StrictBool,
+    StrictFloat,
     StrictInt,
     StrictStr,
 )
@@ -31,15 +32,15 @@ class AdamWOptimizer(BaseModel):
     model_config = ConfigDict(
         extra="forbid",
     )
-    beta1: Annotated[float | None, Field(ge=0.0, lt=1.0)] = None
+    beta1: Annotated[StrictFloat | None, Field(ge=0.0, lt=1.0)] = None
     """
     First-moment decay; default 0.9.
     """
-    beta2: Annotated[float | None, Field(ge=0.0, lt=1.0)] = None
+    beta2: Annotated[StrictFloat | None, Field(ge=0.0, lt=1.0)] = None
     """
     Second-moment decay; default 0.999.
     """
-    eps: Annotated[float | None, Field(gt=0.0)] = None
+    eps: Annotated[StrictFloat | None, Field(gt=0.0)] = None
     """
     Denominator stabiliser; default 1e-8.
     """
@@ -47,7 +48,7 @@ class AdamWOptimizer(BaseModel):
     """
     AdamW with decoupled weight decay, run with deterministic (non-fused, non-foreach) kernels.
     """
-    weight_decay: Annotated[float | None, Field(ge=0.0)] = None
+    weight_decay: Annotated[StrictFloat | None, Field(ge=0.0)] = None
     """
     Decoupled weight decay; default 0.
     """
@@ -207,22 +208,22 @@ class AdapterSmokePrompts(RootModel[list[kiln_common_v1_schema.NonEmptyString]])
     """
 
 
-class ClipEpsHigh(RootModel[float]):
-    root: Annotated[float, Field(ge=0.0)]
+class ClipEpsHigh(RootModel[StrictFloat]):
+    root: Annotated[StrictFloat, Field(ge=0.0)]
     """
     Separate upper clip range (1 + eps_high); null or absent reuses `clip_epsilon`.
     """
 
 
-class RewardFilterVarMax(RootModel[float]):
-    root: Annotated[float, Field(ge=0.0)]
+class RewardFilterVarMax(RootModel[StrictFloat]):
+    root: Annotated[StrictFloat, Field(ge=0.0)]
     """
     Keep only groups whose reward variance is at most this value; null or absent sets no upper bound.
     """
 
 
-class RewardFilterVarMin(RootModel[float]):
-    root: Annotated[float, Field(ge=0.0)]
+class RewardFilterVarMin(RootModel[StrictFloat]):
+    root: Annotated[StrictFloat, Field(ge=0.0)]
     """
     Keep only groups whose reward variance is at least this value; null or absent sets no lower bound.
     """
@@ -284,7 +285,7 @@ class KlReferencePolicy3(BaseModel):
     model_config = ConfigDict(
         extra="allow",
     )
-    decay: Annotated[float | None, Field(ge=0.0, le=1.0)] = None
+    decay: Annotated[StrictFloat | None, Field(ge=0.0, le=1.0)] = None
     """
     EMA decay applied at each refresh: reference = decay x reference + (1 - decay) x current.
     """
@@ -298,8 +299,8 @@ class KlReferencePolicy3(BaseModel):
     """
 
 
-class LearningRate(RootModel[float]):
-    root: Annotated[float, Field(gt=0.0)]
+class LearningRate(RootModel[StrictFloat]):
+    root: Annotated[StrictFloat, Field(gt=0.0)]
     """
     A constant learning rate; a finite number greater than zero.
     """
@@ -326,7 +327,7 @@ class MuonOptimizer(BaseModel):
     """
     Momentum with Newton-Schulz orthogonalised updates (the default optimizer).
     """
-    momentum: Annotated[float | None, Field(ge=0.0, lt=1.0)] = None
+    momentum: Annotated[StrictFloat | None, Field(ge=0.0, lt=1.0)] = None
     """
     Momentum coefficient; default 0.95.
     """
@@ -338,7 +339,7 @@ class MuonOptimizer(BaseModel):
     """
     Newton-Schulz iterations per update; default 5.
     """
-    weight_decay: Annotated[float | None, Field(ge=0.0)] = None
+    weight_decay: Annotated[StrictFloat | None, Field(ge=0.0)] = None
     """
     Decoupled weight decay; default 0.
     """
@@ -484,7 +485,7 @@ class StableOpdMode3(BaseModel):
     model_config = ConfigDict(
         extra="allow",
     )
-    kl_beta: float
+    kl_beta: StrictFloat
     """
     Weight of the stabilising KL term.
     """
@@ -492,7 +493,7 @@ class StableOpdMode3(BaseModel):
     """
     Reference manual stabilisation; rejected by Kiln.
     """
-    sft_lambda: float
+    sft_lambda: StrictFloat
     """
     Weight of the stabilising SFT term.
     """
@@ -549,7 +550,7 @@ class TrainingLossSample(BaseModel):
     model_config = ConfigDict(
         extra="forbid",
     )
-    elapsed_secs: Annotated[float, Field(ge=0.0)]
+    elapsed_secs: Annotated[StrictFloat, Field(ge=0.0)]
     """
     Seconds since the job started running.
     """
@@ -557,11 +558,11 @@ class TrainingLossSample(BaseModel):
     """
     Epoch the step belongs to (1-based).
     """
-    loss: float
+    loss: StrictFloat
     """
     Loss of the committed step.
     """
-    progress: Annotated[float, Field(ge=0.0, le=1.0)]
+    progress: Annotated[StrictFloat, Field(ge=0.0, le=1.0)]
     """
     Job progress when the loss was recorded.
     """
@@ -607,7 +608,7 @@ class TrainingStatus(BaseModel):
     """
     Name of the adapter the job writes; null when not yet chosen.
     """
-    current_loss: float | None
+    current_loss: StrictFloat | None
     """
     Loss of the most recent committed step; null before the first step.
     """
@@ -617,7 +618,7 @@ class TrainingStatus(BaseModel):
     """
     The job's effective seed as a decimal string; Kiln always includes it.
     """
-    elapsed_secs: Annotated[float, Field(ge=0.0)]
+    elapsed_secs: Annotated[StrictFloat, Field(ge=0.0)]
     """
     Seconds spent running so far, or in total once terminal.
     """
@@ -641,7 +642,7 @@ class TrainingStatus(BaseModel):
     """
     The trainer that runs the job.
     """
-    progress: Annotated[float, Field(ge=0.0, le=1.0)]
+    progress: Annotated[StrictFloat, Field(ge=0.0, le=1.0)]
     """
     Fraction of the planned optimizer steps committed, from 0 to 1.
     """
@@ -722,7 +723,7 @@ class EchoConfig(BaseModel):
     """
     Which observation tokens count; default `env_only`.
     """
-    lambda_: Annotated[float | None, Field(alias="lambda", ge=0.0)] = None
+    lambda_: Annotated[StrictFloat | None, Field(alias="lambda", ge=0.0)] = None
     """
     Weight of the ECHO term (mean cross-entropy over observation tokens) added to the loss; default 0.05.
     """
@@ -854,7 +855,7 @@ class ScoredRollout(BaseModel):
     """
     How the completion was generated (behaviour policy, tokenizer, chat-template invocation, sampling settings, per-token log-probabilities), in the rollout-provenance v1 layout. Required on every rollout when `behavior_policy` is `recorded`; otherwise kept for the policy audit.
     """
-    reward: float
+    reward: StrictFloat
     """
     The scalar reward the completion earned.
     """
@@ -924,7 +925,7 @@ class SftConfig(BaseModel):
     """
     Constant learning rate. Omitted or null selects the default for the optimizer: muon 1e-3, adam_w and sgd 1e-4. The resolved value is recorded in the effective configuration.
     """
-    lora_alpha: Annotated[float | None, Field(gt=0.0)] = None
+    lora_alpha: Annotated[StrictFloat | None, Field(gt=0.0)] = None
     """
     LoRA alpha; default 32. A ratio alpha / rank above 2 needs `allow_high_lora_scale`.
     """
@@ -1030,7 +1031,7 @@ class TrainingJobDetail(BaseModel):
     """
     Why the newest checkpoint could not be summarised (for example a manifest that fails validation); null otherwise.
     """
-    current_loss: float | None
+    current_loss: StrictFloat | None
     """
     Loss of the most recent committed step; null before the first step.
     """
@@ -1040,7 +1041,7 @@ class TrainingJobDetail(BaseModel):
     """
     The job's effective seed as a decimal string; Kiln always includes it.
     """
-    elapsed_secs: Annotated[float, Field(ge=0.0)]
+    elapsed_secs: Annotated[StrictFloat, Field(ge=0.0)]
     """
     Seconds spent running so far, or in total once terminal.
     """
@@ -1084,7 +1085,7 @@ class TrainingJobDetail(BaseModel):
     """
     Why stored job metadata could not be read; null otherwise.
     """
-    progress: Annotated[float, Field(ge=0.0, le=1.0)]
+    progress: Annotated[StrictFloat, Field(ge=0.0, le=1.0)]
     """
     Fraction of the planned optimizer steps committed, from 0 to 1.
     """
@@ -1180,7 +1181,7 @@ class GrpoConfig(BaseModel):
     """
     Publish an exact-resume checkpoint after every N committed groups. Omitted or null uses the server's `training.checkpoint_interval`; zero is invalid.
     """
-    cispo_max_weight: Annotated[float | None, Field(gt=0.0)] = None
+    cispo_max_weight: Annotated[StrictFloat | None, Field(gt=0.0)] = None
     """
     Cap of the stop-gradient importance weight when `is_level` is `cispo`; default 5.0.
     """
@@ -1188,7 +1189,7 @@ class GrpoConfig(BaseModel):
     """
     Separate upper clip range (1 + eps_high); null or absent reuses `clip_epsilon`.
     """
-    clip_epsilon: Annotated[float | None, Field(ge=0.0)] = None
+    clip_epsilon: Annotated[StrictFloat | None, Field(ge=0.0)] = None
     """
     Lower clip range of the importance ratio (1 - eps), and the upper one unless `clip_eps_high` is set; default 0.2.
     """
@@ -1212,7 +1213,7 @@ class GrpoConfig(BaseModel):
     """
     Importance-sampling level; default `token`.
     """
-    kl_coeff: Annotated[float | None, Field(ge=0.0)] = None
+    kl_coeff: Annotated[StrictFloat | None, Field(ge=0.0)] = None
     """
     Weight of the KL penalty; default 0.1. Zero turns the KL term off.
     """
@@ -1230,7 +1231,7 @@ class GrpoConfig(BaseModel):
     """
     Constant learning rate. Omitted or null selects the default for the optimizer: muon 2e-3, adam_w and sgd 1e-5. The resolved value is recorded in the effective configuration.
     """
-    lora_alpha: Annotated[float | None, Field(gt=0.0)] = None
+    lora_alpha: Annotated[StrictFloat | None, Field(gt=0.0)] = None
     """
     LoRA alpha; default 32. A ratio alpha / rank above 2 needs `allow_high_lora_scale`.
     """
@@ -1280,11 +1281,11 @@ class GrpoConfig(BaseModel):
     """
     Keep only groups whose reward variance is at least this value; null or absent sets no lower bound.
     """
-    reward_low_variance_threshold: Annotated[float | None, Field(ge=0.0)] = None
+    reward_low_variance_threshold: Annotated[StrictFloat | None, Field(ge=0.0)] = None
     """
     Group reward variance at or below which a group counts as degenerate in the reward statistics; default 1e-12. Diagnostic only.
     """
-    reward_saturation_threshold: float | None = None
+    reward_saturation_threshold: StrictFloat | None = None
     """
     Reward at or above which a completion counts as a pass in the reward statistics (all-pass groups); default 0.95. Diagnostic only.
     """
@@ -1364,7 +1365,7 @@ class OpdConfig(BaseModel):
     """
     Publish an exact-resume checkpoint after every N committed optimizer steps. Omitted means 25; null defers to the server's `training.checkpoint_interval`; zero is invalid.
     """
-    clip_epsilon: float | None = None
+    clip_epsilon: StrictFloat | None = None
     """
     Reference ratio clipping for OPD; Kiln requires 0 (the default).
     """
@@ -1372,7 +1373,7 @@ class OpdConfig(BaseModel):
     """
     Run the backward pass under autograd anomaly detection to locate the source of non-finite values; much slower, meant for debugging. Default false.
     """
-    discount: float | None = None
+    discount: StrictFloat | None = None
     """
     Per-position discount of the reference objective; Kiln requires 0 (the default).
     """
@@ -1392,7 +1393,7 @@ class OpdConfig(BaseModel):
     """
     Constant learning rate. Omitted or null selects the default for the optimizer: muon 2e-3, adam_w and sgd 1e-5. The resolved value is recorded in the effective configuration.
     """
-    lora_alpha: Annotated[float | None, Field(gt=0.0)] = None
+    lora_alpha: Annotated[StrictFloat | None, Field(gt=0.0)] = None
     """
     LoRA alpha; default 32. A ratio alpha / rank above 2 needs `allow_high_lora_scale`.
     """
@@ -1404,7 +1405,7 @@ class OpdConfig(BaseModel):
     """
     Teacher-distribution granularity; default `teacher_top_k`.
     """
-    max_cost_usd: float | None = None
+    max_cost_usd: StrictFloat | None = None
     """
     Spending cap for paid teachers in the reference API. Kiln has no cost accounting: only null or absent is accepted.
     """
@@ -1448,7 +1449,7 @@ class OpdConfig(BaseModel):
     """
     Stable-OPD mode; only `{"mode": "off"}` runs.
     """
-    temperature: Annotated[float | None, Field(gt=0.0)] = None
+    temperature: Annotated[StrictFloat | None, Field(gt=0.0)] = None
     """
     Student sampling temperature; default 1.0.
     """
@@ -1456,7 +1457,7 @@ class OpdConfig(BaseModel):
     """
     Teacher top-K per position; default 32. Kiln executes 16 or 32, clamped to the teacher's maximum top-K.
     """
-    top_p: Annotated[float | None, Field(gt=0.0, le=1.0)] = None
+    top_p: Annotated[StrictFloat | None, Field(gt=0.0, le=1.0)] = None
     """
     Student nucleus-sampling mass; default 0.9.
     """

@@ -9,6 +9,7 @@ from pydantic import (
     Field,
     RootModel,
     StrictBool,
+    StrictFloat,
     StrictInt,
     StrictStr,
     StringConstraints,
@@ -189,7 +190,7 @@ class HealthActiveJob(BaseModel):
     """
     Trainer the job runs.
     """
-    progress: Annotated[float, Field(ge=0.0, le=1.0)]
+    progress: Annotated[StrictFloat, Field(ge=0.0, le=1.0)]
     """
     Fraction of planned optimizer steps committed so far, from 0 to 1.
     """
