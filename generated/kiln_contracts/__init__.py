@@ -16,11 +16,11 @@ from importlib import resources
 from typing import Any
 
 SCHEMA_DIGESTS: dict[str, str] = {
-    "kiln-artifacts-v1.schema.json": "sha256:e094b8bfe34667f709071aef5a8e4a5936e808d9b96dae0977319b480dedb53d",
+    "kiln-artifacts-v1.schema.json": "sha256:a4f58ede7104bb0379ab348217fb044740b54372a0e049e1ef3340c31f0caca7",
     "kiln-checkpoint-v1.schema.json": "sha256:21078388440e610ce4d4d6fce5d827c70ca463bae76b0f28ef0791e0ada4b66a",
     "kiln-common-v1.schema.json": "sha256:578fb0867921ff18b61214d1e6a909abccdcc2532c6c6bd5a1c1aada83583c73",
     "kiln-config-v1.schema.json": "sha256:fe225dfed3f0b89e9f92aa718d8aa56c2473d29fb9b71d99ab178444d1ddb443",
-    "kiln-control-plane-v1.schema.json": "sha256:2503c4d4a027d2d9b6ba257b58731fd5edd4f08516efd8efde4c7cbcce241d64",
+    "kiln-control-plane-v1.schema.json": "sha256:22f1e6cec1ecce7b8cc92e4bfb0f5d63e7eed162be5f2cc03ae4f9f4885c55b1",
     "kiln-observability-v1.schema.json": "sha256:f2577529d90ec5b8426f93f2fe6f869a6a95ee86838974a450e002caeeacccbd"
 }
 

@@ -1,0 +1,26 @@
+"""The model layer: find, materialise and load a base model, and capture its identity.
+
+``resolve_model_path(cli)``  --model > KILN_MODEL_PATH > kiln.toml model.path > the tiny default
+``load_base_model(path)``    a frozen Hugging Face causal LM and its tokenizer (local files only)
+``capture_identity(...)``    base-weight shard manifest, config/tokenizer/template digests,
+                             execution provenance and training precision -- once per process
+``create_tiny(path, seed)``  write a tiny model (same tokenizer, weights from ``seed``)
+"""
+
+from __future__ import annotations
+
+from kiln.model._identity import ModelIdentity, capture_identity, training_precision
+from kiln.model._loader import LoadedModel, load_base_model, resolve_model_path
+from kiln.model._tiny import TINY_NAME, create_tiny, ensure_default_tiny
+
+__all__ = [
+    "TINY_NAME",
+    "LoadedModel",
+    "ModelIdentity",
+    "capture_identity",
+    "create_tiny",
+    "ensure_default_tiny",
+    "load_base_model",
+    "resolve_model_path",
+    "training_precision",
+]

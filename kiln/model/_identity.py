@@ -1,0 +1,247 @@
+"""Identity of the base model and of this process, captured once per process.
+
+* the base-weight shard manifest (every ``*.safetensors`` shard hashed, in parallel, streamed);
+* digests of ``config.json``, ``tokenizer_config.json``, ``tokenizer.json`` (the vocabulary)
+  and the chat template text (serving and training templates are the same text here);
+* the execution provenance record (``kiln.execution-provenance.v1``) of this Python/PyTorch
+  process, self-digested;
+* the training precision record read from the live trainer.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import subprocess
+import sys
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+from kiln import __version__
+from kiln.artifacts.base_weights import build_base_weight_manifest
+from kiln.artifacts.provenance import seal_execution_provenance
+from kiln.digests import file_sha256, json_sha256, prefixed
+
+SECRET_MARKERS = ("KEY", "TOKEN", "SECRET", "PASSWORD", "PRIVATE", "AUTH", "CREDENTIAL")
+REDACTED = "<redacted-present>"
+_DTYPE_NAMES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
+
+
+@dataclass(frozen=True)
+class ModelIdentity:
+    path: str
+    config_hash: str
+    tokenizer_config_hash: str
+    tokenizer_vocab_hash: str
+    chat_template_hash: str
+    training_chat_template_hash: str
+    tokenizer_combined_hash: str
+    base_weight_shard_manifest: dict[str, Any]
+    execution_provenance: dict[str, Any]
+
+
+def dtype_name(dtype: Any) -> str:
+    return _DTYPE_NAMES.get(str(dtype).removeprefix("torch."), str(dtype).removeprefix("torch."))
+
+
+def training_precision(*, parameter_dtype: str = "f32", optimizer_kind: str = "muon") -> dict[str, Any]:
+    """The training-precision record of the native trainer (fp32 master weights, no accumulation)."""
+    return {
+        "parameter_dtype": parameter_dtype,
+        "optimizer_state_dtype": "none" if optimizer_kind == "sgd" else parameter_dtype,
+        "activation_dtype": parameter_dtype,
+        "gradient_dtype": parameter_dtype,
+        "stochastic_rounding": {"mode": "round_to_nearest"},
+    }
+
+
+def _file_hash(path: Path) -> str:
+    return prefixed(file_sha256(path)[0]) if path.is_file() else prefixed(hashlib.sha256(b"").hexdigest())
+
+
+def _text_hash(text: str) -> str:
+    return prefixed(hashlib.sha256(text.encode("utf-8")).hexdigest())
+
+
+def environment_digest(environ: dict[str, str] | None = None) -> str:
+    """Digest of the sorted ``KILN_*`` variables, secret-looking values redacted."""
+    env = os.environ if environ is None else environ
+    items = {}
+    for name in sorted(k for k in env if k.startswith("KILN_")):
+        secret = any(marker in name.upper() for marker in SECRET_MARKERS)
+        items[name] = REDACTED if secret else env[name]
+    return json_sha256(items)
+
+
+@cache
+def _executable_sha256() -> str:
+    return prefixed(file_sha256(Path(os.path.realpath(sys.executable)))[0])
+
+
+@cache
+def _source_identity() -> tuple[str, str | None, bool | None]:
+    """(source tree digest over the installed kiln and generated packages, git commit, dirty)."""
+    import kiln
+    import kiln_contracts
+
+    records = []
+    for package in (kiln, kiln_contracts):
+        root = Path(package.__file__).parent
+        for path in sorted(root.rglob("*")):
+            if path.is_file() and "__pycache__" not in path.parts and path.suffix in (".py", ".json"):
+                records.append([f"{package.__name__}/{path.relative_to(root).as_posix()}", file_sha256(path)[0]])
+    tree = json_sha256(records)
+    commit, dirty = None, None
+    repo = Path(kiln.__file__).resolve().parent.parent
+    try:
+        out = subprocess.run(
+            ["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5, check=False
+        )
+        if out.returncode == 0:
+            commit = out.stdout.strip() or None
+            status = subprocess.run(
+                ["git", "-C", str(repo), "status", "--porcelain", "--untracked-files=no"],
+                capture_output=True,
+                text=True,
+                timeout=5,
+                check=False,
+            )
+            dirty = bool(status.stdout.strip()) if status.returncode == 0 else None
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+    return tree, commit, dirty
+
+
+def git_source() -> tuple[str | None, bool | None]:
+    _, commit, dirty = _source_identity()
+    return commit, dirty
+
+
+def _versions() -> dict[str, str]:
+    import peft
+    import pydantic
+    import safetensors
+    import torch
+    import transformers
+
+    return {
+        "kiln": __version__,
+        "peft": peft.__version__,
+        "pydantic": pydantic.VERSION,
+        "python": platform.python_version(),
+        "safetensors": safetensors.__version__,
+        "torch": torch.__version__.split("+")[0],
+        "transformers": transformers.__version__,
+    }
+
+
+def _runtime(device: str) -> tuple[dict[str, Any], list[str], str]:
+    import torch
+
+    threads = torch.get_num_threads()
+    capability = torch.backends.cpu.get_cpu_capability()
+    features = {f"cpu_capability:{capability.lower()}"}
+    if torch.backends.mkldnn.is_available():
+        features.add("mkldnn")
+    if torch.backends.openmp.is_available():
+        features.add("openmp")
+    if torch.cuda.is_available():
+        features.add("cuda")
+    runtime = {
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
+        "build_config": torch.__config__.show(),
+        "cpu_capability": capability,
+        "intra_op_threads": threads,
+        "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+    }
+    if device == "cpu":
+        label = f"cpu ({platform.machine()}, {threads} threads)"
+    else:
+        label = f"{device} ({torch.cuda.get_device_name(0)})" if torch.cuda.is_available() else device
+    return runtime, sorted(features), label
+
+
+def capture_identity(
+    path: Path,
+    tokenizer: Any,
+    *,
+    device: str = "cpu",
+    inference_dtype: str = "f32",
+    training_policy: dict[str, Any] | None = None,
+    server_config: dict[str, Any] | None = None,
+) -> ModelIdentity:
+    """Capture the model's and the process's identity (hashes every weight shard)."""
+    template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else ""
+    config_hash = _file_hash(path / "config.json")
+    tokenizer_config_hash = _file_hash(path / "tokenizer_config.json")
+    vocab_hash = _file_hash(path / "tokenizer.json")
+    template_hash = _text_hash(template)
+    combined = json_sha256({"tokenizer_config": tokenizer_config_hash, "chat_template": template_hash})
+    shards = build_base_weight_manifest(path)
+    runtime, features, device_label = _runtime(device)
+    versions = _versions()
+    tree, commit, dirty = _source_identity()
+    build: dict[str, Any] = {
+        "package_version": __version__,
+        "target": f"{sys.implementation.name}-{sys.version_info.major}.{sys.version_info.minor}-"
+        f"{platform.system().lower()}-{platform.machine()}",
+        "executable_sha256": _executable_sha256(),
+        "source_tree_sha256": tree,
+    }
+    if commit:
+        build["git_commit"] = commit
+    if dirty is not None:
+        build["source_dirty"] = dirty
+    policy = training_policy or training_precision()
+    record = {
+        "schema_version": 1,
+        "provenance_type": "kiln.execution-provenance.v1",
+        "backend": {
+            "name": "torch-cuda" if device.startswith("cuda") else "torch-cpu",
+            "device": device_label,
+            "numerical_runtime_sha256": json_sha256(runtime),
+        },
+        "build": build,
+        "model": {
+            "model_config_sha256": config_hash,
+            "tokenizer_vocab_sha256": vocab_hash,
+            "tokenizer_config_sha256": tokenizer_config_hash,
+            "chat_template_sha256": template_hash,
+            "training_chat_template_sha256": template_hash,
+        },
+        "precision": {
+            "inference_dtype": inference_dtype,
+            "training_policy": ",".join(
+                f"{k.removesuffix('_dtype')}={policy[k]}"
+                for k in ("parameter_dtype", "optimizer_state_dtype", "activation_dtype", "gradient_dtype")
+            )
+            + f",rounding={policy['stochastic_rounding']['mode']}",
+        },
+        "kernels": {
+            "contract_type": "kiln.kernel-contract.v1",
+            "versions": versions,
+            "compiled_features": features,
+            "contract_sha256": "",
+        },
+        "configuration": {
+            "effective_server_config_sha256": json_sha256(server_config or {}),
+            "effective_environment_sha256": environment_digest(),
+        },
+        "provenance_sha256": "",
+    }
+    return ModelIdentity(
+        path=str(path),
+        config_hash=config_hash,
+        tokenizer_config_hash=tokenizer_config_hash,
+        tokenizer_vocab_hash=vocab_hash,
+        chat_template_hash=template_hash,
+        training_chat_template_hash=template_hash,
+        tokenizer_combined_hash=combined,
+        base_weight_shard_manifest=shards,
+        execution_provenance=seal_execution_provenance(record),
+    )
