@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import os
 import platform
+import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -84,8 +85,9 @@ def _executable_sha256() -> str:
 @cache
 def _source_identity() -> tuple[str, str | None, bool | None]:
     """(source tree digest over the installed kiln and generated packages, git commit, dirty)."""
-    import kiln
     import kiln_contracts
+
+    import kiln
 
     records = []
     for package in (kiln, kiln_contracts):
@@ -96,14 +98,17 @@ def _source_identity() -> tuple[str, str | None, bool | None]:
     tree = json_sha256(records)
     commit, dirty = None, None
     repo = Path(kiln.__file__).resolve().parent.parent
+    git = shutil.which("git")
+    if git is None:
+        return tree, None, None
     try:
         out = subprocess.run(
-            ["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5, check=False
+            [git, "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5, check=False
         )
         if out.returncode == 0:
             commit = out.stdout.strip() or None
             status = subprocess.run(
-                ["git", "-C", str(repo), "status", "--porcelain", "--untracked-files=no"],
+                [git, "-C", str(repo), "status", "--porcelain", "--untracked-files=no"],
                 capture_output=True,
                 text=True,
                 timeout=5,

@@ -20,7 +20,9 @@ class LoadedModel:
     is_default: bool
 
 
-def resolve_model_path(cli_path: str | os.PathLike[str] | None = None, *, config_path: str | None = None) -> tuple[Path, bool]:
+def resolve_model_path(
+    cli_path: str | os.PathLike[str] | None = None, *, config_path: str | None = None
+) -> tuple[Path, bool]:
     """(path, is_default): ``--model`` > ``KILN_MODEL_PATH`` > ``model.path`` > the tiny default."""
     for candidate in (cli_path, os.environ.get("KILN_MODEL_PATH"), config_path):
         if candidate:

@@ -91,8 +91,8 @@ def build_tokenizer():
     tok.train_from_iterator(tiny_corpus(), trainer=trainer)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
+        eos_token="<|im_end|>",  # noqa: S106 - a token string, not a password
+        pad_token="<|endoftext|>",  # noqa: S106 - a token string, not a password
         bos_token=None,
         unk_token=None,
         model_max_length=4096,
