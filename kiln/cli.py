@@ -69,6 +69,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("types", help="list the document types `kiln validate` knows")
     p.set_defaults(func=_cmd_types)
+
+    from kiln._cli_train import add_models_parser, add_train_parser  # argparse only; torch loads on use
+
+    add_train_parser(sub)
+    add_models_parser(sub)
     return parser
 
 

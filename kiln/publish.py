@@ -1,0 +1,133 @@
+"""Publication of a training result into the adapter registry.
+
+* ``stage_adapter``: write the PEFT files into a hidden staging directory inside the
+  registry, then rename it to ``<registry>/<adapter>`` (the canonical name is absent
+  before the rename and complete after it);
+* ``write_train_receipt``: the receipt of every attempt, success or failure, written
+  crash-atomically (canonical JSON, temp file, fsync, rename) after strict validation;
+* ``write_adapter_manifest``: on success only, the manifest binding the serving files and
+  the receipt to their SHA-256 digests, with lineage copied from the receipt.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from kiln import contracts
+from kiln.digests import file_sha256, prefixed
+from kiln.errors import ConflictError, RequestError
+
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+RECEIPT = "train_receipt.json"
+MANIFEST = "adapter_manifest.json"
+
+__all__ = ["adapter_file_receipt", "check_target", "stage_adapter", "write_adapter_manifest", "write_train_receipt"]
+
+
+def check_target(registry: Path, name: str) -> Path:
+    """Refuse, before any model work, a name that is not path-safe or already holds an adapter."""
+    if not name or name.startswith(".") or "/" in name or "\\" in name or ".." in name:
+        raise RequestError(
+            f"adapter name {name!r} is not path-safe: it must be non-empty, not start with '.', "
+            "and contain no '/', '\\' or '..'",
+            code="training_invalid_request",
+        )
+    target = registry / name
+    if target.is_symlink() or (target.exists() and not target.is_dir()):
+        raise ConflictError(f"{target} exists and is not an adapter directory", code="adapter_exists")
+    if any((target / f).exists() for f in ADAPTER_FILES):
+        raise ConflictError(
+            f"adapter {name!r} already exists in {registry}",
+            code="adapter_exists",
+            hint=f"choose another --adapter name, or delete it first: kiln adapters delete {name}",
+        )
+    return target
+
+
+def stage_adapter(peft_model: Any, registry: Path, name: str) -> Path:
+    """Save the adapter files and move them into place as ``<registry>/<name>``."""
+    registry.mkdir(parents=True, exist_ok=True)
+    target = check_target(registry, name)
+    staging = Path(tempfile.mkdtemp(prefix=f".{name}.incomplete-", dir=registry))
+    try:
+        peft_model.save_pretrained(staging, safe_serialization=True)
+        for file_name in ADAPTER_FILES:
+            with open(staging / file_name, "rb") as fh:
+                os.fsync(fh.fileno())
+        if target.exists():  # a directory left by an earlier failed run holds only its receipt
+            shutil.rmtree(target)
+        os.replace(staging, target)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    _fsync_dir(registry)
+    return target
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def adapter_file_receipt(adapter_dir: Path | None) -> dict[str, Any]:
+    """``{path, adapter_model_sha256, adapter_model_bytes}`` of ``adapter_model.safetensors``."""
+    weights = adapter_dir / "adapter_model.safetensors" if adapter_dir else None
+    if weights is None or not weights.is_file():
+        return {
+            "path": str(adapter_dir) if adapter_dir else None,
+            "adapter_model_sha256": None,
+            "adapter_model_bytes": None,
+        }
+    digest, size = file_sha256(weights)
+    return {"path": str(adapter_dir), "adapter_model_sha256": prefixed(digest), "adapter_model_bytes": size}
+
+
+def write_train_receipt(adapter_dir: Path, receipt: dict[str, Any]) -> Path:
+    adapter_dir.mkdir(parents=True, exist_ok=True)
+    return contracts.write("TrainReceipt", adapter_dir / RECEIPT, receipt)
+
+
+def write_adapter_manifest(adapter_dir: Path, receipt: dict[str, Any]) -> Path:
+    """Bind the serving files and the receipt of a successful run."""
+    if receipt["status"] != "success":
+        raise ValueError("an adapter manifest is written only for a successful run")
+    digests = {}
+    for file_name in (*ADAPTER_FILES, RECEIPT):
+        digests[file_name] = prefixed(file_sha256(adapter_dir / file_name)[0])
+    runtime = receipt["runtime"]
+    manifest = {
+        "schema_version": 1,
+        "manifest_type": "kiln_adapter_manifest",
+        "adapter_name": receipt["adapter_name"],
+        "safetensors_hash": digests["adapter_model.safetensors"],
+        "config_hash": digests["adapter_config.json"],
+        "receipt_hash": digests[RECEIPT],
+        "parent_adapter": receipt["config"].get("base_adapter"),
+        "model_config_hash": receipt["model"]["config_hash"],
+        "kiln_commit": receipt["kiln"]["git_commit"],
+        "training_data_hash": receipt["training_data"]["sha256"],
+        "training_data_source": receipt["training_data"]["source"],
+        "training_data_path": receipt["training_data"]["path"],
+        "files": {
+            "adapter_model": "adapter_model.safetensors",
+            "adapter_config": "adapter_config.json",
+            "train_receipt": RECEIPT,
+        },
+    }
+    template = receipt["tokenizer"].get("training_chat_template_hash")
+    if template:
+        manifest["training_chat_template_hash"] = template
+    if receipt["model"].get("base_weight_shard_manifest"):
+        manifest["base_weight_shard_manifest"] = receipt["model"]["base_weight_shard_manifest"]
+    if runtime.get("execution_provenance"):
+        manifest["execution_provenance"] = runtime["execution_provenance"]
+    if runtime.get("training_precision"):
+        manifest["training_precision"] = runtime["training_precision"]
+    return contracts.write("AdapterManifest", adapter_dir / MANIFEST, manifest)
