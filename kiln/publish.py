@@ -55,6 +55,9 @@ def stage_adapter(peft_model: Any, registry: Path, name: str) -> Path:
     staging = Path(tempfile.mkdtemp(prefix=f".{name}.incomplete-", dir=registry))
     try:
         peft_model.save_pretrained(staging, safe_serialization=True)
+        for extra in staging.iterdir():  # peft adds a model card; the adapter is exactly its two files
+            if extra.name not in ADAPTER_FILES:
+                extra.unlink()
         for file_name in ADAPTER_FILES:
             with open(staging / file_name, "rb") as fh:
                 os.fsync(fh.fileno())

@@ -10,6 +10,7 @@ gives the same bytes on any machine of the same build.
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any
 
 TARGET_CANDIDATES = (
@@ -50,7 +51,10 @@ def attach_lora(model: Any, *, rank: int, alpha: float, seed: int) -> Any:
         task_type="CAUSAL_LM",
         init_lora_weights=True,
     )
-    peft_model = get_peft_model(model, config)
+    with warnings.catch_warnings():
+        # peft 0.21 asks transformers 5 for a renamed attribute; the deprecation is theirs, not ours
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        peft_model = get_peft_model(model, config)
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in lora_parameters(peft_model).items():
