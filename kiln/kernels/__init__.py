@@ -1,0 +1,41 @@
+"""SFT loss routes: the same masked mean next-token cross-entropy over a frozen LM head, three ways.
+
+* ``full_logits`` -- dense ``[T, V]`` logits, standard cross-entropy; O(T·V). The
+  reference, and the only route that accepts a trainable head.
+* ``active_rows`` -- gathers the A supervised rows, dense cross-entropy on ``[A, V]``; O(A·V).
+* ``fused_chunked_linear_ce`` -- one autograd node: walks the vocabulary in chunks of C
+  with an online log-sum-exp and recomputes chunk logits in backward; O(A·H + A·C).
+
+All routes accumulate in at least fp32 whatever the input dtype, treat ``-100`` labels as
+ignored, return 0.0 (with zero gradients) when nothing is supervised, and are
+deterministic. ``select_loss_route`` picks a route from device capability alone; route
+names are stable strings recorded in receipts.
+
+This package imports only torch and the standard library.
+"""
+
+from __future__ import annotations
+
+from ._select import (
+    ACTIVE_ROWS,
+    FULL_LOGITS,
+    FUSED_CHUNKED_LINEAR_CE,
+    LOSS_ROUTES,
+    LossRouteChoice,
+    choose_loss_route,
+    default_chunk_size,
+    select_loss_route,
+    sft_loss,
+)
+
+__all__ = [
+    "ACTIVE_ROWS",
+    "FULL_LOGITS",
+    "FUSED_CHUNKED_LINEAR_CE",
+    "LOSS_ROUTES",
+    "LossRouteChoice",
+    "choose_loss_route",
+    "default_chunk_size",
+    "select_loss_route",
+    "sft_loss",
+]
