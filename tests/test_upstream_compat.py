@@ -97,3 +97,31 @@ def test_embedded_compat_objects_in_kiln_documents_validate_against_the_referenc
         assert not list(validator.iter_errors(receipt["runtime"][key])), defname
     validator, _ = _upstream_validator("BaseWeightShardManifest")
     assert not list(validator.iter_errors(receipt["model"]["base_weight_shard_manifest"]))
+
+
+def test_a_trained_adapters_manifest_validates_against_the_reference(tmp_path, tiny_model_dir):
+    from kiln.trainers.sft import admit_sft, run_sft
+
+    data = tmp_path / "data.jsonl"
+    data.write_text(
+        json.dumps({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]}) + "\n",
+        encoding="utf-8",
+    )
+    job = admit_sft(
+        adapter_name="compat",
+        registry=tmp_path / "adapters",
+        config={"epochs": 1, "seed": 1},
+        dataset_path=data,
+        model_path=str(tiny_model_dir),
+    )
+    result = run_sft(job)
+    manifest = json.loads(result.manifest_path.read_text(encoding="utf-8"))
+    validator, _ = _upstream_validator("AdapterManifest")
+    assert not [e.message for e in validator.iter_errors(manifest)]
+    for key, defname in (
+        ("base_weight_shard_manifest", "BaseWeightShardManifest"),
+        ("execution_provenance", "ExecutionProvenanceV1"),
+        ("training_precision", "TrainingCheckpointPrecision"),
+    ):
+        validator, _ = _upstream_validator(defname)
+        assert not [e.message for e in validator.iter_errors(manifest[key])], defname
