@@ -104,7 +104,8 @@ def test_a_trained_adapters_manifest_validates_against_the_reference(tmp_path, t
 
     data = tmp_path / "data.jsonl"
     data.write_text(
-        json.dumps({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]}) + "\n",
+        json.dumps({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]})
+        + "\n",
         encoding="utf-8",
     )
     job = admit_sft(
