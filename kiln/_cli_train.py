@@ -73,6 +73,7 @@ def cmd_train_sft(args: argparse.Namespace) -> int:
     if not args.local:
         print("error: submitting to a server is not available yet; run with --local", file=sys.stderr)
         return 2
+    from kiln.config import config_value, load_config
     from kiln.home import adapter_registry
     from kiln.trainers.sft import admit_sft, run_sft
 
@@ -92,14 +93,15 @@ def cmd_train_sft(args: argparse.Namespace) -> int:
     if args.lr is not None:
         config["learning_rate"] = args.lr
     try:
+        settings = load_config()
         examples, dataset_path = _read_examples(path)
         job = admit_sft(
             adapter_name=args.adapter,
-            registry=adapter_registry(args.adapter_dir),
+            registry=adapter_registry(args.adapter_dir or config_value(settings, "model", "adapter_dir")),
             config=config,
             examples=examples,
             dataset_path=dataset_path,
-            model_path=args.model,
+            model_path=args.model or config_value(settings, "model", "path"),
         )
     except KilnError as exc:
         return _error(exc)

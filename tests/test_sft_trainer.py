@@ -168,3 +168,42 @@ def test_the_cli_reports_admission_errors_on_stderr(tmp_path, tiny_model_dir, ca
     err = capsys.readouterr().err
     assert "training_invalid_request" in err
     assert "empty_messages" in err
+
+
+def test_a_base_adapter_warm_starts_the_lora_weights(tmp_path, tiny_model_dir):
+    from safetensors.torch import load_file
+
+    base = _train(tmp_path, tiny_model_dir, "base", config={"epochs": 2, "learning_rate": 0.02})
+    warm = _train(
+        tmp_path,
+        tiny_model_dir,
+        "warm",
+        config={"base_adapter": "base", "optimizer": {"kind": "sgd"}, "learning_rate": 1e-9},
+    )
+    assert warm.status == "success"
+    before = load_file(base.adapter_dir / "adapter_model.safetensors")
+    after = load_file(warm.adapter_dir / "adapter_model.safetensors")
+    assert before.keys() == after.keys()
+    for key in before:
+        assert (before[key] - after[key]).abs().max() < 1e-6, key
+    assert any(float(t.abs().max()) > 0 for k, t in after.items() if "lora_B" in k), "B was copied, not re-initialised"
+    assert (
+        warm.receipt["adapters"]["base"]["adapter_model_sha256"]
+        == base.receipt["adapters"]["output"]["adapter_model_sha256"]
+    )
+    manifest = json.loads(warm.manifest_path.read_text())
+    assert manifest["parent_adapter"] == "base"
+
+
+def test_a_missing_base_adapter_fails_with_its_category(tmp_path, tiny_model_dir):
+    result = _train(tmp_path, tiny_model_dir, "orphan", config={"base_adapter": "nowhere"})
+    assert result.status == "failed"
+    assert result.receipt["failure_reason"] == "base_adapter_missing"
+
+
+def test_a_base_adapter_of_another_shape_fails_with_shape_mismatch(tmp_path, tiny_model_dir):
+    _train(tmp_path, tiny_model_dir, "rank4", config={"lora_rank": 4, "lora_alpha": 8})
+    result = _train(tmp_path, tiny_model_dir, "rank16", config={"base_adapter": "rank4"})
+    assert result.status == "failed"
+    assert result.receipt["failure_reason"] == "shape_mismatch"
+    assert "rank and target modules must match" in result.receipt["failure_message"]

@@ -80,8 +80,14 @@ def effective_config(config: dict[str, Any], adapter_name: str) -> dict[str, Any
     for flag in ("train_mtp", "allow_adapter_shape_conversion", "detect_anomaly"):
         if config.get(flag):
             raise RequestError(f"{flag} is not supported by the {PROFILE} profile", code="training_backend_unsupported")
-    if config.get("resume_checkpoint"):
-        raise RequestError("resuming from a checkpoint is not available yet", code="training_backend_unsupported")
+    for flag, what in (
+        ("resume_checkpoint", "resuming from a checkpoint"),
+        ("checkpoint_interval", "periodic exact-resume checkpoints"),
+        ("adapter_smoke_test", "the post-training adapter smoke test"),
+        ("adapter_smoke_prompts", "the post-training adapter smoke test"),
+    ):
+        if config.get(flag):
+            raise RequestError(f"{flag}: {what} is not available yet", code="training_backend_unsupported")
     try:
         optimizer = effective_optimizer(config.get("optimizer"))
         seed = resolve_seed(config.get("seed"))
@@ -106,7 +112,7 @@ def effective_config(config: dict[str, Any], adapter_name: str) -> dict[str, Any
         "allow_high_lora_scale": bool(config.get("allow_high_lora_scale", False)),
         "output_name": adapter_name,
         "base_adapter": config.get("base_adapter"),
-        "checkpoint_interval": config.get("checkpoint_interval"),
+        "checkpoint_interval": None,
         "seed": seed,
         "optimizer": optimizer,
     }
@@ -137,8 +143,6 @@ def admit_sft(
 
     cfg = effective_config(config, adapter_name)
     check_target(registry, adapter_name)
-    if cfg["base_adapter"]:
-        raise RequestError("base_adapter warm starts are not available yet", code="training_backend_unsupported")
     path, is_default = resolve_model_path(model_path)
     loaded = load_base_model(path, is_default=is_default)
     start = time.perf_counter()
@@ -181,6 +185,8 @@ def run_sft(job: AdmittedSft, *, progress: Progress | None = None) -> SftResult:
         torch.manual_seed(0)  # nothing should draw from the global RNG; pin it anyway
         model = attach_lora(job.loaded.model, rank=cfg["lora_rank"], alpha=cfg["lora_alpha"], seed=cfg["seed"])
         params = lora_parameters(model)
+        if cfg["base_adapter"]:
+            _warm_start(params, base_adapter_dir(job.registry, cfg["base_adapter"]))
         optimizer = build_optimizer(cfg["optimizer"], list(params.values()), cfg["learning_rate"])
         causal = model.get_base_model()
         body, head = causal.get_decoder(), causal.get_output_embeddings()
@@ -234,6 +240,35 @@ def run_sft(job: AdmittedSft, *, progress: Progress | None = None) -> SftResult:
         if isinstance(exc, KeyboardInterrupt):
             raise
         return SftResult("failed", adapter_dir, receipt_path, None, receipt, state["losses"])
+
+
+def base_adapter_dir(registry: Path, base_adapter: str) -> Path:
+    """A registry name or an absolute path of a PEFT adapter directory."""
+    path = Path(base_adapter)
+    return path if path.is_absolute() else registry / base_adapter
+
+
+def _warm_start(params: dict[str, Any], base_dir: Path) -> None:
+    """Copy A/B from a PEFT adapter (weights only: no optimizer state, no data cursor)."""
+    import torch
+    from safetensors.torch import load_file
+
+    weights = base_dir / "adapter_model.safetensors"
+    if not weights.is_file():
+        raise TrainingFailedError("base_adapter_missing", f"base adapter {base_dir} has no adapter_model.safetensors")
+    saved = load_file(weights)
+    with torch.no_grad():
+        for name, param in params.items():
+            key = name.replace(".default.", ".")
+            if key not in saved:
+                raise TrainingFailedError("shape_mismatch", f"base adapter {base_dir} has no tensor {key}")
+            if tuple(saved[key].shape) != tuple(param.shape):
+                raise TrainingFailedError(
+                    "shape_mismatch",
+                    f"base adapter tensor {key} has shape {tuple(saved[key].shape)}, the new adapter needs "
+                    f"{tuple(param.shape)} (rank and target modules must match)",
+                )
+            param.copy_(saved[key].to(param.dtype))
 
 
 def _record_grad_norms(acc: dict[str, list[float]], params: dict[str, Any]) -> None:
@@ -301,7 +336,12 @@ def _receipt(job, identity, precision, route, state, started, *, adapter_dir=Non
             "chat_template_hash": identity.chat_template_hash,
             "training_chat_template_hash": identity.training_chat_template_hash,
         },
-        "adapters": {"base": adapter_file_receipt(None), "output": adapter_file_receipt(adapter_dir)},
+        "adapters": {
+            "base": adapter_file_receipt(
+                base_adapter_dir(job.registry, cfg["base_adapter"]) if cfg["base_adapter"] else None
+            ),
+            "output": adapter_file_receipt(adapter_dir),
+        },
         "training_data": {
             "source": record["source"],
             "path": record.get("source_locator"),
