@@ -75,7 +75,8 @@ def lora_parameters(peft_model: Any) -> dict[str, Any]:
     }
 
 
-def _module_of(name: str) -> str:
+def module_of(name: str) -> str:
+    """The target projection a LoRA parameter belongs to (``q_proj``, ``down_proj``, ...)."""
     return name.split(".lora_")[0].rsplit(".", 1)[-1]
 
 
@@ -88,7 +89,7 @@ def lora_delta_norms(peft_model: Any) -> list[dict[str, Any]]:
             continue
         b = params[name.replace(".lora_A.", ".lora_B.")]
         a_norm, b_norm = float(param.detach().norm()), float(b.detach().norm())
-        entry = pairs.setdefault(_module_of(name), {"a": [], "b": [], "d": []})
+        entry = pairs.setdefault(module_of(name), {"a": [], "b": [], "d": []})
         entry["a"].append(a_norm)
         entry["b"].append(b_norm)
         entry["d"].append(a_norm * b_norm)
@@ -109,7 +110,3 @@ def lora_delta_norms(peft_model: Any) -> list[dict[str, Any]]:
             }
         )
     return out
-
-
-def module_of(name: str) -> str:
-    return _module_of(name)
