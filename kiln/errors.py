@@ -148,8 +148,29 @@ class IntegrityError(ContractError):
 
 
 class CheckpointError(KilnError):
+    """A checkpoint cannot be published, loaded or resumed.
+
+    ``reason`` names the exact case (``sentinel_present``, ``checksum_mismatch``,
+    ``effective_config.learning_rate`` ...; see ``kiln.checkpoints.REASONS``) and
+    ``problems`` lists every finding, so a caller can act on each one.
+    """
+
     codes = ("checkpoint_invalid", "checkpoint_incompatible", "checkpoint_not_resumable", "checkpoint_exists")
     default_code = "checkpoint_invalid"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        code: str | None = None,
+        reason: str | None = None,
+        hint: str | None = None,
+        pointer: str | None = None,
+        problems: list[Problem] | None = None,
+    ):
+        super().__init__(message, code=code, hint=hint, pointer=pointer)
+        self.reason = reason or self.code
+        self.problems = list(problems or [])
 
 
 class RequestError(KilnError):

@@ -5,18 +5,29 @@ Objective: mean next-token cross-entropy over the assistant tokens of one conver
 optimizer step, constant learning rate, no warmup, accumulation or clipping. Only the LoRA
 A/B matrices train; the base model, embeddings and LM head are frozen.
 
-Read top to bottom: admission (config, seed, target, model, data -- everything that can
-fail before training, publishing nothing), setup (identity, LoRA, optimizer, loss route),
-the loop (epochs in the portable SplitMix64 Fisher-Yates order), publication (adapter,
-receipt, manifest). A failure after admission writes a failed receipt with its category.
+Read top to bottom: admission (config, seed, target, checkpoint, model, data, identity --
+everything that can fail before training, publishing nothing; a resume is fully loaded
+and compared here), setup (LoRA, optimizer, restored state), the loop (epochs in the
+portable SplitMix64 Fisher-Yates order, a checkpoint every ``checkpoint_interval``
+committed steps and on cancellation), publication (adapter, receipt, manifest). A
+failure after admission writes a failed receipt with its category.
+
+Checkpoint rules (spec/30): a checkpoint due at the end of an epoch is published at the
+epoch boundary, pointing at the next epoch with cursor 0; none is published at the final
+step (the adapter is). Cancellation is cooperative: the loop finishes the step in flight,
+publishes a checkpoint (unless that boundary was just published) and fails with reason
+``cancelled``. A cancellation that arrives after the last step changes nothing: the run
+is complete and publishes its adapter.
 
 Deliberate simplifications: batch size 1 (one conversation per step); the loss route is
-chosen by capability; the divergence check runs at epoch boundaries only.
+chosen by capability; the divergence check runs at epoch boundaries only; a resumed run's
+receipt reports the phase timings of its own process.
 """
 
 from __future__ import annotations
 
 import resource
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -25,9 +36,21 @@ from pathlib import Path
 from typing import Any
 
 from kiln import __version__, contracts
-from kiln.digests import json_sha256
+from kiln.artifacts.checkpoint_manifest import SFT_SOURCE_KIND
+from kiln.artifacts.loop_state import loop_state_file_name
+from kiln.checkpoints import (
+    LoadedCheckpoint,
+    checkpoint_id,
+    inspect_checkpoint,
+    list_checkpoints,
+    load_checkpoint,
+    publish_checkpoint,
+    require_compatible,
+    resolve_checkpoint_path,
+)
+from kiln.digests import json_sha256, raw_hex
 from kiln.epoch_order import ALGORITHM_ID, epoch_order
-from kiln.errors import RequestError
+from kiln.errors import CheckpointError, RequestError
 from kiln.publish import (
     adapter_file_receipt,
     check_target,
@@ -47,13 +70,36 @@ from kiln.training import (
     resolve_seed,
 )
 from kiln.training._lora import module_of
+from kiln.training._state import (
+    ADAPTER_FILE,
+    LORA_INIT_ALGORITHM,
+    OPTIMIZER_FILE,
+    adapter_tensors,
+    auxiliary_identity,
+    encode_tensors,
+    optimizer_tensors,
+    planning_identity,
+    restore_adapter,
+    restore_optimizer,
+)
 
 PROFILE = "native_online_lora_v1"
+KIND = "sft"
 DIVERGENCE_RATIO = 8.0
 DIVERGENCE_MARGIN = 5.0
 MAX_ALPHA_OVER_RANK = 2.0
+LOOP_FILE = loop_state_file_name(KIND)
 
 Progress = Callable[[dict[str, Any]], None]
+
+
+@dataclass
+class FinalState:
+    """The trainer's state after the last step, encoded like a checkpoint (for proofs)."""
+
+    adapter: bytes
+    optimizer: bytes | None
+    loop_state: dict[str, Any]
 
 
 @dataclass
@@ -64,6 +110,14 @@ class SftResult:
     manifest_path: Path | None
     receipt: dict[str, Any]
     losses: list[float] = field(default_factory=list)
+    checkpoints: list[Path] = field(default_factory=list)
+    cancelled: bool = False
+    resumed_from: Path | None = None
+    final_state: FinalState | None = None
+
+    @property
+    def latest_checkpoint(self) -> Path | None:
+        return self.checkpoints[-1] if self.checkpoints else self.resumed_from
 
 
 # ----------------------------------------------------------------------------- admission
@@ -81,8 +135,6 @@ def effective_config(config: dict[str, Any], adapter_name: str) -> dict[str, Any
         if config.get(flag):
             raise RequestError(f"{flag} is not supported by the {PROFILE} profile", code="training_backend_unsupported")
     for flag, what in (
-        ("resume_checkpoint", "resuming from a checkpoint"),
-        ("checkpoint_interval", "periodic exact-resume checkpoints"),
         ("adapter_smoke_test", "the post-training adapter smoke test"),
         ("adapter_smoke_prompts", "the post-training adapter smoke test"),
     ):
@@ -112,7 +164,7 @@ def effective_config(config: dict[str, Any], adapter_name: str) -> dict[str, Any
         "allow_high_lora_scale": bool(config.get("allow_high_lora_scale", False)),
         "output_name": adapter_name,
         "base_adapter": config.get("base_adapter"),
-        "checkpoint_interval": None,
+        "checkpoint_interval": config.get("checkpoint_interval"),
         "seed": seed,
         "optimizer": optimizer,
     }
@@ -126,6 +178,54 @@ class AdmittedSft:
     loaded: Any
     ingestion: Any
     tokenize_ms: float
+    identity: Any = None
+    precision: dict[str, Any] = field(default_factory=dict)
+    route: str = ""
+    resume: LoadedCheckpoint | None = None
+
+    @property
+    def total_steps(self) -> int:
+        return self.config["epochs"] * len(self.ingestion.examples)
+
+    @property
+    def start_step(self) -> int:
+        return self.resume.manifest["progress"]["global_step"] if self.resume else 0
+
+
+def _checkpoint_seed(config: dict[str, Any], manifest: dict[str, Any], name: str) -> int:
+    """The checkpoint's ``lora-init`` seed is authoritative; a conflicting explicit seed is refused."""
+    seed = manifest["rng_states"]["lora-init"]["seed"]
+    asked = config.get("seed")
+    if asked is not None:
+        try:
+            asked_value = resolve_seed(asked)
+        except ValueError as exc:
+            raise RequestError(str(exc), code="training_invalid_request") from None
+        if asked_value != seed:
+            raise CheckpointError(
+                f"{name} cannot resume this run: effective_config.seed differs: {seed} (checkpoint's lora-init "
+                f"seed) != {asked_value} (this run)",
+                code="checkpoint_incompatible",
+                reason="effective_config.seed",
+                pointer="/effective_config/seed",
+                hint="omit --seed when resuming: the checkpoint's seed is used",
+            )
+    return seed
+
+
+def _refuse_later_checkpoints(registry: Path, adapter: str, start_step: int) -> None:
+    later = [c for c in list_checkpoints(registry, adapter) if c.global_step > start_step]
+    if later:
+        first = later[0].path.name
+        raise CheckpointError(
+            f"adapter {adapter!r} already has checkpoint {first}"
+            + (f" (and {len(later) - 1} more)" if len(later) > 1 else "")
+            + f" past step {start_step}; this run would reach those names, and checkpoints are never overwritten",
+            code="checkpoint_exists",
+            reason="checkpoint_exists",
+            hint=f"resume the newest one with --resume-checkpoint {later[-1].path.name}, or archive (move out of "
+            f"{registry}) every checkpoint of {adapter!r} past step {start_step} before running again",
+        )
 
 
 def admit_sft(
@@ -138,11 +238,43 @@ def admit_sft(
     model_path: str | None = None,
 ) -> AdmittedSft:
     """Everything that can fail before training; raises ``KilnError`` and publishes nothing."""
-    from kiln.data import ingest_sft
-    from kiln.model import load_base_model, resolve_model_path
+    import torch
 
+    from kiln.data import ingest_sft
+    from kiln.kernels import select_loss_route
+    from kiln.model import capture_identity, load_base_model, resolve_model_path, training_precision
+
+    config = dict(config)
+    resume_value = config.pop("resume_checkpoint", None)
+    checkpoint_path = None
+    if resume_value is not None:
+        check_target(registry, adapter_name)  # a path-safe name before it meets the file system
+        checkpoint_path = resolve_checkpoint_path(registry, resume_value)
+        info = inspect_checkpoint(checkpoint_path)  # metadata only: fail fast, before any model work
+        manifest = info.manifest
+        if manifest["training_kind"] != KIND:
+            raise CheckpointError(
+                f"{info.name} is a {manifest['training_kind']} checkpoint; an SFT job resumes only SFT checkpoints",
+                code="checkpoint_incompatible",
+                reason="training_kind",
+                pointer="/training_kind",
+            )
+        if manifest["adapter_name"] != adapter_name:
+            raise CheckpointError(
+                f"{info.name} belongs to adapter {manifest['adapter_name']!r}, not {adapter_name!r}",
+                code="checkpoint_incompatible",
+                reason="adapter_name",
+                pointer="/adapter_name",
+                hint=f"resume with --adapter {manifest['adapter_name']}",
+            )
+        config["seed"] = _checkpoint_seed(config, manifest, info.name)
     cfg = effective_config(config, adapter_name)
     check_target(registry, adapter_name)
+    _refuse_later_checkpoints(
+        registry,
+        adapter_name,
+        inspect_checkpoint(checkpoint_path).manifest["progress"]["global_step"] if checkpoint_path else 0,
+    )
     path, is_default = resolve_model_path(model_path)
     loaded = load_base_model(path, is_default=is_default)
     start = time.perf_counter()
@@ -154,92 +286,347 @@ def admit_sft(
         dataset_path=dataset_path,
         invalid_row_policy=cfg["invalid_row_policy"],
     )
-    return AdmittedSft(adapter_name, registry, cfg, loaded, ingestion, (time.perf_counter() - start) * 1000)
+    tokenize_ms = (time.perf_counter() - start) * 1000
+    torch.use_deterministic_algorithms(True)  # before the identity: provenance records it
+    precision = training_precision(optimizer_kind=cfg["optimizer"]["kind"])
+    identity = capture_identity(loaded.path, loaded.tokenizer, training_policy=precision)
+    route = select_loss_route("cpu", torch.float32)
+    job = AdmittedSft(adapter_name, registry, cfg, loaded, ingestion, tokenize_ms, identity, precision, route)
+    if checkpoint_path is not None:
+        job.resume = load_checkpoint(checkpoint_path)  # every byte hashed, loop state checked
+        require_compatible(checkpoint_path.name, job.resume.manifest, identity_manifest(job))
+    return job
+
+
+# ----------------------------------------------------------------------------- checkpoint identity
+
+
+def identity_manifest(job: AdmittedSft, *, lora_init_position: int = 0) -> dict[str, Any]:
+    """The manifest of this run without progress, files and time: what a resume must match."""
+    cfg, examples = job.config, job.ingestion.examples
+    optimizer = cfg["optimizer"]
+    stateful = optimizer["kind"] != "sgd"
+    record = {k: v for k, v in job.ingestion.record.items() if k != "source_locator"}
+    state_files = {"adapter_parameters": ADAPTER_FILE, "loss_history": LOOP_FILE}
+    if stateful:
+        state_files["optimizer_state"] = OPTIMIZER_FILE
+    return {
+        "schema_version": 1,
+        "manifest_type": "kiln.training-checkpoint.v1",
+        "checkpoint_kind": "resumable",
+        "training_kind": KIND,
+        "adapter_name": job.adapter_name,
+        "effective_config": cfg,
+        "precision_policy": job.precision,
+        "progress": {"total_steps": job.total_steps},
+        "data": {
+            "source_kind": SFT_SOURCE_KIND,
+            "content_sha256": raw_hex(job.ingestion.corpus_sha256),
+            "item_count": len(examples),
+        },
+        "rng_states": {
+            "epoch-order": {"algorithm": ALGORITHM_ID, "seed": cfg["seed"], "position": 0},
+            "lora-init": {"algorithm": LORA_INIT_ALGORITHM, "seed": cfg["seed"], "position": lora_init_position},
+        },
+        "optimizer": {
+            "kind": optimizer["kind"],
+            "step": 0,
+            "hyperparameters": {
+                "learning_rate": cfg["learning_rate"],
+                **{k: v for k, v in optimizer.items() if k != "kind"},
+            },
+            **({"state_file": OPTIMIZER_FILE} if stateful else {}),
+        },
+        "scheduler": {"kind": "constant", "step": 0, "state": {"learning_rate": cfg["learning_rate"]}},
+        "state_files": state_files,
+        "auxiliary_state": {
+            "loop_state_type": "kiln.sft-loop-state.v1",
+            **auxiliary_identity(
+                job.identity, job.precision, planning_identity(device="cpu", sft_loss_route=job.route)
+            ),
+            "training_runtime_planning_identity": planning_identity(device="cpu", sft_loss_route=job.route),
+            "ingestion_receipt_sha256": json_sha256(record),
+            "valid_indices_sha256": json_sha256([ex.row_index for ex in examples]),
+        },
+    }
+
+
+# ----------------------------------------------------------------------------- loop state
+
+
+@dataclass
+class _Loop:
+    """The loop's committed state; ``as_document`` is ``sft_loop_state.json``."""
+
+    items: int
+    epochs: int
+    seed: int
+    global_step: int = 0
+    epoch_index: int = 0
+    cursor: int = 0
+    losses: list[float] = field(default_factory=list)
+    epoch_sum: float = 0.0
+    first_epoch_loss: float | None = None
+    best_epoch_loss: float | None = None
+    grad_norms: dict[str, list[float]] = field(default_factory=dict)  # module -> [count, sum, min, max]
+    order: list[int] = field(default_factory=list)
+
+    @property
+    def total(self) -> int:
+        return self.epochs * self.items
+
+    def refresh_order(self) -> None:
+        self.order = epoch_order(self.seed, self.epoch_index, self.items) if self.global_step < self.total else []
+
+    def commit(self, loss: float, norms: dict[str, float]) -> bool:
+        """Record one optimizer step; True when it ended an epoch."""
+        self.losses.append(loss)
+        self.global_step += 1
+        self.cursor += 1
+        self.epoch_sum += loss
+        for module, value in sorted(norms.items()):
+            acc = self.grad_norms.get(module)
+            if acc is None:
+                self.grad_norms[module] = [1, value, value, value]
+            else:
+                acc[0] += 1
+                acc[1] += value
+                acc[2] = min(acc[2], value)
+                acc[3] = max(acc[3], value)
+        if self.cursor < self.items:
+            return False
+        mean = self.epoch_sum / self.items
+        if self.first_epoch_loss is None:
+            self.first_epoch_loss = self.best_epoch_loss = mean
+        else:
+            _check_divergence(self.epoch_index + 1, mean, self.first_epoch_loss, self.best_epoch_loss)
+            self.best_epoch_loss = min(self.best_epoch_loss, mean)
+        self.epoch_index += 1
+        self.cursor = 0
+        self.epoch_sum = 0.0
+        self.refresh_order()
+        return True
+
+    def as_document(self) -> dict[str, Any]:
+        doc: dict[str, Any] = {
+            "schema_version": 1,
+            "state_type": "kiln.sft-loop-state.v1",
+            "global_step": self.global_step,
+            "epoch_index": self.epoch_index,
+            "cursor_in_epoch": self.cursor,
+            "loss_history": list(self.losses),
+            "last_loss": self.losses[-1] if self.losses else None,
+            "current_epoch_loss_sum": self.epoch_sum,
+            "current_epoch_items": self.cursor,
+            "lora_grad_norms": [
+                {"module": m, "sample_count": int(a[0]), "sum": a[1], "min": a[2], "max": a[3]}
+                for m, a in sorted(self.grad_norms.items())
+            ],
+        }
+        if self.epoch_index > 0:
+            doc["first_epoch_loss"] = self.first_epoch_loss
+            doc["best_epoch_loss"] = self.best_epoch_loss
+        return doc
+
+    @classmethod
+    def restore(cls, doc: dict[str, Any], items: int, epochs: int, seed: int) -> _Loop:
+        loop = cls(items, epochs, seed)
+        loop.global_step, loop.epoch_index, loop.cursor = doc["global_step"], doc["epoch_index"], doc["cursor_in_epoch"]
+        loop.losses = list(doc["loss_history"])
+        loop.epoch_sum = doc["current_epoch_loss_sum"]
+        loop.first_epoch_loss = doc.get("first_epoch_loss")
+        loop.best_epoch_loss = doc.get("best_epoch_loss")
+        loop.grad_norms = {
+            g["module"]: [g["sample_count"], g["sum"], g["min"], g["max"]] for g in doc["lora_grad_norms"]
+        }
+        loop.refresh_order()
+        return loop
+
+
+def _check_divergence(epoch_number: int, mean: float, first: float, best: float) -> None:
+    if mean > DIVERGENCE_RATIO * first and mean > best + DIVERGENCE_MARGIN:
+        raise TrainingFailedError(
+            "training_error",
+            f"training diverged: epoch {epoch_number} mean loss {mean:.4f} exceeds {DIVERGENCE_RATIO:g}x the "
+            f"first epoch ({first:.4f}) and the best epoch ({best:.4f}) by more than {DIVERGENCE_MARGIN:g}",
+        )
+
+
+class TrainingCancelledError(TrainingFailedError):
+    def __init__(self, message: str):
+        super().__init__("cancelled", message)
 
 
 # ----------------------------------------------------------------------------- the run
 
 
-def run_sft(job: AdmittedSft, *, progress: Progress | None = None) -> SftResult:
-    """Train, then publish adapter, receipt and manifest (or a failed receipt)."""
+def run_sft(
+    job: AdmittedSft,
+    *,
+    progress: Progress | None = None,
+    cancel: threading.Event | None = None,
+    keep_final_state: bool = False,
+) -> SftResult:
+    """Train, then publish adapter, receipt and manifest (or a failed receipt).
+
+    ``cancel``: when set, the loop stops at the next committed step, publishes a
+    checkpoint there and fails with reason ``cancelled``.
+    """
     import torch
 
-    from kiln.kernels import select_loss_route, sft_loss
-    from kiln.model import capture_identity, training_precision
+    from kiln.kernels import sft_loss
 
     started = time.perf_counter()
-    cfg, ingestion = job.config, job.ingestion
+    cfg, examples = job.config, job.ingestion.examples
     adapter_dir = job.registry / job.adapter_name
-    precision = training_precision(optimizer_kind=cfg["optimizer"]["kind"])
-    identity = capture_identity(job.loaded.path, job.loaded.tokenizer, training_policy=precision)
-    route = select_loss_route("cpu", torch.float32)
-    state: dict[str, Any] = {
-        "losses": [],
-        "steps": 0,
-        "timings": dict.fromkeys(("policy_forward_ms", "backward_ms", "optimizer_ms"), 0.0),
-        "grad_norms": {},
-        "delta_norms": [],
-    }
-    examples = ingestion.examples
+    loop = _Loop(len(examples), cfg["epochs"], cfg["seed"])
+    timings = dict.fromkeys(("policy_forward_ms", "backward_ms", "optimizer_ms"), 0.0)
+    delta_norms: list[dict[str, Any]] = []
+    published: list[Path] = []
+    interval = cfg["checkpoint_interval"]
     try:
         torch.manual_seed(0)  # nothing should draw from the global RNG; pin it anyway
         model = attach_lora(job.loaded.model, rank=cfg["lora_rank"], alpha=cfg["lora_alpha"], seed=cfg["seed"])
         params = lora_parameters(model)
-        if cfg["base_adapter"]:
-            _warm_start(params, base_adapter_dir(job.registry, cfg["base_adapter"]))
+        lora_init_position = 0 if cfg["base_adapter"] else sum(".lora_A." in name for name in params)
         optimizer = build_optimizer(cfg["optimizer"], list(params.values()), cfg["learning_rate"])
+        if job.resume is not None:
+            manifest = job.resume.manifest
+            restore_adapter(params, job.resume.blobs[manifest["state_files"]["adapter_parameters"]])
+            state_file = manifest["optimizer"].get("state_file")
+            restore_optimizer(optimizer, params, job.resume.blobs[state_file] if state_file else None)
+            loop = _Loop.restore(job.resume.loop_state, len(examples), cfg["epochs"], cfg["seed"])
+            lora_init_position = manifest["rng_states"]["lora-init"]["position"]
+        else:
+            if cfg["base_adapter"]:
+                _warm_start(params, base_adapter_dir(job.registry, cfg["base_adapter"]))
+            loop.refresh_order()
         causal = model.get_base_model()
         body, head = causal.get_decoder(), causal.get_output_embeddings()
         tensors = [
             (torch.tensor(ex.input_ids, dtype=torch.long).unsqueeze(0), torch.tensor(ex.labels[1:], dtype=torch.long))
             for ex in examples
         ]
-        total = cfg["epochs"] * len(examples)
-        epoch_means: list[float] = []
-        for epoch in range(cfg["epochs"]):
-            epoch_sum = 0.0
-            for index in epoch_order(cfg["seed"], epoch, len(examples)):
-                ids, targets = tensors[index]
-                t0 = time.perf_counter()
-                hidden = body(input_ids=ids).last_hidden_state[0, :-1]
-                loss = sft_loss(route, hidden, head.weight, targets)
-                t1 = time.perf_counter()
-                value = float(loss.detach())
-                if not torch.isfinite(loss.detach()):
-                    raise TrainingFailedError(
-                        "nan_loss",
-                        f"non-finite loss {value} at step {state['steps'] + 1} "
-                        f"(epoch {epoch + 1}, row {examples[index].row_index})",
-                    )
-                loss.backward()
-                t2 = time.perf_counter()
-                _record_grad_norms(state["grad_norms"], params)
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-                t3 = time.perf_counter()
-                state["timings"]["policy_forward_ms"] += (t1 - t0) * 1000
-                state["timings"]["backward_ms"] += (t2 - t1) * 1000
-                state["timings"]["optimizer_ms"] += (t3 - t2) * 1000
-                state["losses"].append(value)
-                state["steps"] += 1
-                epoch_sum += value
-                if progress:
-                    progress({"step": state["steps"], "total": total, "loss": value, "tokens": int(ids.shape[1])})
-            epoch_means.append(epoch_sum / len(examples))
-            _check_divergence(epoch_means)
-        state["delta_norms"] = lora_delta_norms(model)
+
+        def publish() -> Path:
+            path = _publish_checkpoint(job, loop, params, optimizer, lora_init_position)
+            published.append(path)
+            return path
+
+        while loop.global_step < loop.total:
+            index = loop.order[loop.cursor]
+            ids, targets = tensors[index]
+            t0 = time.perf_counter()
+            hidden = body(input_ids=ids).last_hidden_state[0, :-1]
+            loss = sft_loss(job.route, hidden, head.weight, targets)
+            t1 = time.perf_counter()
+            value = float(loss.detach())
+            if not torch.isfinite(loss.detach()):
+                raise TrainingFailedError(
+                    "nan_loss",
+                    f"non-finite loss {value} at step {loop.global_step + 1} "
+                    f"(epoch {loop.epoch_index + 1}, row {examples[index].row_index})",
+                )
+            loss.backward()
+            t2 = time.perf_counter()
+            norms = _grad_norms(params)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            t3 = time.perf_counter()
+            timings["policy_forward_ms"] += (t1 - t0) * 1000
+            timings["backward_ms"] += (t2 - t1) * 1000
+            timings["optimizer_ms"] += (t3 - t2) * 1000
+            loop.commit(value, norms)
+            if progress:
+                progress({"step": loop.global_step, "total": loop.total, "loss": value, "tokens": int(ids.shape[1])})
+            if loop.global_step >= loop.total:
+                break
+            just_published = None
+            if interval and loop.global_step % interval == 0:
+                just_published = publish()
+            if cancel is not None and cancel.is_set():
+                where = just_published or publish()
+                raise TrainingCancelledError(
+                    f"cancelled after step {loop.global_step} of {loop.total}; resume from {where.name}"
+                )
+        delta_norms = lora_delta_norms(model)
+        final = _final_state(params, optimizer, loop) if keep_final_state else None
         adapter_dir = stage_adapter(model, job.registry, job.adapter_name)
-        receipt = _receipt(job, identity, precision, route, state, started, adapter_dir=adapter_dir)
+        receipt = _receipt(job, loop, timings, delta_norms, started, adapter_dir=adapter_dir)
         receipt_path = write_train_receipt(adapter_dir, receipt)
         manifest_path = write_adapter_manifest(adapter_dir, receipt)
-        return SftResult("success", adapter_dir, receipt_path, manifest_path, receipt, state["losses"])
+        return SftResult(
+            "success",
+            adapter_dir,
+            receipt_path,
+            manifest_path,
+            receipt,
+            list(loop.losses),
+            published,
+            resumed_from=job.resume.path if job.resume else None,
+            final_state=final,
+        )
     except BaseException as exc:
         reason, message = classify_failure(exc)
-        receipt = _receipt(job, identity, precision, route, state, started, failure=(reason, message))
+        receipt = _receipt(job, loop, timings, delta_norms, started, failure=(reason, message))
         receipt_path = write_train_receipt(adapter_dir, receipt)
         if isinstance(exc, KeyboardInterrupt):
             raise
-        return SftResult("failed", adapter_dir, receipt_path, None, receipt, state["losses"])
+        return SftResult(
+            "failed",
+            adapter_dir,
+            receipt_path,
+            None,
+            receipt,
+            list(loop.losses),
+            published,
+            cancelled=reason == "cancelled",
+            resumed_from=job.resume.path if job.resume else None,
+        )
+
+
+def _publish_checkpoint(job: AdmittedSft, loop: _Loop, params: Any, optimizer: Any, lora_init_position: int) -> Path:
+    stateful = job.config["optimizer"]["kind"] != "sgd"
+
+    def capture() -> tuple[Any, Any, dict[str, Any]]:
+        return (
+            adapter_tensors(params),
+            optimizer_tensors(optimizer, params) if stateful else None,
+            loop.as_document(),
+        )
+
+    def encode(snapshot: tuple[Any, Any, dict[str, Any]]) -> tuple[dict[str, Any], dict[str, tuple[str, bytes]]]:
+        adapter, slots, loop_doc = snapshot
+        manifest = identity_manifest(job, lora_init_position=lora_init_position)
+        step = loop_doc["global_step"]
+        manifest["checkpoint_id"] = checkpoint_id(KIND, step)
+        manifest["created_at"] = datetime.now(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+        manifest["progress"] = {
+            "global_step": step,
+            "total_steps": loop.total,
+            "epoch_index": loop_doc["epoch_index"],
+            "cursor_in_epoch": loop_doc["cursor_in_epoch"],
+            "data_order": list(loop.order),
+        }
+        manifest["rng_states"]["epoch-order"]["position"] = loop_doc["epoch_index"]
+        manifest["optimizer"]["step"] = step
+        manifest["scheduler"]["step"] = step
+        files = {
+            ADAPTER_FILE: ("adapter-parameters", encode_tensors(adapter)),
+            LOOP_FILE: ("loss-history", contracts.render("SftLoopState", loop_doc)),
+        }
+        if slots is not None:
+            files[OPTIMIZER_FILE] = ("optimizer-state", encode_tensors(slots))
+        return manifest, files
+
+    return publish_checkpoint(job.registry, capture, encode).path
+
+
+def _final_state(params: Any, optimizer: Any, loop: _Loop) -> FinalState:
+    slots = optimizer_tensors(optimizer, params)
+    return FinalState(
+        encode_tensors(adapter_tensors(params)), encode_tensors(slots) if slots else None, loop.as_document()
+    )
 
 
 def base_adapter_dir(registry: Path, base_adapter: str) -> Path:
@@ -271,32 +658,20 @@ def _warm_start(params: dict[str, Any], base_dir: Path) -> None:
             param.copy_(saved[key].to(param.dtype))
 
 
-def _record_grad_norms(acc: dict[str, list[float]], params: dict[str, Any]) -> None:
+def _grad_norms(params: dict[str, Any]) -> dict[str, float]:
+    """L2 norm of the LoRA gradients of each target module at this step."""
     squares: dict[str, float] = {}
     for name, param in params.items():
         if param.grad is not None:
             module = module_of(name)
             squares[module] = squares.get(module, 0.0) + float(param.grad.detach().pow(2).sum())
-    for module, sq in squares.items():
-        acc.setdefault(module, []).append(sq**0.5)
-
-
-def _check_divergence(epoch_means: list[float]) -> None:
-    if len(epoch_means) < 2:
-        return
-    first, last, best = epoch_means[0], epoch_means[-1], min(epoch_means[:-1])
-    if last > DIVERGENCE_RATIO * first and last > best + DIVERGENCE_MARGIN:
-        raise TrainingFailedError(
-            "training_error",
-            f"training diverged: epoch {len(epoch_means)} mean loss {last:.4f} exceeds {DIVERGENCE_RATIO:g}x the "
-            f"first epoch ({first:.4f}) and the best epoch ({best:.4f}) by more than {DIVERGENCE_MARGIN:g}",
-        )
+    return {module: sq**0.5 for module, sq in squares.items()}
 
 
 # ----------------------------------------------------------------------------- the receipt
 
 
-def _receipt(job, identity, precision, route, state, started, *, adapter_dir=None, failure=None) -> dict[str, Any]:
+def _receipt(job, loop, timings, delta_norms, started, *, adapter_dir=None, failure=None) -> dict[str, Any]:
     from kiln.model._identity import git_source
 
     cfg, record = job.config, job.ingestion.record
@@ -305,10 +680,13 @@ def _receipt(job, identity, precision, route, state, started, *, adapter_dir=Non
     examples = job.ingestion.examples
     per_epoch_action = sum(ex.supervised_tokens for ex in examples)
     per_epoch_context = sum(len(ex.input_ids) - 1 for ex in examples) - per_epoch_action
-    epochs_done = cfg["epochs"] if failure is None else min(cfg["epochs"], -(-state["steps"] // max(len(examples), 1)))
+    identity, precision, route = job.identity, job.precision, job.route
+    epochs_done = (
+        cfg["epochs"] if failure is None else min(cfg["epochs"], -(-loop.global_step // max(len(examples), 1)))
+    )
     grad_norms = [
-        {"module": m, "sample_count": len(v), "min": min(v), "mean": sum(v) / len(v), "max": max(v)}
-        for m, v in sorted(state["grad_norms"].items())
+        {"module": m, "sample_count": int(a[0]), "min": a[2], "mean": a[1] / a[0], "max": a[3]}
+        for m, a in sorted(loop.grad_norms.items())
     ]
     peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     receipt: dict[str, Any] = {
@@ -371,7 +749,7 @@ def _receipt(job, identity, precision, route, state, started, *, adapter_dir=Non
         "data": {
             "examples_read": record["rows_read"],
             "examples_filtered": record["rows_rejected"],
-            "examples_trained": record["rows_kept"] * cfg["epochs"] if failure is None else state["steps"],
+            "examples_trained": record["rows_kept"] * cfg["epochs"] if failure is None else loop.global_step,
             "groups_read": 0,
             "groups_filtered": 0,
             "groups_trained": 0,
@@ -405,7 +783,7 @@ def _receipt(job, identity, precision, route, state, started, *, adapter_dir=Non
             "tokenize_ms": job.tokenize_ms,
             "mask_build_ms": 0.0,
             "reference_forward_ms": 0.0,
-            **state["timings"],
+            **timings,
             "gpu_writer_wait_ms": 0.0,
             "gpu_writer_held_ms": 0.0,
             "gpu_writer_acquisitions": 0,
@@ -425,7 +803,7 @@ def _receipt(job, identity, precision, route, state, started, *, adapter_dir=Non
             "model_config_hash": identity.config_hash,
             "effective_config_hash": config_hash,
         },
-        "lora_delta_norms": state["delta_norms"],
+        "lora_delta_norms": delta_norms,
         "lora_grad_norms": grad_norms,
         "config": cfg,
     }

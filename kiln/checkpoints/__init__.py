@@ -1,0 +1,140 @@
+"""The exact-resume checkpoint engine, shared by every trainer (spec/30).
+
+A checkpoint protects training progress: resuming continues the same optimizer run, bit
+for bit, or is refused with the exact reason. It is never a warm start (that is
+``base_adapter``), and a PEFT adapter directory is not a checkpoint.
+
+``publish_checkpoint``   crash-safe publication (hidden staging, sentinel, fsync, rename)
+``inspect_checkpoint``   metadata-only strict read (no tensor hashing; flat cost)
+``load_checkpoint``      full strict load: sizes, SHA-256, loop state, with verified bytes
+``list_checkpoints``     the checkpoints of a registry (optionally of one adapter)
+``latest_checkpoint``    the newest valid checkpoint of an adapter, as a summary
+``resolve_checkpoint_path``  where a ``resume_checkpoint`` value may point
+``require_compatible``   resume admission: every difference named by field path
+
+Every refusal is a ``CheckpointError`` whose ``reason`` is one of ``REASONS`` (or, for a
+manifest that breaks its contract, the problem code; for an incompatible resume, the
+dotted field path).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kiln.checkpoints._admission import incompatibilities, require_compatible
+from kiln.checkpoints._names import checkpoint_id, checkpoint_name, parse_checkpoint_name, resolve_checkpoint_path
+from kiln.checkpoints._publish import PublishedCheckpoint, PublishTimings, publish_checkpoint
+from kiln.checkpoints._read import (
+    MAX_FILES,
+    CheckpointInfo,
+    LoadedCheckpoint,
+    inspect_checkpoint,
+    load_checkpoint,
+    summarize,
+)
+from kiln.errors import CheckpointError
+
+REASONS = {
+    # where the checkpoint is
+    "not_found": "the path does not exist",
+    "unreadable": "the path or a file cannot be read",
+    "outside_registry": "a resume names a path that is not a direct child of the adapter registry",
+    "non_canonical_name": "the directory name is not <adapter>-checkpoint-step-<8 digits>.kiln-checkpoint",
+    "symlinked_root": "the checkpoint directory is a symlink",
+    "not_a_directory": "the checkpoint path is not a directory",
+    "sentinel_present": "the .incomplete publication sentinel is present",
+    # the manifest
+    "missing_manifest": "no checkpoint_manifest.json (a PEFT snapshot is not resumable)",
+    "manifest_symlink": "checkpoint_manifest.json is a symlink",
+    "manifest_hard_link": "checkpoint_manifest.json has more than one hard link",
+    "manifest_special_file": "checkpoint_manifest.json is not a regular file",
+    "manifest_too_large": "checkpoint_manifest.json is larger than 16 MiB",
+    "name_mismatch": "the directory name does not match the manifest's adapter and step",
+    "training_kind_not_resumable": "a checkpoint kind Kiln reads but never resumes",
+    # the file set
+    "symlink": "a symlink inside the checkpoint",
+    "hard_link": "a file with more than one hard link",
+    "special_file": "a device, FIFO or socket inside the checkpoint",
+    "too_many_files": "more than 64 files",
+    "extra_file": "a file the manifest does not list",
+    "missing_file": "a file the manifest lists is missing",
+    "size_mismatch": "a file's size differs from the manifest",
+    "checksum_mismatch": "a file's SHA-256 differs from the manifest (full load only)",
+    "loop_state_invalid": "the loop-state file breaks its schema or rules (full load only)",
+    "loop_state_mismatch": "the loop state disagrees with the manifest's progress (full load only)",
+    # publication
+    "checkpoint_exists": "the canonical name is already published",
+}
+
+__all__ = [
+    "MAX_FILES",
+    "REASONS",
+    "CheckpointInfo",
+    "CheckpointListing",
+    "LoadedCheckpoint",
+    "PublishTimings",
+    "PublishedCheckpoint",
+    "checkpoint_id",
+    "checkpoint_name",
+    "incompatibilities",
+    "inspect_checkpoint",
+    "latest_checkpoint",
+    "list_checkpoints",
+    "load_checkpoint",
+    "orphaned_staging_dirs",
+    "parse_checkpoint_name",
+    "publish_checkpoint",
+    "require_compatible",
+    "resolve_checkpoint_path",
+    "summarize",
+]
+
+
+@dataclass(frozen=True)
+class CheckpointListing:
+    """One checkpoint directory of a registry: its metadata, or why it does not validate."""
+
+    path: Path
+    adapter: str
+    global_step: int
+    info: CheckpointInfo | None
+    error: CheckpointError | None
+
+
+def list_checkpoints(registry: str | os.PathLike[str], adapter: str | None = None) -> list[CheckpointListing]:
+    """Every canonical checkpoint directory in ``registry`` (hidden staging never), oldest first."""
+    root = Path(registry)
+    if not root.is_dir():
+        return []
+    found = []
+    for entry in os.scandir(root):
+        parsed = parse_checkpoint_name(entry.name)
+        if parsed is None or (adapter is not None and parsed[0] != adapter):
+            continue
+        try:
+            info, error = inspect_checkpoint(entry.path), None
+        except CheckpointError as exc:
+            info, error = None, exc
+        found.append(CheckpointListing(Path(entry.path), parsed[0], parsed[1], info, error))
+    return sorted(found, key=lambda c: (c.adapter, c.global_step))
+
+
+def latest_checkpoint(registry: str | os.PathLike[str], adapter: str) -> dict[str, Any] | None:
+    """The summary of the newest checkpoint of ``adapter`` whose manifest validates, or None."""
+    valid = [c for c in list_checkpoints(registry, adapter) if c.info is not None]
+    return valid[-1].info.summary if valid else None
+
+
+def orphaned_staging_dirs(registry: str | os.PathLike[str]) -> list[Path]:
+    """Hidden staging directories left by publications that never finished (safe to delete)."""
+    root = Path(registry)
+    if not root.is_dir():
+        return []
+    return sorted(
+        Path(e.path)
+        for e in os.scandir(root)
+        if e.name.startswith(".") and ".kiln-checkpoint.incomplete-" in e.name and e.is_dir(follow_symlinks=False)
+    )

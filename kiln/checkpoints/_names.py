@@ -1,0 +1,92 @@
+"""Checkpoint names and where a resume may point.
+
+A checkpoint is the directory ``<adapter>-checkpoint-step-<8 digits>.kiln-checkpoint``,
+a direct child of the adapter registry. A resume names it by that basename, or by an
+absolute path whose parent is the registry itself; anything else (``..``, nesting, a
+relative path with a separator, a symlink) is refused before any model work.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+from kiln.errors import CheckpointError
+
+SUFFIX = ".kiln-checkpoint"
+STEP_MARK = "-checkpoint-step-"
+_NAME = re.compile(r"(?P<adapter>[^./\\][^/\\]*)-checkpoint-step-(?P<step>[0-9]{8,})\.kiln-checkpoint")
+MAX_NAME_BYTES = 255
+
+__all__ = ["checkpoint_id", "checkpoint_name", "parse_checkpoint_name", "resolve_checkpoint_path"]
+
+
+def checkpoint_name(adapter_name: str, global_step: int) -> str:
+    return f"{adapter_name}{STEP_MARK}{global_step:08d}{SUFFIX}"
+
+
+def checkpoint_id(training_kind: str, global_step: int) -> str:
+    return f"{training_kind}-step-{global_step:08d}"
+
+
+def parse_checkpoint_name(name: str) -> tuple[str, int] | None:
+    """``(adapter, global_step)`` of a canonical basename, or None when it is not one."""
+    if len(name.encode("utf-8")) > MAX_NAME_BYTES or ".." in name:
+        return None
+    match = _NAME.fullmatch(name)
+    if match is None:
+        return None
+    return match["adapter"], int(match["step"])
+
+
+def resolve_checkpoint_path(registry: str | os.PathLike[str], value: str) -> Path:
+    """The checkpoint directory a ``resume_checkpoint`` value names, or ``CheckpointError``.
+
+    Accepted: a canonical basename (looked up in ``registry``) or an absolute path whose
+    parent directory is ``registry``. Existence is checked by the loader, not here.
+    """
+    registry_path = Path(registry)
+    hint = "pass the basename printed by `kiln checkpoints list`, e.g. support-bot-checkpoint-step-00000025.kiln-checkpoint"
+    if not isinstance(value, str) or not value:
+        raise CheckpointError("resume_checkpoint is empty", reason="outside_registry", hint=hint)
+    if "\\" in value or "\x00" in value:
+        raise CheckpointError(
+            f"resume_checkpoint {value!r} contains a backslash or NUL", reason="outside_registry", hint=hint
+        )
+    raw = Path(value)
+    if raw.is_absolute():
+        if any(part in ("..", ".") for part in value.split("/")):
+            raise CheckpointError(
+                f"resume_checkpoint {value!r} is not a normalised path ('.' or '..' component)",
+                reason="outside_registry",
+                hint=hint,
+            )
+        parent = raw.parent
+        try:
+            same = os.path.samefile(parent, registry_path) if parent.exists() and registry_path.exists() else False
+        except OSError:
+            same = False
+        if not same or os.path.realpath(parent) != os.path.realpath(registry_path):
+            raise CheckpointError(
+                f"resume_checkpoint {value!r} is not directly inside the adapter registry {registry_path}",
+                reason="outside_registry",
+                hint=hint,
+            )
+        name = raw.name
+    else:
+        if "/" in value or value in (".", ".."):
+            raise CheckpointError(
+                f"resume_checkpoint {value!r} must be a basename in the adapter registry or an absolute path "
+                "directly inside it (no relative paths, no nesting, no '..')",
+                reason="outside_registry",
+                hint=hint,
+            )
+        name = value
+    if parse_checkpoint_name(name) is None:
+        raise CheckpointError(
+            f"{name!r} is not a checkpoint name (<adapter>-checkpoint-step-<8 digits>.kiln-checkpoint)",
+            reason="non_canonical_name",
+            hint=hint,
+        )
+    return registry_path / name

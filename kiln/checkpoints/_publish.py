@@ -1,0 +1,150 @@
+"""Crash-safe checkpoint publication.
+
+1. refuse if the canonical name exists (names are immutable);
+2. create the hidden sibling ``.<name>.incomplete-<random>`` with an ``.incomplete``
+   sentinel; fsync the sentinel and the directory;
+3. write every state file and fsync it;
+4. record sizes and SHA-256 in the manifest, write it, fsync it;
+5. remove the sentinel, fsync the staging directory;
+6. rename staging to the canonical name, fsync the registry.
+
+The canonical name is absent before step 6 and complete after it; a crash leaves at most
+a hidden staging directory, which no reader lists or loads. Everything is validated
+before the first byte is written, so a bad manifest never reaches the disk.
+
+The work is split in three timed phases: ``capture`` (copy device tensors to host,
+under the caller's lock when the device is shared), ``encode`` (serialise and hash) and
+``write`` (I/O, fsync, rename). Only the first holds the lock.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kiln import _documents
+from kiln._jsonio import fsync_dir
+from kiln.artifacts.checkpoint_manifest import DOC, INCOMPLETE_SENTINEL, MANIFEST_FILE
+from kiln.checkpoints._names import checkpoint_name
+from kiln.checkpoints._read import MAX_FILES, check_loop_state
+from kiln.errors import CheckpointError
+
+log = logging.getLogger("kiln.checkpoints")
+
+__all__ = ["PublishTimings", "PublishedCheckpoint", "publish_checkpoint"]
+
+Files = Mapping[str, tuple[str, bytes]]
+
+
+@dataclass(frozen=True)
+class PublishTimings:
+    capture_ms: float  # device-to-host copy, under the lock
+    encode_ms: float  # serialisation and hashing
+    write_ms: float  # file I/O, fsync and rename
+
+
+@dataclass(frozen=True)
+class PublishedCheckpoint:
+    path: Path
+    manifest: dict[str, Any]
+    timings: PublishTimings
+
+
+def _write_synced(path: Path, data: bytes) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o444)
+    with os.fdopen(fd, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def _staged_files(manifest: dict[str, Any], files: Files) -> tuple[dict[str, Any], bytes]:
+    if len(files) > MAX_FILES:
+        raise ValueError(f"a checkpoint holds at most {MAX_FILES} files, not {len(files)}")
+    entries = {
+        rel: {"role": role, "size_bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+        for rel, (role, data) in sorted(files.items())
+    }
+    complete = {**manifest, "files": entries}
+    rendered = _documents.render(DOC, complete)  # strict: a bad manifest raises before any write
+    loop_file = complete["state_files"]["loss_history"]
+    check_loop_state(complete, files[loop_file][1], source=loop_file)
+    return complete, rendered
+
+
+def publish_checkpoint(
+    registry: str | os.PathLike[str],
+    capture: Callable[[], Any],
+    encode: Callable[[Any], tuple[dict[str, Any], Files]],
+    *,
+    lock: contextlib.AbstractContextManager[Any] | None = None,
+) -> PublishedCheckpoint:
+    """Publish one checkpoint into ``registry``.
+
+    ``capture()`` copies live state to host memory (run under ``lock``); ``encode(snapshot)``
+    returns the manifest without ``files`` and ``{relative path: (role, bytes)}``.
+    """
+    t0 = time.perf_counter()
+    with lock if lock is not None else contextlib.nullcontext():
+        snapshot = capture()
+    t1 = time.perf_counter()
+    manifest, files = encode(snapshot)
+    manifest, rendered = _staged_files(manifest, files)
+    t2 = time.perf_counter()
+
+    root = Path(registry)
+    name = checkpoint_name(manifest["adapter_name"], manifest["progress"]["global_step"])
+    target = root / name
+    if os.path.lexists(target):
+        raise CheckpointError(
+            f"checkpoint {name} already exists in {root}; checkpoints are immutable and never overwritten",
+            code="checkpoint_exists",
+            reason="checkpoint_exists",
+            hint="to rerun from an older checkpoint, first archive (move out of the registry) every later "
+            f"checkpoint of {manifest['adapter_name']!r}, including {name}",
+        )
+    root.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{name}.incomplete-", dir=root))
+    try:
+        _write_synced(staging / INCOMPLETE_SENTINEL, b"")
+        fsync_dir(staging)
+        for rel, (_, data) in sorted(files.items()):
+            path = staging / rel
+            if path.parent != staging:
+                path.parent.mkdir(parents=True, exist_ok=True)
+            _write_synced(path, data)
+        _write_synced(staging / MANIFEST_FILE, rendered)
+        for directory in {(staging / rel).parent for rel in files}:
+            fsync_dir(directory)
+        os.unlink(staging / INCOMPLETE_SENTINEL)
+        fsync_dir(staging)
+        if os.path.lexists(target):  # a concurrent writer won the name
+            raise CheckpointError(
+                f"checkpoint {name} appeared in {root} while it was being published",
+                code="checkpoint_exists",
+                reason="checkpoint_exists",
+            )
+        os.rename(staging, target)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    fsync_dir(root)
+    t3 = time.perf_counter()
+    timings = PublishTimings((t1 - t0) * 1000, (t2 - t1) * 1000, (t3 - t2) * 1000)
+    log.info(
+        "published %s: capture %.1f ms (under lock), encode+hash %.1f ms, write+fsync+rename %.1f ms",
+        name,
+        timings.capture_ms,
+        timings.encode_ms,
+        timings.write_ms,
+    )
+    return PublishedCheckpoint(target, manifest, timings)
