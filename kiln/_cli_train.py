@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -36,6 +39,19 @@ def add_train_parser(sub: Any) -> None:
     p.add_argument("--lora-rank", type=int, default=16)
     p.add_argument("--lora-alpha", type=float, default=32.0)
     p.add_argument("--invalid-row-policy", choices=("fail", "skip"), default="fail")
+    p.add_argument(
+        "--checkpoint-interval",
+        type=int,
+        metavar="N",
+        help="publish an exact-resume checkpoint every N optimizer steps (none by default; Ctrl-C always "
+        "publishes one at the next step)",
+    )
+    p.add_argument(
+        "--resume-checkpoint",
+        metavar="BASENAME",
+        help="continue an interrupted run from this checkpoint (basename in the adapter registry, or an "
+        "absolute path directly inside it); every other option must match the original run",
+    )
     p.add_argument("--json", action="store_true", help="print the result as JSON (no progress bar)")
     p.set_defaults(func=cmd_train_sft)
 
@@ -50,10 +66,66 @@ def add_models_parser(sub: Any) -> None:
 
 
 def _error(exc: KilnError) -> int:
-    print(f"error [{exc.code}]: {exc.message}", file=sys.stderr)
+    reason = getattr(exc, "reason", exc.code)
+    label = exc.code if reason == exc.code else f"{exc.code}: {reason}"
+    print(f"error [{label}]: {exc.message}", file=sys.stderr)
+    problems = getattr(exc, "problems", [])
+    if exc.code == "checkpoint_incompatible" and len(problems) > 1:
+        for problem in problems:
+            print(f"  - {problem.message}", file=sys.stderr)
     if exc.hint:
         print(f"hint: {exc.hint}", file=sys.stderr)
     return 2
+
+
+def _resume_command(args: argparse.Namespace, checkpoint: str) -> str:
+    """The command that continues this run from ``checkpoint`` (same options, no seed: the checkpoint has it)."""
+    argv = ["kiln", "train", "sft", "--local", "-f", str(Path(args.file).resolve()), "--adapter", args.adapter]
+    for flag, value in (
+        ("--adapter-dir", args.adapter_dir),
+        ("--model", args.model),
+        ("--epochs", args.epochs),
+        ("--lr", args.lr),
+        ("--optimizer", args.optimizer),
+        ("--lora-rank", args.lora_rank),
+        ("--lora-alpha", args.lora_alpha),
+        ("--invalid-row-policy", args.invalid_row_policy),
+        ("--checkpoint-interval", args.checkpoint_interval),
+    ):
+        if value is not None:
+            argv += [flag, str(value)]
+    return shlex.join([*argv, "--resume-checkpoint", checkpoint])
+
+
+class _Cancellation:
+    """SIGINT/SIGTERM during training: the first asks for a checkpoint at the next step, the second aborts."""
+
+    def __init__(self, quiet: bool) -> None:
+        self.event = threading.Event()
+        self.signum: int | None = None
+        self.quiet = quiet
+        self._previous: dict[int, Any] = {}
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.event.is_set():
+            raise KeyboardInterrupt
+        self.signum = signum
+        self.event.set()
+        if not self.quiet:
+            print(
+                f"\n{signal.Signals(signum).name}: cancelling after the current step and publishing a checkpoint "
+                "(press Ctrl-C again to abort without one)",
+                file=sys.stderr,
+            )
+
+    def __enter__(self) -> _Cancellation:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
 
 
 def _read_examples(path: Path) -> tuple[list[Any] | None, str | None]:
@@ -92,6 +164,10 @@ def cmd_train_sft(args: argparse.Namespace) -> int:
         config["seed"] = args.seed
     if args.lr is not None:
         config["learning_rate"] = args.lr
+    if args.checkpoint_interval is not None:
+        config["checkpoint_interval"] = args.checkpoint_interval
+    if args.resume_checkpoint is not None:
+        config["resume_checkpoint"] = args.resume_checkpoint
     try:
         settings = load_config()
         examples, dataset_path = _read_examples(path)
@@ -114,11 +190,13 @@ def cmd_train_sft(args: argparse.Namespace) -> int:
             f"Training SFT adapter '{args.adapter}' on {job.loaded.path.name} "
             f"({len(job.ingestion.examples)} conversations x {cfg['epochs']} epoch(s), seed {cfg['seed']})"
         )
+        if job.resume is not None:
+            print(f"Resuming from {job.resume.path.name} (step {job.start_step} of {job.total_steps}, verified)")
     bar = None
     if not args.json:
         from tqdm import tqdm
 
-        bar = tqdm(total=cfg["epochs"] * len(job.ingestion.examples), unit="step", dynamic_ncols=True, file=sys.stderr)
+        bar = tqdm(total=job.total_steps, initial=job.start_step, unit="step", dynamic_ncols=True, file=sys.stderr)
     started = time.perf_counter()
     tokens = [0]
 
@@ -129,12 +207,21 @@ def cmd_train_sft(args: argparse.Namespace) -> int:
             bar.set_postfix(loss=f"{event['loss']:.4f}", tok_s=f"{rate:,.0f}")
             bar.update(1)
 
+    cancellation = _Cancellation(quiet=args.json)
     try:
-        result = run_sft(job, progress=progress)
+        with cancellation:
+            result = run_sft(job, progress=progress, cancel=cancellation.event)
+    except KeyboardInterrupt:
+        if bar is not None:
+            bar.close()
+        print("✗ aborted without a checkpoint; the last published checkpoint is intact", file=sys.stderr)
+        return 130
     finally:
         if bar is not None:
             bar.close()
     receipt = result.receipt
+    latest = result.latest_checkpoint
+    resume = _resume_command(args, latest.name) if latest is not None else None
     if args.json:
         print(
             json.dumps(
@@ -147,6 +234,10 @@ def cmd_train_sft(args: argparse.Namespace) -> int:
                     "failure_reason": receipt["failure_reason"],
                     "failure_message": receipt.get("failure_message"),
                     "final_loss": result.losses[-1] if result.losses else None,
+                    "cancelled": result.cancelled,
+                    "checkpoints": [str(p) for p in result.checkpoints],
+                    "resume_checkpoint": latest.name if latest is not None and result.status != "success" else None,
+                    "resume_command": resume if result.status != "success" else None,
                 },
                 indent=2,
             )
@@ -160,9 +251,16 @@ def cmd_train_sft(args: argparse.Namespace) -> int:
         print(f"Receipt:  {result.receipt_path}")
         print(f"Manifest: {result.manifest_path}")
         print(f"Effective seed: {cfg['seed']}   Loss route: {receipt['runtime']['sft_loss_route']}")
+        if result.checkpoints:
+            print(f"Checkpoints: {len(result.checkpoints)} published (newest {result.checkpoints[-1].name})")
     else:
         print(f"✗ training failed ({receipt['failure_reason']}): {receipt.get('failure_message')}", file=sys.stderr)
         print(f"Receipt: {result.receipt_path}", file=sys.stderr)
+        if latest is not None:
+            print(f"Checkpoint: {latest}", file=sys.stderr)
+            print(f"Resume with:\n  {resume}", file=sys.stderr)
+    if result.cancelled:
+        return 128 + (cancellation.signum or signal.SIGINT)
     return 0 if result.status == "success" else 1
 
 

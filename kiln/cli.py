@@ -56,11 +56,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "validate",
-        help="strictly validate a Kiln JSON document or checkpoint manifest",
+        help="strictly validate a Kiln JSON document or checkpoint directory",
         description="Detect the document type from its type tag (or --type), run the strict loader and "
-        "report every problem with its code and JSON pointer. Exit 0 if valid, 1 if not.",
+        "report every problem with its code and JSON pointer. A checkpoint directory (or the "
+        "checkpoint_manifest.json inside one) gets the full checkpoint load of `kiln checkpoints verify`. "
+        "Exit 0 if valid, 1 if not.",
     )
-    p.add_argument("file", help="path of the JSON document")
+    p.add_argument("file", help="path of the JSON document or checkpoint directory")
     p.add_argument("--type", help="document type (see `kiln types`); required for untagged documents such as requests")
     p.add_argument(
         "--json", action="store_true", help='print {"valid", "type", "errors": [{"code", "pointer", "message"}]}'
@@ -70,9 +72,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("types", help="list the document types `kiln validate` knows")
     p.set_defaults(func=_cmd_types)
 
+    from kiln._cli_checkpoints import add_checkpoints_parser
     from kiln._cli_train import add_models_parser, add_train_parser  # argparse only; torch loads on use
 
     add_train_parser(sub)
+    add_checkpoints_parser(sub)
     add_models_parser(sub)
     return parser
 

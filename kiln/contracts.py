@@ -47,9 +47,39 @@ class ValidationReport:
         return {"valid": self.valid, "type": self.type, "errors": [p.as_dict() for p in self.errors]}
 
 
+CHECKPOINT_DIRECTORY = "TrainingCheckpoint"  # the report type of a checkpoint directory
+
+
+def _validate_checkpoint(directory: Path, report_path: Path, report_type: str) -> ValidationReport:
+    """The full checkpoint load (what a resume and ``kiln checkpoints verify`` run)."""
+    from kiln.checkpoints import error_problems, load_checkpoint
+    from kiln.errors import CheckpointError
+
+    try:
+        load_checkpoint(directory)
+    except CheckpointError as exc:
+        return ValidationReport(valid=False, type=report_type, errors=error_problems(exc), path=str(report_path))
+    return ValidationReport(valid=True, type=report_type, path=str(report_path))
+
+
 def validate_path(path: str | os.PathLike[str], *, doc_type: str | None = None) -> ValidationReport:
-    """Read ``path``, detect or take its type, and collect every problem."""
+    """Read ``path``, detect or take its type, and collect every problem.
+
+    A directory is validated as a checkpoint directory; a ``checkpoint_manifest.json`` that
+    sits in a checkpoint directory is validated with its directory (the manifest's
+    file-scope rules need the files it lists).
+    """
+    from kiln.checkpoints import parse_checkpoint_name
+
     p = Path(path)
+    if p.is_dir() and doc_type is None:
+        return _validate_checkpoint(p, p, CHECKPOINT_DIRECTORY)
+    if (
+        p.name == "checkpoint_manifest.json"
+        and doc_type in (None, "TrainingCheckpointManifest")
+        and parse_checkpoint_name(p.parent.name) is not None
+    ):
+        return _validate_checkpoint(p.parent, p, "TrainingCheckpointManifest")
     try:
         value = read_json_file(p)
         name = doc_type or detect_type(value)

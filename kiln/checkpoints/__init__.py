@@ -35,7 +35,7 @@ from kiln.checkpoints._read import (
     load_checkpoint,
     summarize,
 )
-from kiln.errors import CheckpointError
+from kiln.errors import CheckpointError, Problem, all_codes
 
 REASONS = {
     # where the checkpoint is
@@ -79,6 +79,7 @@ __all__ = [
     "PublishedCheckpoint",
     "checkpoint_id",
     "checkpoint_name",
+    "error_problems",
     "incompatibilities",
     "inspect_checkpoint",
     "latest_checkpoint",
@@ -138,3 +139,10 @@ def orphaned_staging_dirs(registry: str | os.PathLike[str]) -> list[Path]:
         for e in os.scandir(root)
         if e.name.startswith(".") and ".kiln-checkpoint.incomplete-" in e.name and e.is_dir(follow_symlinks=False)
     )
+
+
+def error_problems(exc: CheckpointError) -> list[Problem]:
+    """A checkpoint error as problems carrying schema error codes (the exact reason in brackets)."""
+    codes = all_codes()
+    found = exc.problems or [Problem(exc.reason, exc.pointer or "", exc.message)]
+    return [p if p.code in codes else Problem(exc.code, p.pointer, f"[{p.code}] {p.message}") for p in found]
