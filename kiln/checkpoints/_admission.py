@@ -14,6 +14,13 @@ provenance, planning identity, ingestion bindings). Base weights are compared by
 the checkpoint's shards must each have a byte-identical shard (same SHA-256 and size) in
 the model now, and no other shard may appear, so a relocated or renamed shard is fine
 and a changed byte is not.
+
+One deliberate exception: the execution provenance is compared member by member except
+``configuration.effective_environment_sha256`` (and the self-digest that covers it). The
+``KILN_*`` variables it digests name locations (``KILN_HOME``, ``KILN_MODEL_PATH``,
+``KILN_MODEL_ADAPTER_DIR``), and the spec lets a resume relocate the model; every
+setting that changes the numbers is bound elsewhere (effective configuration, model
+bytes, runtime digest, source tree).
 """
 
 from __future__ import annotations
@@ -86,6 +93,17 @@ def _shard_problems(old: dict[str, Any], new: dict[str, Any]) -> Iterator[Proble
             )
 
 
+def _without_environment(aux: dict[str, Any]) -> dict[str, Any]:
+    provenance = aux.get("execution_provenance")
+    if not isinstance(provenance, dict):
+        return aux
+    provenance = {k: v for k, v in provenance.items() if k != "provenance_sha256"}
+    configuration = provenance.get("configuration")
+    if isinstance(configuration, dict):
+        provenance["configuration"] = {k: v for k, v in configuration.items() if k != "effective_environment_sha256"}
+    return {**aux, "execution_provenance": provenance}
+
+
 SECTIONS = (
     ("training_kind",),
     ("adapter_name",),
@@ -128,6 +146,8 @@ def incompatibilities(checkpoint: dict[str, Any], current: dict[str, Any]) -> li
                 found.extend(_shard_problems(shards_old, shards_new))
                 old = {k: v for k, v in old.items() if k != _SHARDS[1]}
                 new = {k: v for k, v in new.items() if k != _SHARDS[1]}
+        if section == ("auxiliary_state",) and isinstance(old, dict) and isinstance(new, dict):
+            old, new = _without_environment(old), _without_environment(new)
         for path, a, b in _diff(old, new, section):
             dotted = ".".join(path)
             found.append(

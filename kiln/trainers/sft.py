@@ -50,7 +50,7 @@ from kiln.checkpoints import (
 )
 from kiln.digests import json_sha256, raw_hex
 from kiln.epoch_order import ALGORITHM_ID, epoch_order
-from kiln.errors import CheckpointError, RequestError
+from kiln.errors import CheckpointError, Problem, RequestError
 from kiln.publish import (
     adapter_file_receipt,
     check_target,
@@ -202,9 +202,10 @@ def _checkpoint_seed(config: dict[str, Any], manifest: dict[str, Any], name: str
         except ValueError as exc:
             raise RequestError(str(exc), code="training_invalid_request") from None
         if asked_value != seed:
+            message = f"effective_config.seed differs: {seed} (checkpoint's lora-init seed) != {asked_value} (this run)"
             raise CheckpointError(
-                f"{name} cannot resume this run: effective_config.seed differs: {seed} (checkpoint's lora-init "
-                f"seed) != {asked_value} (this run)",
+                f"{name} cannot resume this run: {message}",
+                problems=[Problem("effective_config.seed", "/effective_config/seed", message)],
                 code="checkpoint_incompatible",
                 reason="effective_config.seed",
                 pointer="/effective_config/seed",
