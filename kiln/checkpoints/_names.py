@@ -62,12 +62,7 @@ def resolve_checkpoint_path(registry: str | os.PathLike[str], value: str) -> Pat
                 reason="outside_registry",
                 hint=hint,
             )
-        parent = raw.parent
-        try:
-            same = os.path.samefile(parent, registry_path) if parent.exists() and registry_path.exists() else False
-        except OSError:
-            same = False
-        if not same or os.path.realpath(parent) != os.path.realpath(registry_path):
+        if os.path.realpath(raw.parent) != os.path.realpath(registry_path):
             raise CheckpointError(
                 f"resume_checkpoint {value!r} is not directly inside the adapter registry {registry_path}",
                 reason="outside_registry",

@@ -84,15 +84,18 @@ def _check_root(path: Path) -> os.stat_result:
     if not stat.S_ISDIR(st.st_mode):
         _fail("not_a_directory", f"{path} is not a directory")
     if parse_checkpoint_name(path.name) is None:
-        what = "an adapter directory" if any((path / f).exists() for f in PEFT_FILES) else "a checkpoint directory"
+        if all((path / f).exists() for f in PEFT_FILES):
+            _fail(
+                "non_canonical_name",
+                f"{path} is a PEFT adapter directory, not an exact-resume checkpoint: it is not resumable "
+                "(it has weights but no optimizer state, data cursor or random streams)",
+                code="checkpoint_not_resumable",
+                hint="use `base_adapter` for a weights-only warm start from an adapter",
+            )
         _fail(
             "non_canonical_name",
-            f"{path.name!r} is not {what} name of the form <adapter>-checkpoint-step-<8 digits>.kiln-checkpoint"
-            + (" (a PEFT adapter directory is not resumable)" if "adapter" in what else ""),
-            code="checkpoint_not_resumable" if "adapter" in what else "checkpoint_invalid",
-            hint="use `base_adapter` for a weights-only warm start from an adapter"
-            if "adapter" in what
-            else "a checkpoint directory is never renamed",
+            f"{path.name!r} is not a checkpoint directory name (<adapter>-checkpoint-step-<8 digits>.kiln-checkpoint)",
+            hint="a checkpoint directory is never renamed",
         )
     return st
 
