@@ -17,7 +17,7 @@ from typing import Any
 
 SCHEMA_DIGESTS: dict[str, str] = {
     "kiln-artifacts-v1.schema.json": "sha256:a4f58ede7104bb0379ab348217fb044740b54372a0e049e1ef3340c31f0caca7",
-    "kiln-checkpoint-v1.schema.json": "sha256:21078388440e610ce4d4d6fce5d827c70ca463bae76b0f28ef0791e0ada4b66a",
+    "kiln-checkpoint-v1.schema.json": "sha256:74af4e1585bafc06ce891558189cb949a07ace144edf9c26034e0ea47545e6a3",
     "kiln-common-v1.schema.json": "sha256:578fb0867921ff18b61214d1e6a909abccdcc2532c6c6bd5a1c1aada83583c73",
     "kiln-config-v1.schema.json": "sha256:fe225dfed3f0b89e9f92aa718d8aa56c2473d29fb9b71d99ab178444d1ddb443",
     "kiln-control-plane-v1.schema.json": "sha256:22f1e6cec1ecce7b8cc92e4bfb0f5d63e7eed162be5f2cc03ae4f9f4885c55b1",
