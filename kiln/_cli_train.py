@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kiln.errors import KilnError
+from kiln.errors import KilnError, RequestError
 
 
 def add_train_parser(sub: Any) -> None:
@@ -43,8 +43,8 @@ def add_train_parser(sub: Any) -> None:
         "--checkpoint-interval",
         type=int,
         metavar="N",
-        help="publish an exact-resume checkpoint every N optimizer steps (none by default; Ctrl-C always "
-        "publishes one at the next step)",
+        help="publish an exact-resume checkpoint every N optimizer steps (default: training.checkpoint_interval "
+        "of kiln.toml or KILN_TRAINING_CHECKPOINT_INTERVAL, else none; Ctrl-C always publishes one at the next step)",
     )
     p.add_argument(
         "--resume-checkpoint",
@@ -78,7 +78,24 @@ def _error(exc: KilnError) -> int:
     return 2
 
 
-def _resume_command(args: argparse.Namespace, checkpoint: str) -> str:
+def _default_interval(value: Any) -> int | None:
+    """``training.checkpoint_interval`` from ``KILN_TRAINING_CHECKPOINT_INTERVAL`` or kiln.toml."""
+    if value is None:
+        return None
+    try:
+        interval = int(value)
+    except (TypeError, ValueError):
+        interval = 0
+    if interval < 1 or isinstance(value, bool):
+        raise RequestError(
+            f"training.checkpoint_interval is {value!r}; it must be a positive integer",
+            code="config_invalid",
+            hint="fix KILN_TRAINING_CHECKPOINT_INTERVAL or [training] checkpoint_interval in kiln.toml",
+        )
+    return interval
+
+
+def _resume_command(args: argparse.Namespace, checkpoint: str, interval: int | None) -> str:
     """The command that continues this run from ``checkpoint`` (same options, no seed: the checkpoint has it)."""
     argv = ["kiln", "train", "sft", "--local", "-f", str(Path(args.file).resolve()), "--adapter", args.adapter]
     for flag, value in (
@@ -90,7 +107,7 @@ def _resume_command(args: argparse.Namespace, checkpoint: str) -> str:
         ("--lora-rank", args.lora_rank),
         ("--lora-alpha", args.lora_alpha),
         ("--invalid-row-policy", args.invalid_row_policy),
-        ("--checkpoint-interval", args.checkpoint_interval),
+        ("--checkpoint-interval", interval),
     ):
         if value is not None:
             argv += [flag, str(value)]
@@ -170,6 +187,10 @@ def cmd_train_sft(args: argparse.Namespace) -> int:
         config["resume_checkpoint"] = args.resume_checkpoint
     try:
         settings = load_config()
+        if "checkpoint_interval" not in config:
+            default_interval = _default_interval(config_value(settings, "training", "checkpoint_interval"))
+            if default_interval is not None:
+                config["checkpoint_interval"] = default_interval
         examples, dataset_path = _read_examples(path)
         job = admit_sft(
             adapter_name=args.adapter,
@@ -221,7 +242,7 @@ def cmd_train_sft(args: argparse.Namespace) -> int:
             bar.close()
     receipt = result.receipt
     latest = result.latest_checkpoint
-    resume = _resume_command(args, latest.name) if latest is not None else None
+    resume = _resume_command(args, latest.name, cfg["checkpoint_interval"]) if latest is not None else None
     if args.json:
         print(
             json.dumps(

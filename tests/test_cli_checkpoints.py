@@ -240,3 +240,18 @@ def test_a_signal_publishes_a_checkpoint_and_prints_a_working_resume_command(
     assert (registry / "bot" / "adapter_model.safetensors").read_bytes() == (
         other / "bot" / "adapter_model.safetensors"
     ).read_bytes()
+
+
+def test_the_configured_interval_applies_when_the_command_omits_it(tmp_path, tiny_model_dir, monkeypatch, capsys):
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in ROWS[:2]), encoding="utf-8")
+    registry = tmp_path / "adapters"
+    monkeypatch.setenv("KILN_TRAINING_CHECKPOINT_INTERVAL", "3")
+    argv = ["train", "sft", "--local", "-f", str(data), "--model", str(tiny_model_dir), "--adapter-dir", str(registry)]
+    assert main([*argv, "--adapter", "bot", "--epochs", "2", "--seed", "1", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["checkpoints"] == [
+        str(registry / "bot-checkpoint-step-00000003.kiln-checkpoint")
+    ]
+    monkeypatch.setenv("KILN_TRAINING_CHECKPOINT_INTERVAL", "0")
+    assert main([*argv, "--adapter", "other", "--json"]) == 2
+    assert "config_invalid" in capsys.readouterr().err
