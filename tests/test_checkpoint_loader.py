@@ -633,14 +633,14 @@ def _rename_fails(monkeypatch):
 def _manifest_write_fails(monkeypatch):
     import kiln.checkpoints._publish as publish_module
 
-    real = publish_module._write_synced
+    real = publish_module._create
 
-    def write(path, data):
+    def create(path, data):
         if Path(path).name == MANIFEST:
             raise OSError(28, "simulated full disk while writing the manifest")
-        real(path, data)
+        return real(path, data)
 
-    monkeypatch.setattr(publish_module, "_write_synced", write)
+    monkeypatch.setattr(publish_module, "_create", create)
     return "simulated full disk"
 
 

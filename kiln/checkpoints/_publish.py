@@ -9,12 +9,16 @@
 6. rename staging to the canonical name, fsync the registry.
 
 The canonical name is absent before step 6 and complete after it; a crash leaves at most
-a hidden staging directory, which no reader lists or loads. Everything is validated
-before the first byte is written, so a bad manifest never reaches the disk.
+a hidden staging directory, which no reader lists or loads. The manifest (with its
+digests pending) and the loop state are validated before the first byte is written, so a
+bad manifest never reaches the disk.
 
 The work is split in three timed phases: ``capture`` (copy device tensors to host,
 under the caller's lock when the device is shared), ``encode`` (serialise and hash) and
-``write`` (I/O, fsync, rename). Only the first holds the lock.
+``write`` (I/O, fsync, rename; the SHA-256 of each file is computed on worker threads
+while the files are written, the manifest is written once the digests are in, and the
+state files and the manifest are fsynced together -- all before the sentinel is removed,
+which is what makes the directory publishable). Only the first holds the lock.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -48,8 +53,8 @@ Files = Mapping[str, tuple[str, bytes]]
 @dataclass(frozen=True)
 class PublishTimings:
     capture_ms: float  # device-to-host copy, under the lock
-    encode_ms: float  # serialisation and hashing
-    write_ms: float  # file I/O, fsync and rename
+    encode_ms: float  # serialisation and the strict checks that precede any write
+    write_ms: float  # file I/O, fsync and rename, with SHA-256 hashing running alongside
 
 
 @dataclass(frozen=True)
@@ -59,26 +64,40 @@ class PublishedCheckpoint:
     timings: PublishTimings
 
 
-def _write_synced(path: Path, data: bytes) -> None:
+def _create(path: Path, data: bytes) -> int:
+    """Write ``data`` to a new read-only file; return its still-open descriptor (not yet synced)."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o444)
-    with os.fdopen(fd, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
-def _staged_files(manifest: dict[str, Any], files: Files) -> tuple[dict[str, Any], bytes]:
-    if len(files) > MAX_FILES:
-        raise ValueError(f"a checkpoint holds at most {MAX_FILES} files, not {len(files)}")
+def _write_synced(path: Path, data: bytes) -> None:
+    fd = _create(path, data)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+_PENDING = "0" * 64  # digest placeholder for the validation that runs before any write
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()  # hashlib releases the GIL: this overlaps the writes
+
+
+def _with_files(manifest: dict[str, Any], files: Files, digests: Mapping[str, str]) -> dict[str, Any]:
     entries = {
-        rel: {"role": role, "size_bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+        rel: {"role": role, "size_bytes": len(data), "sha256": digests.get(rel, _PENDING)}
         for rel, (role, data) in sorted(files.items())
     }
-    complete = {**manifest, "files": entries}
-    rendered = _documents.render(DOC, complete)  # strict: a bad manifest raises before any write
-    loop_file = complete["state_files"]["loss_history"]
-    check_loop_state(complete, files[loop_file][1], source=loop_file)
-    return complete, rendered
+    return {**manifest, "files": entries}
 
 
 def publish_checkpoint(
@@ -98,7 +117,14 @@ def publish_checkpoint(
         snapshot = capture()
     t1 = time.perf_counter()
     manifest, files = encode(snapshot)
-    manifest, rendered = _staged_files(manifest, files)
+    if len(files) > MAX_FILES:
+        raise ValueError(f"a checkpoint holds at most {MAX_FILES} files, not {len(files)}")
+    # Strict checks before the first byte is written: the manifest (digests pending) and the
+    # loop state against its progress. The digests are computed while the files are written.
+    pending = _with_files(manifest, files, {})
+    _documents.render(DOC, pending)
+    loop_file = pending["state_files"]["loss_history"]
+    check_loop_state(pending, files[loop_file][1], source=loop_file)
     t2 = time.perf_counter()
 
     root = Path(registry)
@@ -115,16 +141,26 @@ def publish_checkpoint(
     root.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{name}.incomplete-", dir=root))
     try:
-        _write_synced(staging / INCOMPLETE_SENTINEL, b"")
-        fsync_dir(staging)
-        for rel, (_, data) in sorted(files.items()):
-            path = staging / rel
-            if path.parent != staging:
-                path.parent.mkdir(parents=True, exist_ok=True)
-            _write_synced(path, data)
-        _write_synced(staging / MANIFEST_FILE, rendered)
-        for directory in {(staging / rel).parent for rel in files}:
-            fsync_dir(directory)
+        fds: list[int] = []
+        try:
+            with ThreadPoolExecutor(max_workers=4) as pool:
+                hashing = {rel: pool.submit(_sha256, data) for rel, (_, data) in files.items()}
+                _write_synced(staging / INCOMPLETE_SENTINEL, b"")
+                fsync_dir(staging)
+                for rel, (_, data) in sorted(files.items()):
+                    path = staging / rel
+                    if path.parent != staging:
+                        path.parent.mkdir(parents=True, exist_ok=True)
+                    fds.append(_create(path, data))
+                manifest = _with_files(manifest, files, {rel: future.result() for rel, future in hashing.items()})
+                fds.append(_create(staging / MANIFEST_FILE, _documents.render(DOC, manifest)))
+                # every file is synced before the sentinel goes; concurrent fsyncs share journal commits
+                list(pool.map(os.fsync, fds))
+        finally:
+            for fd in fds:
+                os.close(fd)
+        for directory in {(staging / rel).parent for rel in files} - {staging}:
+            fsync_dir(directory)  # subdirectories; the staging directory itself is synced next
         os.unlink(staging / INCOMPLETE_SENTINEL)
         fsync_dir(staging)
         if os.path.lexists(target):  # a concurrent writer won the name
@@ -141,7 +177,7 @@ def publish_checkpoint(
     t3 = time.perf_counter()
     timings = PublishTimings((t1 - t0) * 1000, (t2 - t1) * 1000, (t3 - t2) * 1000)
     log.info(
-        "published %s: capture %.1f ms (under lock), encode+hash %.1f ms, write+fsync+rename %.1f ms",
+        "published %s: capture %.1f ms (under lock), encode %.1f ms, hash+write+fsync+rename %.1f ms",
         name,
         timings.capture_ms,
         timings.encode_ms,
