@@ -31,13 +31,13 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from kiln import _documents
-from kiln._jsonio import fsync_dir
+from kiln._jsonio import canonical_json, fsync_dir
 from kiln.artifacts.checkpoint_manifest import DOC, INCOMPLETE_SENTINEL, MANIFEST_FILE
 from kiln.checkpoints._names import checkpoint_name
 from kiln.checkpoints._read import MAX_FILES, check_loop_state
@@ -83,6 +83,22 @@ def _write_synced(path: Path, data: bytes) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+_POOL: list[ThreadPoolExecutor] = []
+
+
+def _pool() -> ThreadPoolExecutor:
+    """Worker threads for hashing and fsync (created once: thread start-up is not free)."""
+    if not _POOL:
+        _POOL.append(ThreadPoolExecutor(max_workers=4, thread_name_prefix="kiln-checkpoint"))
+    return _POOL[0]
+
+
+def _write_sentinel(staging: Path) -> None:
+    """Step 2: the ``.incomplete`` sentinel and its directory entry, both synced."""
+    _write_synced(staging / INCOMPLETE_SENTINEL, b"")
+    fsync_dir(staging)
 
 
 _PENDING = "0" * 64  # digest placeholder for the validation that runs before any write
@@ -142,21 +158,24 @@ def publish_checkpoint(
     staging = Path(tempfile.mkdtemp(prefix=f".{name}.incomplete-", dir=root))
     try:
         fds: list[int] = []
+        pool = _pool()
+        hashing = {rel: pool.submit(_sha256, data) for rel, (_, data) in files.items()}
+        sentinel = pool.submit(_write_sentinel, staging)
         try:
-            with ThreadPoolExecutor(max_workers=4) as pool:
-                hashing = {rel: pool.submit(_sha256, data) for rel, (_, data) in files.items()}
-                _write_synced(staging / INCOMPLETE_SENTINEL, b"")
-                fsync_dir(staging)
-                for rel, (_, data) in sorted(files.items()):
-                    path = staging / rel
-                    if path.parent != staging:
-                        path.parent.mkdir(parents=True, exist_ok=True)
-                    fds.append(_create(path, data))
-                manifest = _with_files(manifest, files, {rel: future.result() for rel, future in hashing.items()})
-                fds.append(_create(staging / MANIFEST_FILE, _documents.render(DOC, manifest)))
-                # every file is synced before the sentinel goes; concurrent fsyncs share journal commits
-                list(pool.map(os.fsync, fds))
+            for rel, (_, data) in sorted(files.items()):
+                path = staging / rel
+                if path.parent != staging:
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                fds.append(_create(path, data))
+            manifest = _with_files(manifest, files, {rel: future.result() for rel, future in hashing.items()})
+            # validated above with the digests pending; hex digests cannot change the verdict
+            fds.append(_create(staging / MANIFEST_FILE, canonical_json(manifest)))
+            # the sentinel is durable before any state file is synced, and every file is synced
+            # before the sentinel goes; concurrent fsyncs share journal commits
+            sentinel.result()
+            list(pool.map(os.fsync, fds))
         finally:
+            wait([*hashing.values(), sentinel])  # nothing may touch the staging directory after this
             for fd in fds:
                 os.close(fd)
         for directory in {(staging / rel).parent for rel in files} - {staging}:
