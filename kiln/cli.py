@@ -72,11 +72,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("types", help="list the document types `kiln validate` knows")
     p.set_defaults(func=_cmd_types)
 
+    from kiln._cli_adapters import add_adapters_parser
     from kiln._cli_checkpoints import add_checkpoints_parser
     from kiln._cli_train import add_models_parser, add_train_parser  # argparse only; torch loads on use
 
     add_train_parser(sub)
     add_checkpoints_parser(sub)
+    add_adapters_parser(sub)
     add_models_parser(sub)
     return parser
 

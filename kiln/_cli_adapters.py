@@ -1,0 +1,154 @@
+"""``kiln adapters list|restore|verify|delete``: adapters as content-bound file sets (local)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from kiln.errors import KilnError
+
+
+def add_adapters_parser(sub: Any) -> None:
+    ad = sub.add_parser(
+        "adapters",
+        help="list, restore, verify and delete adapters in the registry",
+        description="Adapters are directories of the adapter registry: adapter_config.json and "
+        "adapter_model.safetensors, with train_receipt.json and adapter_manifest.json when Kiln trained them.",
+    )
+    verbs = ad.add_subparsers(dest="adapters_verb", metavar="VERB")
+
+    p = verbs.add_parser("list", help="every adapter directory with its config facts, manifest and status")
+    p.add_argument("--adapter-dir", help="adapter registry directory (default: $KILN_HOME/adapters)")
+    p.add_argument("--json", action="store_true", help="print the GET /v1/adapters body")
+    p.set_defaults(func=cmd_list)
+
+    p = verbs.add_parser(
+        "restore",
+        help="copy an adapter into the registry from its manifest, verifying every hash",
+        description="Read and validate MANIFEST (adapter_manifest.json), copy the files it names from beside it "
+        "into a hidden temporary directory of the registry, hash the copies against the manifest, check the "
+        "layout and rename into place. Prints the JSON restore receipt. Nothing is left behind on failure. "
+        "Restore never contacts a server and does not prove the destination has the recorded base weights.",
+    )
+    p.add_argument("manifest", help="path of the adapter_manifest.json to restore from")
+    p.add_argument("--adapter-dir", help="destination registry (default: $KILN_HOME/adapters)")
+    p.add_argument("--name", help="destination adapter name (default: the manifest's adapter_name)")
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an existing adapter of that name: DELETES the existing directory once the new copy "
+        "is verified (its files are gone for good)",
+    )
+    p.set_defaults(func=cmd_restore)
+
+    p = verbs.add_parser(
+        "verify",
+        help="offline checks of an adapter (layout, config, tensors, manifest hashes); exit 1 unless ok",
+    )
+    p.add_argument("adapter", help="adapter name in the registry, or a directory path")
+    p.add_argument("--adapter-dir", help="adapter registry directory (default: $KILN_HOME/adapters)")
+    p.add_argument("--url", help="also check against a running Kiln server at this URL")
+    p.add_argument("--prompt", help="prompt for the server's base-versus-adapter generation check")
+    p.add_argument("--json", action="store_true", help="print the JSON check receipt")
+    p.set_defaults(func=cmd_verify)
+
+    p = verbs.add_parser(
+        "delete",
+        help="delete an adapter and every <name>-checkpoint-* directory beside it",
+        description="Removes the adapter directory and all of its exact-resume checkpoints. There is no undo.",
+    )
+    p.add_argument("name", help="adapter name")
+    p.add_argument("--adapter-dir", help="adapter registry directory (default: $KILN_HOME/adapters)")
+    p.add_argument("--dry-run", action="store_true", help="print what would be removed, remove nothing")
+    p.set_defaults(func=cmd_delete)
+
+
+def _registry(args: argparse.Namespace) -> Path:
+    from kiln.config import config_value, load_config
+    from kiln.home import adapter_registry
+
+    return adapter_registry(args.adapter_dir or config_value(load_config(), "model", "adapter_dir"))
+
+
+def _error(exc: KilnError) -> int:
+    print(f"error [{exc.code}]: {exc.message}", file=sys.stderr)
+    if exc.hint:
+        print(f"hint: {exc.hint}", file=sys.stderr)
+    return 2 if exc.code in ("training_invalid_request", "config_invalid") else 1
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    from kiln.adapters import list_adapters
+
+    try:
+        listing = list_adapters(_registry(args))
+    except KilnError as exc:
+        return _error(exc)
+    if args.json:
+        print(json.dumps(listing, indent=2, ensure_ascii=False))
+        return 0
+    if not listing["available"]:
+        print(f"no adapters in {listing['adapter_dir']}")
+        return 0
+    print(f"{'NAME':28} {'STATUS':12} {'RANK':>4} {'ALPHA':>6} {'SIZE':>10}  MANIFEST")
+    for e in listing["available"]:
+        rank = "-" if e["rank"] is None else str(e["rank"])
+        alpha = "-" if e["alpha"] is None else f"{e['alpha']:g}"
+        size = f"{e['size_bytes'] / 1e6:.1f} MB"
+        if e["adapter_manifest"]:
+            manifest = "ok (" + e["adapter_manifest"]["safetensors_hash"][:19] + "…)"
+        elif e["adapter_manifest_error"]:
+            manifest = "INVALID: " + e["adapter_manifest_error"]
+        else:
+            manifest = "none"
+        print(f"{e['name']:28} {e['status']:12} {rank:>4} {alpha:>6} {size:>10}  {manifest}")
+        if e["error"]:
+            print(f"  {e['error']}")
+    return 0
+
+
+def cmd_restore(args: argparse.Namespace) -> int:
+    from kiln.adapters import restore_adapter
+
+    try:
+        receipt = restore_adapter(Path(args.manifest), _registry(args), name=args.name, overwrite=args.overwrite)
+    except KilnError as exc:
+        return _error(exc)
+    print(json.dumps(receipt, indent=2, ensure_ascii=False))
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from kiln.adapters import verify_adapter
+
+    try:
+        receipt = verify_adapter(args.adapter, _registry(args), url=args.url, prompt=args.prompt)
+    except KilnError as exc:
+        return _error(exc)
+    if args.json:
+        print(json.dumps(receipt, indent=2, ensure_ascii=False))
+    else:
+        for check in receipt["checks"]:
+            mark = "✓" if check["pass"] else "✗"
+            print(f"{mark} {check['name']:24} {check.get('message') or ''}")
+        summary = receipt.get("tensor_summary") or {}
+        if summary.get("lora_update_l2_upper_bound") is not None:
+            print(f"  LoRA update bound sum |A||B| = {summary['lora_update_l2_upper_bound']:.6g}")
+        print(f"{receipt['status']}: {receipt.get('adapter_path') or receipt.get('input')}")
+    return 0 if receipt["status"] == "ok" else 1
+
+
+def cmd_delete(args: argparse.Namespace) -> int:
+    from kiln.adapters import delete_adapter
+
+    try:
+        removed = delete_adapter(_registry(args), args.name, dry_run=args.dry_run)
+    except KilnError as exc:
+        return _error(exc)
+    verb = "would remove" if args.dry_run else "removed"
+    for path in removed:
+        print(f"{verb} {path}")
+    return 0

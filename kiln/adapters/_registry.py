@@ -1,0 +1,236 @@
+"""The adapter registry read and pruned locally: ``list_adapters`` and ``delete_adapter``.
+
+Listing reports, per child directory of the registry (hidden entries and checkpoint
+directories excluded), the facts ``GET /v1/adapters`` reports: files and sizes, the LoRA
+config (rank, alpha, targets, base model), the canary result, and the manifest parsed
+and validated -- or why it was rejected (a malformed manifest is surfaced, never hidden).
+It never rehashes files: the weights digest shown is the manifest's.
+
+Deletion removes the adapter directory and every sibling ``<name>-checkpoint-*``
+directory (and the hidden leftovers of that adapter's unfinished checkpoint
+publications). Each directory is first renamed to a hidden name, then removed, so an
+interrupted deletion never leaves something that looks like a valid adapter or
+checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import stat
+import uuid
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from kiln import contracts
+from kiln._jsonio import fsync_dir, read_json_file
+from kiln.digests import raw_hex
+from kiln.errors import KilnError, NotFoundError, RequestError
+
+CONFIG = "adapter_config.json"
+WEIGHTS = "adapter_model.safetensors"
+MANIFEST = "adapter_manifest.json"
+CANARY = "adapter_canary_status.json"
+CHECKPOINT_SUFFIX = ".kiln-checkpoint"
+
+__all__ = ["adapter_entry", "delete_adapter", "list_adapters"]
+
+
+def _safe_name(name: str) -> str:
+    if not name or name.startswith(".") or "/" in name or "\\" in name or ".." in name:
+        raise RequestError(
+            f"adapter name {name!r} is not path-safe: it must be non-empty, not start with '.', "
+            "and contain no '/', '\\' or '..'",
+            code="training_invalid_request",
+        )
+    return name
+
+
+def _timestamp(seconds: float) -> str:
+    return datetime.fromtimestamp(seconds, UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
+
+
+def _problem_text(exc: KilnError) -> str:
+    problems = getattr(exc, "problems", None)
+    return str(problems[0]) if problems else exc.message
+
+
+def _config_facts(path: Path) -> tuple[dict[str, Any], str | None]:
+    try:
+        config = read_json_file(path)
+    except KilnError as exc:
+        return {}, f"{CONFIG} is unreadable: {_problem_text(exc)}"
+    if not isinstance(config, dict):
+        return {}, f"{CONFIG} is not a JSON object"
+    return config, None
+
+
+def _read_canary(path: Path) -> dict[str, Any]:
+    """The canary result, or a quarantine when the file cannot be trusted (it never promotes)."""
+    try:
+        value = read_json_file(path)
+        found = contracts.problems("AdapterCanaryStatus", value)
+        why = str(found[0]) if found else None
+    except KilnError as exc:
+        value, why = None, _problem_text(exc)
+    if why is None:
+        return value
+    return {
+        "status": "quarantined",
+        "failure_reason": f"{CANARY} is invalid ({why}); an unreadable canary never promotes",
+        "warnings": [],
+        "checks": [],
+    }
+
+
+def adapter_entry(directory: Path, *, loaded: bool = False) -> dict[str, Any]:
+    """One registry directory as ``AdapterDiskEntry`` (validated)."""
+    files: list[str] = []
+    size = 0
+    for entry in os.scandir(directory):
+        st = entry.stat(follow_symlinks=False)
+        if stat.S_ISREG(st.st_mode):
+            files.append(entry.name)
+            size += st.st_size
+    files.sort()
+    has_config, has_weights = CONFIG in files, WEIGHTS in files
+    error = None
+    if not has_config or not has_weights:
+        missing = " and ".join(f for f, ok in ((CONFIG, has_config), (WEIGHTS, has_weights)) if not ok)
+        error = f"missing {missing}" + (
+            " (a failed run keeps only its receipt)" if "train_receipt.json" in files else ""
+        )
+    config: dict[str, Any] = {}
+    if has_config:
+        config, config_error = _config_facts(directory / CONFIG)
+        error = error or config_error
+    rank = config.get("r") if isinstance(config.get("r"), int) and not isinstance(config.get("r"), bool) else None
+    alpha = config.get("lora_alpha")
+    alpha = float(alpha) if isinstance(alpha, (int, float)) and not isinstance(alpha, bool) else None
+    targets = config.get("target_modules") or []
+    targets = sorted([targets] if isinstance(targets, str) else [str(t) for t in targets])
+    base = config.get("base_model_name_or_path")
+
+    manifest = manifest_error = None
+    if MANIFEST in files:
+        try:
+            value = read_json_file(directory / MANIFEST)
+            found = contracts.problems("AdapterManifest", value)
+        except KilnError as exc:
+            value, found = None, [exc]
+        if found:
+            first = found[0]
+            manifest_error = f"{MANIFEST}: " + (_problem_text(first) if isinstance(first, KilnError) else str(first))
+        else:
+            manifest = value
+    canary: dict[str, Any] = {"status": "unknown", "failure_reason": None, "warnings": [], "checks": []}
+    if CANARY in files:
+        canary = _read_canary(directory / CANARY)
+    status = (
+        "invalid"
+        if error
+        else "loaded"
+        if loaded
+        else "quarantined"
+        if canary["status"] == "quarantined"
+        else "available"
+    )
+    weights_size = (directory / WEIGHTS).stat().st_size if has_weights else None
+    entry = {
+        "name": directory.name,
+        "has_config": has_config,
+        "has_weights": has_weights,
+        "size_bytes": size,
+        "modified_at": _timestamp(directory.stat().st_mtime),
+        "files": files,
+        "path": str(directory.resolve()),
+        "status": status,
+        "adapter_model_sha256": raw_hex(manifest["safetensors_hash"]) if manifest else None,
+        "adapter_model_size_bytes": weights_size,
+        "rank": rank,
+        "alpha": alpha,
+        "alpha_over_rank": alpha / rank if alpha is not None and rank else None,
+        "target_modules": targets,
+        "base_model_name_or_path": base if isinstance(base, str) and base else None,
+        "parent_adapter_metadata": None,
+        "canary_status": canary["status"],
+        "canary_failure_reason": canary["failure_reason"],
+        "canary_warnings": list(canary["warnings"]),
+        "canary_checks": list(canary["checks"]),
+        "canary_status_path": str((directory / CANARY).resolve()) if CANARY in files else None,
+        "adapter_manifest": manifest,
+        "adapter_manifest_path": str((directory / MANIFEST).resolve()) if MANIFEST in files else None,
+        "adapter_manifest_error": manifest_error,
+        "last_load_error": None,
+        "error": error,
+    }
+    found = contracts.problems("AdapterDiskEntry", entry)
+    if found:  # a fact that does not fit the schema: report the directory as invalid, never hide it
+        entry.update(status="invalid", error=f"cannot describe this directory: {found[0]}")
+    return entry
+
+
+def _adapter_dirs(registry: Path) -> list[Path]:
+    if not registry.is_dir():
+        return []
+    out = []
+    for entry in os.scandir(registry):
+        if entry.name.startswith(".") or entry.name.endswith(CHECKPOINT_SUFFIX):
+            continue
+        if entry.is_dir(follow_symlinks=False):
+            out.append(Path(entry.path))
+    return sorted(out, key=lambda p: p.name)
+
+
+def list_adapters(registry: str | os.PathLike[str]) -> dict[str, Any]:
+    """The registry as ``AdaptersResponse`` (locally nothing is loaded or active)."""
+    root = Path(registry)
+    available = [adapter_entry(path) for path in _adapter_dirs(root)]
+    return {
+        "active_adapter": None,
+        "active": None,
+        "loaded_adapter": None,
+        "loaded_adapter_identity": None,
+        "loaded_adapters": [],
+        "adapter_dir": str(root.resolve()),
+        "available": available,
+        "available_adapters": json.loads(json.dumps(available)),
+    }
+
+
+def _doomed(registry: Path, name: str) -> list[Path]:
+    """The adapter directory, its checkpoints and its unfinished checkpoint publications."""
+    prefix = f"{name}-checkpoint-"
+    found = []
+    target = registry / name
+    if target.is_dir() and not target.is_symlink():
+        found.append(target)
+    for entry in os.scandir(registry):
+        named = entry.name.startswith(prefix) or entry.name.startswith(f".{prefix}")
+        if named and entry.is_dir(follow_symlinks=False):
+            found.append(Path(entry.path))
+    return found
+
+
+def delete_adapter(registry: str | os.PathLike[str], name: str, *, dry_run: bool = False) -> list[Path]:
+    """Remove ``name`` and every ``<name>-checkpoint-*`` directory; return what was (or would be) removed."""
+    root = Path(registry)
+    _safe_name(name)
+    target = root / name
+    if target.is_symlink():
+        raise RequestError(
+            f"{target} is a symlink, not an adapter directory; remove it by hand", code="training_invalid_request"
+        )
+    doomed = _doomed(root, name) if root.is_dir() else []
+    if not doomed:
+        raise NotFoundError(f"no adapter {name!r} (and no checkpoints of it) in {root}", code="adapter_not_found")
+    if dry_run:
+        return doomed
+    for path in doomed:
+        hidden = root / f".{path.name}.deleting-{uuid.uuid4().hex[:8]}"
+        os.rename(path, hidden)
+        fsync_dir(root)
+        shutil.rmtree(hidden)
+    return doomed

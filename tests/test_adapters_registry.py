@@ -1,0 +1,150 @@
+"""``kiln adapters list`` and ``kiln adapters delete`` on a local registry."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from kiln import contracts
+from kiln.adapters import delete_adapter, list_adapters
+from kiln.cli import main
+from kiln.errors import NotFoundError, RequestError
+from kiln.trainers.sft import admit_sft, run_sft
+
+ROWS = [
+    {"messages": [{"role": "user", "content": "Hi?"}, {"role": "assistant", "content": "Hello, how can I help?"}]},
+    {"messages": [{"role": "user", "content": "Bye!"}, {"role": "assistant", "content": "Goodbye, take care."}]},
+]
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory, tiny_model_dir):
+    """A registry with a Kiln adapter 'bot' and its checkpoint at step 1."""
+    root = tmp_path_factory.mktemp("registry-src")
+    data = root / "rows.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in ROWS), encoding="utf-8")
+    registry = root / "adapters"
+    job = admit_sft(
+        adapter_name="bot",
+        registry=registry,
+        config={"epochs": 1, "seed": 5, "checkpoint_interval": 1},
+        dataset_path=data,
+        model_path=str(tiny_model_dir),
+    )
+    assert run_sft(job).status == "success"
+    return registry
+
+
+@pytest.fixture
+def registry(source, tmp_path):
+    target = tmp_path / "adapters"
+    shutil.copytree(source, target)
+    return target
+
+
+def _peft_adapter(tiny_model_dir, target):
+    """A plain peft adapter (no Kiln files)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    peft = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    with torch.no_grad():
+        for name, param in peft.named_parameters():
+            if "lora_B" in name:
+                param.fill_(0.01)
+    peft.save_pretrained(target)
+    return target
+
+
+def _entry(listing, name):
+    return next(e for e in listing["available"] if e["name"] == name)
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")  # peft 0.21 asks transformers 5 for a renamed attribute
+def test_list_reports_kiln_peft_failed_and_broken_adapters(registry, tiny_model_dir):
+    _peft_adapter(tiny_model_dir, registry / "plain-peft")
+    failed = registry / "failed-run"
+    failed.mkdir()
+    shutil.copy(registry / "bot" / "train_receipt.json", failed / "train_receipt.json")
+    broken = registry / "broken-manifest"
+    shutil.copytree(registry / "bot", broken)
+    manifest = json.loads((broken / "adapter_manifest.json").read_text(encoding="utf-8"))
+    manifest["surprise"] = True
+    (broken / "adapter_manifest.json").write_text(json.dumps(manifest), encoding="utf-8")
+
+    listing = list_adapters(registry)
+    assert contracts.problems("AdaptersResponse", listing) == []
+    assert [e["name"] for e in listing["available"]] == ["bot", "broken-manifest", "failed-run", "plain-peft"]
+
+    bot = _entry(listing, "bot")
+    assert bot["status"] == "available"
+    assert bot["rank"] == 16
+    assert bot["alpha"] == 32.0
+    assert bot["adapter_manifest"]["adapter_name"] == "bot"
+    assert bot["adapter_model_sha256"] == bot["adapter_manifest"]["safetensors_hash"].removeprefix("sha256:")
+    assert bot["adapter_manifest_error"] is None
+
+    plain = _entry(listing, "plain-peft")
+    assert plain["status"] == "available"
+    assert (plain["rank"], plain["alpha"], plain["target_modules"]) == (4, 8.0, ["q_proj", "v_proj"])
+    assert plain["adapter_manifest"] is None
+    assert plain["adapter_manifest_path"] is None
+
+    assert _entry(listing, "failed-run")["status"] == "invalid"
+    assert "missing adapter_config.json and adapter_model.safetensors" in _entry(listing, "failed-run")["error"]
+
+    bad = _entry(listing, "broken-manifest")
+    assert bad["adapter_manifest"] is None
+    assert "surprise" in bad["adapter_manifest_error"]
+    assert bad["status"] == "available"  # the serving files are fine; the manifest problem is surfaced
+
+
+def test_checkpoints_and_hidden_directories_are_not_adapters(registry):
+    (registry / ".bot.incomplete-abc").mkdir()
+    assert any(p.name.endswith(".kiln-checkpoint") for p in registry.iterdir())
+    assert [e["name"] for e in list_adapters(registry)["available"]] == ["bot"]
+
+
+def test_an_unreadable_canary_quarantines(registry):
+    (registry / "bot" / "adapter_canary_status.json").write_text("{}", encoding="utf-8")
+    entry = _entry(list_adapters(registry), "bot")
+    assert entry["status"] == "quarantined"
+    assert entry["canary_status"] == "quarantined"
+    assert "never promotes" in entry["canary_failure_reason"]
+
+
+def test_delete_removes_the_adapter_and_its_checkpoints_only(registry):
+    shutil.copytree(registry / "bot", registry / "bot2")
+    (registry / ".bot-checkpoint-step-00000009.kiln-checkpoint.incomplete-xyz").mkdir()
+    planned = delete_adapter(registry, "bot", dry_run=True)
+    assert {p.name for p in planned} == {
+        "bot",
+        "bot-checkpoint-step-00000001.kiln-checkpoint",
+        ".bot-checkpoint-step-00000009.kiln-checkpoint.incomplete-xyz",
+    }
+    assert (registry / "bot").is_dir()  # a dry run removes nothing
+    removed = delete_adapter(registry, "bot")
+    assert {p.name for p in removed} == {p.name for p in planned}
+    assert sorted(p.name for p in registry.iterdir()) == ["bot2"]
+    with pytest.raises(NotFoundError) as missing:
+        delete_adapter(registry, "bot")
+    assert missing.value.code == "adapter_not_found"
+    with pytest.raises(RequestError):
+        delete_adapter(registry, "../bot2")
+
+
+def test_cli_list_and_delete(registry, capsys):
+    assert main(["adapters", "list", "--adapter-dir", str(registry)]) == 0
+    out = capsys.readouterr().out
+    assert "bot" in out
+    assert "available" in out
+    assert main(["adapters", "list", "--adapter-dir", str(registry), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["available"][0]["name"] == "bot"
+    assert main(["adapters", "delete", "bot", "--adapter-dir", str(registry)]) == 0
+    assert "removed" in capsys.readouterr().out
+    assert main(["adapters", "delete", "bot", "--adapter-dir", str(registry)]) == 1
+    assert "adapter_not_found" in capsys.readouterr().err
