@@ -1,0 +1,408 @@
+"""``kiln adapters verify``: check one adapter directory offline and describe it.
+
+The checks run in the order of ``OFFLINE_CHECKS`` and stop at the first failure (spec/50):
+the directory exists; it holds ``adapter_config.json`` and ``adapter_model.safetensors``;
+the config parses to an object declaring ``r``, ``lora_alpha`` and ``target_modules``; the
+weights file is readable; every tensor is a 2-D ``lora_A`` (``[r, in]``) or ``lora_B``
+(``[out, r]``) of a declared target with complete pairs (and finite values: the receipt
+cannot carry NaN); the update is measurable. Then, when ``adapter_manifest.json`` exists,
+its digests must match the files.
+
+*Measurable* follows the schema's ``verify.lora-facts`` rule, stricter than "some tensor is
+non-zero": at least one tensor is non-zero **and** ``Σ‖A‖₂·‖B‖₂ > 0``. A freshly
+initialised adapter (random A, zero B) has non-zero tensors but cannot change the model,
+so it fails.
+
+``--url``: no Kiln server exists yet (the OpenAPI document has no completion route), so
+``server_load`` is recorded as failed, without touching the network, once every offline
+check passed. Offline verification never opens a socket.
+
+The receipt is validated against ``AdapterVerifyReceipt`` before it is returned.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+from kiln import contracts
+from kiln._jsonio import read_json_file
+from kiln.artifacts.adapter_bodies import MANIFEST_CHECK, OFFLINE_CHECKS, SERVER_CHECKS
+from kiln.digests import file_sha256, prefixed
+from kiln.errors import ContractError, InternalError, KilnError, RequestError
+from kiln.home import adapter_registry
+
+CONFIG = "adapter_config.json"
+WEIGHTS = "adapter_model.safetensors"
+MANIFEST = "adapter_manifest.json"
+SERVER_UNAVAILABLE = "server checks need a running kiln server (`kiln serve` is not available yet)"
+
+_PORTABLE = re.compile(r"^[A-Za-z0-9._-]+$")
+# PEFT's saved names: `<prefix>.<module path>.lora_A.weight` (linear) or `...lora_embedding_A` (embedding).
+_KEY = re.compile(r"^(?P<path>.+)\.(?:lora_(?P<ab>[AB])\.weight|lora_embedding_(?P<eab>[AB]))$")
+_PEFT_PREFIX = "base_model.model."
+_MAX_LISTED = 5
+
+__all__ = ["verify_adapter"]
+
+
+def verify_adapter(
+    name_or_path: str | os.PathLike[str],
+    registry: str | os.PathLike[str] | None,
+    *,
+    url: str | None = None,
+    prompt: str | None = None,
+) -> dict[str, Any]:
+    """The ``AdapterVerifyReceipt`` of one adapter (``status`` is ``ok`` or ``failed``).
+
+    ``name_or_path`` is an existing directory, else a path-safe name in ``registry``
+    (``None``: the configured registry). ``prompt`` is used only by the server comparison.
+    """
+    given = os.fspath(name_or_path)
+    if not given:
+        raise RequestError("name the adapter to verify: a registry name or a directory path")
+    adapter_path, adapter_dir, name = _resolve(given, registry)
+    receipt: dict[str, Any] = {
+        "status": "failed",
+        "input": given,
+        "name": name,
+        "adapter_dir": adapter_dir,
+        "adapter_path": str(adapter_path),
+        "checks": [],
+        "files": [],
+        "lora": None,
+        "tensor_summary": None,
+        "logit_delta_summary": None,
+    }
+    passed = _offline(receipt, adapter_path) and _manifest(receipt, adapter_path)
+    if passed and url is not None:
+        # No server exists yet: the first server check fails and verification stops there.
+        _record(receipt, SERVER_CHECKS[0], False, f"{SERVER_UNAVAILABLE}; not contacting {url}")
+    receipt["status"] = "ok" if all(check["pass"] for check in receipt["checks"]) else "failed"
+    found = contracts.problems("AdapterVerifyReceipt", receipt)
+    if found:
+        raise InternalError(f"kiln adapters verify built an invalid receipt: {found[0]}")
+    return receipt
+
+
+# --- resolution and bookkeeping --------------------------------------------------------------
+
+
+def _path_safe(name: str) -> bool:
+    return bool(name) and not name.startswith(".") and "/" not in name and "\\" not in name and ".." not in name
+
+
+def _resolve(given: str, registry: str | os.PathLike[str] | None) -> tuple[Path, str, str | None]:
+    """(adapter path, registry or parent directory, name or None)."""
+    if not os.path.isdir(given) and _path_safe(given):
+        root = os.path.abspath(adapter_registry(registry))
+        return Path(root, given), root, given
+    path = Path(os.path.abspath(given))
+    return path, str(path.parent), path.name or None
+
+
+def _record(receipt: dict[str, Any], name: str, ok: bool, message: str) -> bool:
+    receipt["checks"].append({"name": name, "pass": ok, "message": message})
+    return ok
+
+
+def _listed(problems: list[str]) -> str:
+    head = "; ".join(problems[:_MAX_LISTED])
+    return head + (f"; and {len(problems) - _MAX_LISTED} more" if len(problems) > _MAX_LISTED else "")
+
+
+def _problem_text(exc: KilnError) -> str:
+    if isinstance(exc, ContractError):
+        return str(exc.problems[0]) + (f" (and {len(exc.problems) - 1} more)" if len(exc.problems) > 1 else "")
+    return exc.message
+
+
+def _hash_files(path: Path) -> list[dict[str, Any]]:
+    """Digest and size of each regular file (by portable name) in the adapter directory."""
+    out = []
+    for entry in sorted(path.iterdir(), key=lambda p: p.name):
+        if entry.is_file() and _PORTABLE.match(entry.name):
+            digest, size = file_sha256(entry)
+            out.append({"name": entry.name, "sha256": prefixed(digest), "size_bytes": size})
+    return out
+
+
+# --- offline checks -------------------------------------------------------------------------
+
+
+def _offline(receipt: dict[str, Any], path: Path) -> bool:
+    record = _record  # short local name: one call per check below
+    exists, layout, config_json, rank_c, alpha_c, targets_c, readable, consistency, measurable = OFFLINE_CHECKS
+    if not path.is_dir():
+        what = "is not a directory" if path.exists() else "does not exist"
+        return record(receipt, exists, False, f"{path} {what}")
+    record(receipt, exists, True, f"found {path}")
+    receipt["files"] = _hash_files(path)
+
+    missing = [f for f in (CONFIG, WEIGHTS) if not (path / f).is_file()]
+    if missing:
+        return record(receipt, layout, False, "missing " + " and ".join(missing))
+    record(receipt, layout, True, f"{CONFIG} and {WEIGHTS} present")
+
+    try:
+        config = read_json_file(path / CONFIG)
+    except KilnError as exc:
+        return record(receipt, config_json, False, f"{CONFIG} does not parse: {_problem_text(exc)}")
+    if not isinstance(config, dict):
+        return record(receipt, config_json, False, f"{CONFIG} is a JSON {type(config).__name__}, not an object")
+    record(receipt, config_json, True, f"{CONFIG} parses")
+
+    lora = _lora_facts(config)
+    receipt["lora"] = lora
+    rank = config.get("r")
+    if lora["rank"] is None:
+        why = "is missing" if "r" not in config else f"is {rank!r}, not a positive integer"
+        return record(receipt, rank_c, False, f"r {why}")
+    patterns, why = _rank_pattern(config.get("rank_pattern"))
+    if why:
+        return record(receipt, rank_c, False, why)
+    record(receipt, rank_c, True, f"r = {rank}" + (f" (rank_pattern: {len(patterns)} overrides)" if patterns else ""))
+
+    if lora["alpha"] is None:
+        alpha = config.get("lora_alpha")
+        why = "is missing" if "lora_alpha" not in config else f"is {alpha!r}, not a finite number"
+        return record(receipt, alpha_c, False, f"lora_alpha {why}")
+    record(receipt, alpha_c, True, f"lora_alpha = {lora['alpha']:g}")
+
+    matcher, why = _target_matcher(config.get("target_modules"))
+    if matcher is None:
+        return record(receipt, targets_c, False, why)
+    record(receipt, targets_c, True, ", ".join(lora["target_modules"]))
+
+    tensors, why = _read_tensors(path / WEIGHTS)
+    if tensors is None:
+        return record(receipt, readable, False, why)
+    lora["tensor_count"] = len(tensors)
+    record(receipt, readable, True, f"{len(tensors)} tensors")
+
+    pairs, problems = _consistency(tensors, lora["rank"], patterns, matcher)
+    if problems:
+        return record(receipt, consistency, False, _listed(problems))
+    layers = {layer for layer, _ in pairs}
+    record(receipt, consistency, True, f"{len(pairs)} complete A/B pairs over {len(layers)} layers")
+
+    summary = _summary(tensors, pairs, len(layers))
+    receipt["tensor_summary"] = summary
+    nonzero, bound = summary["nonzero_tensor_count"], summary["lora_update_l2_upper_bound"]
+    if nonzero == 0:
+        return record(receipt, measurable, False, f"all {len(tensors)} tensors are zero: the adapter is a no-op")
+    if bound <= 0:
+        return record(
+            receipt,
+            measurable,
+            False,
+            f"{nonzero} of {len(tensors)} tensors non-zero, but every pair has a zero A or B "
+            "(Σ‖A‖₂·‖B‖₂ = 0): the adapter cannot change the model (untrained?)",
+        )
+    return record(receipt, measurable, True, f"{nonzero} of {len(tensors)} tensors non-zero; Σ‖A‖₂·‖B‖₂ = {bound:.6g}")
+
+
+def _finite_float(value: Any) -> float | None:
+    """``value`` as a finite float, or None (booleans, huge integers and non-numbers included)."""
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
+    return number if math.isfinite(number) else None
+
+
+def _lora_facts(config: dict[str, Any]) -> dict[str, Any]:
+    rank = config.get("r")
+    rank = rank if isinstance(rank, int) and not isinstance(rank, bool) and 0 < rank < 2**63 else None
+    alpha = _finite_float(config.get("lora_alpha"))
+    targets = config.get("target_modules")
+    if isinstance(targets, str):
+        targets = [targets] if targets else []
+    elif isinstance(targets, list):
+        targets = sorted({t for t in targets if isinstance(t, str) and t})
+    else:
+        targets = []
+    base = config.get("base_model_name_or_path")
+    return {
+        "rank": rank,
+        "alpha": alpha,
+        "alpha_over_rank": alpha / rank if rank is not None and alpha is not None else None,
+        "target_modules": targets,
+        "base_model_name_or_path": base if isinstance(base, str) and base else None,
+        "tensor_count": None,
+    }
+
+
+def _rank_pattern(value: Any) -> tuple[dict[str, int], str | None]:
+    """PEFT's per-module rank overrides (``{}`` when absent)."""
+    if value in (None, {}):
+        return {}, None
+    if not isinstance(value, dict):
+        return {}, f"rank_pattern is {type(value).__name__}, not an object"
+    for key, rank in value.items():
+        if not (isinstance(rank, int) and not isinstance(rank, bool) and rank > 0):
+            return {}, f"rank_pattern[{key!r}] is {rank!r}, not a positive integer"
+    return value, None
+
+
+def _target_matcher(value: Any) -> tuple[Any, str]:
+    """A predicate on module paths following PEFT's matching, or (None, why not)."""
+    if isinstance(value, str) and value:
+        if value == "all-linear":
+            return (lambda _path: True), ""
+        try:
+            pattern = re.compile(value)
+        except re.error as exc:
+            return None, f"target_modules {value!r} is not a valid regular expression: {exc}"
+        return (lambda path: pattern.fullmatch(path) is not None), ""
+    if isinstance(value, list) and value and all(isinstance(t, str) and t for t in value):
+        names = tuple(value)
+        return (lambda path: any(path == t or path.endswith("." + t) for t in names)), ""
+    if value is None:
+        return None, "target_modules is missing"
+    return None, f"target_modules is {value!r}, not a non-empty list of module names or a regular expression"
+
+
+def _read_tensors(weights: Path) -> tuple[dict[str, dict[str, Any]] | None, str]:
+    """Per tensor: shape and the statistics the summary needs, or (None, why unreadable)."""
+    import torch
+    from safetensors import SafetensorError, safe_open
+
+    out: dict[str, dict[str, Any]] = {}
+    try:
+        with safe_open(str(weights), framework="pt") as fh:
+            for key in sorted(fh.keys()):
+                tensor = fh.get_tensor(key)
+                values = tensor.detach().to(torch.float64)
+                finite = bool(torch.isfinite(values).all())
+                out[key] = {
+                    "shape": tuple(tensor.shape),
+                    "numel": tensor.numel(),
+                    "finite": finite,
+                    "nonzero": bool((values != 0).any()),
+                    "max_abs": float(values.abs().max()) if finite and tensor.numel() else 0.0,
+                    "norm": float(values.norm()) if finite else 0.0,
+                }
+    except (SafetensorError, OSError) as exc:
+        return None, f"{WEIGHTS} is not readable: {exc}"
+    return out, ""
+
+
+def _rank_for(module_path: str, rank: int, patterns: dict[str, int]) -> int:
+    for key, value in patterns.items():
+        if re.fullmatch(rf"(.*\.)?({key})", module_path):
+            return value
+    return rank
+
+
+def _layer_of(module_path: str) -> str:
+    """The block a module belongs to: the path up to its last numeric component (else its parent)."""
+    parts = module_path.split(".")
+    numeric = [i for i, p in enumerate(parts[:-1]) if p.isdigit()]
+    return ".".join(parts[: numeric[-1] + 1]) if numeric else ".".join(parts[:-1])
+
+
+def _consistency(
+    tensors: dict[str, dict[str, Any]], rank: int, patterns: dict[str, int], matcher: Any
+) -> tuple[list[tuple[str, str]], list[str]]:
+    """Complete (layer, module path) pairs, and every problem found."""
+    problems: list[str] = []
+    halves: dict[str, dict[str, str]] = {}
+    for key, info in tensors.items():
+        match = _KEY.match(key)
+        if not match:
+            problems.append(f"{key} is not a LoRA A or B tensor (<module>.lora_A.weight / <module>.lora_B.weight)")
+            continue
+        path = match["path"].removeprefix(_PEFT_PREFIX)
+        which = match["ab"] or match["eab"]
+        if not matcher(path):
+            problems.append(f"{key} belongs to {path!r}, which is not a declared target module")
+            continue
+        shape = info["shape"]
+        if len(shape) != 2:
+            problems.append(f"{key} has shape {list(shape)}, not 2-D")
+            continue
+        expected = _rank_for(path, rank, patterns)
+        if which == "A" and shape[0] != expected:
+            problems.append(f"{key} has shape {list(shape)}: A is [r, in] and r = {expected}")
+        if which == "B" and shape[1] != expected:
+            problems.append(f"{key} has shape {list(shape)}: B is [out, r] and r = {expected}")
+        if not info["finite"]:
+            problems.append(f"{key} holds NaN or infinite values")
+        halves.setdefault(path, {})[which] = key
+    pairs = []
+    for path, found in sorted(halves.items()):
+        if len(found) == 2:
+            pairs.append((_layer_of(path), path))
+            continue
+        have, lack = ("A", "B") if "A" in found else ("B", "A")
+        problems.append(f"{found[have]} has no matching lora_{lack}")
+    if not pairs and not problems:
+        problems.append("the weights file holds no LoRA A/B pair")
+    return pairs, problems
+
+
+def _summary(tensors: dict[str, dict[str, Any]], pairs: list[tuple[str, str]], layer_count: int) -> dict[str, Any]:
+    by_path: dict[str, dict[str, float]] = {}
+    for key, info in tensors.items():
+        match = _KEY.match(key)
+        path = match["path"].removeprefix(_PEFT_PREFIX)
+        by_path.setdefault(path, {})[match["ab"] or match["eab"]] = info["norm"]
+    bound = sum(by_path[path]["A"] * by_path[path]["B"] for _, path in pairs)
+    return {
+        "tensor_count": len(tensors),
+        "pair_count": len(pairs),
+        "layer_count": layer_count,
+        "parameter_count": sum(info["numel"] for info in tensors.values()),
+        "nonzero_tensor_count": sum(info["nonzero"] for info in tensors.values()),
+        "max_abs_value": max((info["max_abs"] for info in tensors.values()), default=0.0),
+        "lora_update_l2_upper_bound": bound,
+    }
+
+
+# --- manifest -------------------------------------------------------------------------------
+
+
+def _manifest(receipt: dict[str, Any], path: Path) -> bool:
+    """``manifest_hashes`` when ``adapter_manifest.json`` exists (True when there is none)."""
+    manifest_path = path / MANIFEST
+    if not manifest_path.exists():
+        return True
+    try:
+        manifest = read_json_file(manifest_path)
+    except KilnError as exc:
+        return _record(receipt, MANIFEST_CHECK, False, f"{MANIFEST} is unreadable: {_problem_text(exc)}")
+    found = contracts.problems("AdapterManifest", manifest)
+    if found:
+        return _record(receipt, MANIFEST_CHECK, False, f"{MANIFEST} is invalid: {_listed([str(p) for p in found])}")
+    digests = {f["name"]: f["sha256"] for f in receipt["files"]}
+    problems, matched = [], []
+    for field, role, expected_name in (
+        ("safetensors_hash", "adapter_model", WEIGHTS),
+        ("config_hash", "adapter_config", CONFIG),
+        ("receipt_hash", "train_receipt", None),
+    ):
+        file_name, recorded = manifest["files"][role], manifest[field]
+        if file_name is None:
+            continue
+        if expected_name is not None and file_name != expected_name:
+            problems.append(f"files.{role} is {file_name!r}, not {expected_name!r}: the manifest does not bind it")
+            continue
+        actual = digests.get(file_name)
+        if actual is None and (path / file_name).is_file():
+            actual = prefixed(file_sha256(path / file_name)[0])
+        if actual is None:
+            problems.append(f"{field}: {file_name} is missing")
+        elif actual != recorded:
+            problems.append(f"{field} is {recorded} but {file_name} hashes to {actual}")
+        else:
+            matched.append(field)
+    if problems:
+        return _record(receipt, MANIFEST_CHECK, False, _listed(problems))
+    names = ", ".join(matched[:-1]) + f" and {matched[-1]}" if len(matched) > 1 else matched[0]
+    return _record(receipt, MANIFEST_CHECK, True, f"{names} match")
