@@ -1,0 +1,322 @@
+"""``kiln adapters restore``: bring an adapter back into a registry from its manifest.
+
+``restore_adapter(manifest_path, registry, *, name=None, overwrite=False)`` follows spec/50:
+
+1. read the manifest once (its bytes are what is validated and what is copied) and load it
+   strictly as ``AdapterManifest``; the embedded records are checked by their own rules;
+2. choose the target ``<registry>/<name or adapter_name>``; the name must be path-safe
+   (the rule of ``kiln.publish.check_target``; an unsafe name raises the same
+   ``RequestError`` ``training_invalid_request``). Any existing entry under that name is
+   refused with ``ConflictError`` ``adapter_exists`` unless ``overwrite``;
+3. copy the files the manifest names (plain file names beside the manifest) into a hidden
+   directory ``<registry>/.<name>.restore-*`` under the canonical names, hashing each byte
+   as it is copied (one streamed pass) and fsyncing each file; the manifest is copied too;
+4. compare every digest with the manifest: ``<label> mismatch for <source file>: expected
+   <digest>, got <digest>`` (``AdapterError`` ``adapter_invalid``);
+5. validate the layout (both serving files, a LoRA config, a readable safetensors header,
+   the receipt as a successful ``TrainReceipt`` of this adapter), then rename into place and
+   fsync the registry.
+
+Every failure raises before the rename and removes the hidden directory, so nothing is left
+behind and an existing target is untouched.
+
+``overwrite`` is destructive: the adapter already registered under the target name is
+deleted, even if a server has it loaded or active (restore is local and never asks a
+server), and it cannot be recovered. To keep the window small the old target is removed
+only after every copy has been verified: it is renamed to a hidden
+``.<name>.replaced-*`` directory, the new adapter is renamed into place, then the old one
+is deleted. A crash in between leaves the old adapter in that hidden directory, never a
+half-written target.
+
+When the manifest names its files by other names than the canonical ones, the restored
+manifest is rewritten (canonical JSON, same digests) so that its ``files`` name the
+restored files; otherwise the manifest bytes are copied unchanged. Its ``adapter_name``
+stays the name the adapter was trained as, also under ``name``.
+
+Restore never contacts a server, never imports torch, and does not prove the destination
+has the recorded base weights.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import stat
+import struct
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from kiln import contracts
+from kiln._jsonio import MAX_DOCUMENT_BYTES, fsync_dir, parse_json, read_json_file
+from kiln.artifacts.adapter_manifest import MANIFEST_FILE
+from kiln.digests import prefixed
+from kiln.errors import AdapterError, ConflictError, ContractError, InternalError, RequestError
+
+__all__ = ["restore_adapter"]
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+RECEIPT_FILE = "train_receipt.json"
+NAME_MAX = 255
+_CHUNK = 8 * 1024 * 1024
+
+# (files role, canonical name, manifest digest field, verified_hashes key)
+_ROLES = (
+    ("adapter_config", CONFIG_FILE, "config_hash", "adapter_config"),
+    ("adapter_model", WEIGHTS_FILE, "safetensors_hash", "adapter_model"),
+    ("train_receipt", RECEIPT_FILE, "receipt_hash", "train_receipt"),
+)
+
+
+def restore_adapter(
+    manifest_path: str | os.PathLike[str],
+    registry: str | os.PathLike[str],
+    *,
+    name: str | None = None,
+    overwrite: bool = False,
+) -> dict[str, Any]:
+    """Restore the adapter described by ``manifest_path`` into ``registry``; return the receipt.
+
+    The receipt is the ``AdapterRestoreReceipt`` dict ``{status, manifest_path,
+    source_adapter_dir, restored_adapter_dir, adapter_name, copied_files, verified_hashes}``
+    with absolute paths. Raises ``AdapterError`` (``adapter_invalid``) for a bad manifest,
+    a missing or mismatching file or a bad layout; ``RequestError``
+    (``training_invalid_request``) for a target name that is not path-safe; ``ConflictError``
+    (``adapter_exists``) for an existing target without ``overwrite``.
+    """
+    manifest_file = Path(os.path.abspath(manifest_path))
+    source_dir = manifest_file.parent
+    raw, manifest = _read_manifest(manifest_file)
+
+    target_name = manifest["adapter_name"] if name is None else name
+    _check_name(target_name)
+    registry_dir = Path(os.path.abspath(registry))
+    target = registry_dir / target_name
+    if not overwrite:
+        _refuse_existing(target)
+
+    sources = _sources(manifest, source_dir)
+    copied: list[str] = []
+    verified: dict[str, str] = {}
+    receipt = {
+        "status": "ok",
+        "manifest_path": str(manifest_file),
+        "source_adapter_dir": str(source_dir),
+        "restored_adapter_dir": str(target),
+        "adapter_name": target_name,
+        "copied_files": copied,
+        "verified_hashes": verified,
+    }
+
+    registry_dir.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target_name[:64]}.restore-", dir=registry_dir))
+    try:
+        for role, canonical, field, key in _ROLES:
+            if role not in sources:
+                continue
+            source = sources[role]
+            got = prefixed(_copy_hashing(source, staging / canonical))
+            expected = manifest[field]
+            if got != expected:
+                raise AdapterError(f"{field} mismatch for {source}: expected {expected}, got {got}")
+            copied.append(canonical)
+            verified[key] = got
+        _write_manifest_copy(staging / MANIFEST_FILE, raw, manifest)
+        copied.append(MANIFEST_FILE)
+        _check_layout(staging, manifest, sources)
+        problems = contracts.problems("AdapterRestoreReceipt", receipt)
+        if problems:  # a bug, not a bad input: say so before touching the registry
+            raise InternalError(f"the restore receipt is invalid: {'; '.join(map(str, problems))}")
+        fsync_dir(staging)
+        _move_into_place(staging, target, registry_dir, overwrite=overwrite)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    fsync_dir(registry_dir)
+    return receipt
+
+
+# --- steps -------------------------------------------------------------------------------
+
+
+def _read_manifest(path: Path) -> tuple[bytes, dict[str, Any]]:
+    """The manifest's bytes and its parsed value, after the strict ``AdapterManifest`` load."""
+    try:
+        with path.open("rb") as fh:
+            if not stat.S_ISREG(os.fstat(fh.fileno()).st_mode):
+                raise AdapterError(f"manifest {path} is not a regular file")
+            raw = fh.read(MAX_DOCUMENT_BYTES + 1)
+    except OSError as exc:
+        raise AdapterError(f"cannot read manifest {path}: {exc.strerror or exc}") from None
+    try:
+        contracts.load("AdapterManifest", raw, document=str(path))
+        manifest = parse_json(raw, source=str(path))
+    except ContractError as exc:
+        details = "; ".join(str(p) for p in exc.problems)
+        raise AdapterError(
+            f"manifest {path} is not a valid adapter manifest: {details}",
+            pointer=exc.pointer,
+            hint="restore only from an adapter_manifest.json written by Kiln for a successful run",
+        ) from exc
+    return raw, manifest
+
+
+def _check_name(name: str) -> None:
+    """The path-safety rule of ``kiln.publish.check_target`` (and the AdapterName length)."""
+    if not name or name.startswith(".") or "/" in name or "\\" in name or ".." in name or len(name) > NAME_MAX:
+        raise RequestError(
+            f"adapter name {name!r} is not path-safe: it must be non-empty, at most {NAME_MAX} characters, "
+            "not start with '.', and contain no '/', '\\' or '..'",
+            code="training_invalid_request",
+        )
+
+
+def _refuse_existing(target: Path) -> None:
+    if target.is_symlink() or target.exists():
+        raise ConflictError(
+            f"{target} already exists",
+            code="adapter_exists",
+            hint="choose another --name, or pass --overwrite to delete the existing adapter and replace it",
+        )
+
+
+def _sources(manifest: dict[str, Any], source_dir: Path) -> dict[str, Path]:
+    """The source file of each role the manifest names; each must be a plain name beside it."""
+    out: dict[str, Path] = {}
+    for role, _canonical, _field, _key in _ROLES:
+        file_name = manifest["files"][role]
+        if file_name is None:
+            continue
+        if (
+            file_name in ("", ".", "..")
+            or "/" in file_name
+            or "\\" in file_name
+            or ".." in file_name
+            or os.path.isabs(file_name)
+        ):
+            raise AdapterError(f"files.{role} {file_name!r} is not a plain file name beside the manifest")
+        out[role] = source_dir / file_name
+    return out
+
+
+def _copy_hashing(source: Path, dest: Path) -> str:
+    """Copy ``source`` to the new file ``dest`` in one streamed pass; fsync it; return its raw digest."""
+    h = hashlib.sha256()
+    buf = bytearray(_CHUNK)
+    view = memoryview(buf)
+    try:
+        src = open(source, "rb", buffering=0)  # noqa: SIM115 - closed below, with dst
+    except OSError as exc:
+        raise AdapterError(f"cannot read {source}: {exc.strerror or exc}") from None
+    with src, open(dest, "xb", buffering=0) as dst:
+        if not stat.S_ISREG(os.fstat(src.fileno()).st_mode):
+            raise AdapterError(f"{source} is not a regular file")
+        while n := src.readinto(view):
+            chunk = view[:n]
+            h.update(chunk)
+            written = 0
+            while written < n:
+                written += dst.write(chunk[written:])
+        os.fsync(dst.fileno())
+    return h.hexdigest()
+
+
+def _write_manifest_copy(dest: Path, raw: bytes, manifest: dict[str, Any]) -> None:
+    canonical_files = {role: canonical for role, canonical, _f, _k in _ROLES}
+    if manifest["files"]["train_receipt"] is None:
+        canonical_files["train_receipt"] = None
+    if manifest["files"] == canonical_files:
+        data = raw
+    else:  # name the restored files; the digests stay the same
+        data = contracts.render("AdapterManifest", {**manifest, "files": canonical_files})
+    with open(dest, "xb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def _check_layout(staging: Path, manifest: dict[str, Any], sources: dict[str, Path]) -> None:
+    for file_name in (CONFIG_FILE, WEIGHTS_FILE, MANIFEST_FILE):
+        if not (staging / file_name).is_file():
+            raise AdapterError(f"the restored adapter lacks {file_name}")
+    _check_config(staging / CONFIG_FILE, sources["adapter_config"])
+    _check_safetensors_header(staging / WEIGHTS_FILE, sources["adapter_model"])
+    if "train_receipt" in sources:
+        _check_receipt(staging / RECEIPT_FILE, sources["train_receipt"], manifest)
+
+
+def _check_config(path: Path, source: Path) -> None:
+    try:
+        config = parse_json(path.read_bytes(), source=str(source))
+    except ContractError as exc:
+        raise AdapterError(f"adapter config {source} is not valid JSON: {exc.message}") from None
+    if not isinstance(config, dict):
+        raise AdapterError(f"adapter config {source} is not a JSON object")
+    r, alpha, targets = config.get("r"), config.get("lora_alpha"), config.get("target_modules")
+    if isinstance(r, bool) or not isinstance(r, int) or r <= 0:
+        raise AdapterError(f"adapter config {source}: r must be a positive integer, got {r!r}")
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
+        raise AdapterError(f"adapter config {source}: lora_alpha must be a number, got {alpha!r}")
+    listed = isinstance(targets, list) and targets and all(isinstance(t, str) and t for t in targets)
+    if not (listed or (isinstance(targets, str) and targets)):
+        raise AdapterError(f"adapter config {source}: target_modules must name the adapted modules, got {targets!r}")
+
+
+def _check_safetensors_header(path: Path, source: Path) -> None:
+    """The 8-byte little-endian header length and a JSON object header (the tensors are not read)."""
+    size = path.stat().st_size
+    with path.open("rb") as fh:
+        head = fh.read(8)
+        length = struct.unpack("<Q", head)[0] if len(head) == 8 else None
+        if length is None or length > min(size - 8, 100 * 1024 * 1024):
+            raise AdapterError(f"adapter weights {source} are not a safetensors file (bad header length)")
+        try:
+            header = json.loads(fh.read(length))
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise AdapterError(f"adapter weights {source} have an unreadable safetensors header: {exc}") from None
+    if not isinstance(header, dict):
+        raise AdapterError(f"adapter weights {source} have a safetensors header that is not a JSON object")
+
+
+def _check_receipt(path: Path, source: Path, manifest: dict[str, Any]) -> None:
+    try:
+        contracts.load("TrainReceipt", path, document=str(source))  # the lenient reader contract
+        receipt = read_json_file(path)
+    except ContractError as exc:
+        details = "; ".join(str(p) for p in exc.problems)
+        raise AdapterError(f"train receipt {source} is not a valid train receipt: {details}") from exc
+    if receipt["status"] != "success":
+        raise AdapterError(f"train receipt {source} records status {receipt['status']!r}, not 'success'")
+    if receipt["adapter_name"] != manifest["adapter_name"]:
+        raise AdapterError(
+            f"train receipt {source} is for adapter {receipt['adapter_name']!r}, "
+            f"but the manifest is for {manifest['adapter_name']!r}"
+        )
+    recorded = receipt["adapters"]["output"]["adapter_model_sha256"]
+    if recorded is not None and recorded != manifest["safetensors_hash"]:
+        raise AdapterError(
+            f"train receipt {source} records adapter weights {recorded}, "
+            f"but the manifest binds {manifest['safetensors_hash']}"
+        )
+
+
+def _move_into_place(staging: Path, target: Path, registry: Path, *, overwrite: bool) -> None:
+    """Rename the verified copy to ``target``; with ``overwrite`` the old entry goes only now."""
+    old: Path | None = None
+    if target.is_symlink() or target.exists():
+        if not overwrite:  # appeared while copying
+            _refuse_existing(target)
+        old = Path(tempfile.mkdtemp(prefix=f".{target.name[:64]}.replaced-", dir=registry)) / "old"
+        os.rename(target, old)
+    try:
+        os.rename(staging, target)
+    except BaseException:
+        if old is not None:
+            os.rename(old, target)
+            old.parent.rmdir()
+        raise
+    if old is not None:
+        shutil.rmtree(old.parent)  # removes a replaced symlink itself, never what it points to
