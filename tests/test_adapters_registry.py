@@ -148,3 +148,29 @@ def test_cli_list_and_delete(registry, capsys):
     assert "removed" in capsys.readouterr().out
     assert main(["adapters", "delete", "bot", "--adapter-dir", str(registry)]) == 1
     assert "adapter_not_found" in capsys.readouterr().err
+
+
+def test_cli_moves_an_adapter_to_another_registry_with_restore_and_verify(registry, tmp_path, capsys):
+    incoming = tmp_path / "incoming" / "bot"
+    shutil.copytree(registry / "bot", incoming)  # what arrives on the other machine
+    other = tmp_path / "machine-b" / "adapters"
+    assert main(["adapters", "restore", str(incoming / "adapter_manifest.json"), "--adapter-dir", str(other)]) == 0
+    receipt = json.loads(capsys.readouterr().out)
+    assert receipt["status"] == "ok"
+    assert contracts.problems("AdapterRestoreReceipt", receipt) == []
+    assert main(["adapters", "verify", "bot", "--adapter-dir", str(other), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["status"] == "ok"
+    assert (other / "bot" / "adapter_model.safetensors").read_bytes() == (
+        registry / "bot" / "adapter_model.safetensors"
+    ).read_bytes()
+
+    weights = incoming / "adapter_model.safetensors"
+    blob = bytearray(weights.read_bytes())
+    blob[-1] ^= 0x01
+    weights.write_bytes(bytes(blob))
+    args = ["adapters", "restore", str(incoming / "adapter_manifest.json"), "--adapter-dir", str(other)]
+    assert main([*args, "--name", "bot-copy"]) == 1
+    assert "safetensors_hash mismatch" in capsys.readouterr().err
+    assert sorted(p.name for p in other.iterdir()) == ["bot"]  # nothing left behind
+    assert main(["adapters", "verify", str(incoming)]) == 1
+    assert "manifest_hashes" in capsys.readouterr().out
