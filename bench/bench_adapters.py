@@ -39,7 +39,7 @@ import torch
 from safetensors.torch import save as save_safetensors
 
 from kiln import contracts
-from kiln.adapters._restore import restore_adapter
+from kiln.adapters import restore_adapter, verify_adapter
 
 ROOT = Path(__file__).resolve().parent.parent
 SCHEMA = ROOT / "schemas" / "kiln-artifacts-v1.schema.json"
@@ -48,7 +48,7 @@ SIZES = {"16 MiB": 16 * MIB, "1 GiB": 1024 * MIB}
 LARGE = "1 GiB"
 NAME = "bench-adapter"
 FILES = ("adapter_config.json", "adapter_model.safetensors", "adapter_manifest.json")
-ROUTES = ("cp+sha256sum", "cp+sha256sum+sync", "restore")
+ROUTES = ("cp+sha256sum", "cp+sha256sum+sync", "restore", "verify")
 
 
 def _tool(name: str) -> str:
@@ -153,9 +153,20 @@ def restore(manifest: Path, registry: Path) -> float:
     return time.perf_counter() - start
 
 
+def verify(directory: Path) -> float:
+    start = time.perf_counter()
+    receipt = verify_adapter(str(directory), directory.parent)
+    elapsed = time.perf_counter() - start
+    if receipt["status"] != "ok":
+        raise SystemExit(f"the bench adapter does not verify: {receipt['checks'][-1]}")
+    return elapsed
+
+
 def one(route: str, manifest: Path, scratch: Path) -> float:
     dest = scratch / "dest"
     try:
+        if route == "verify":
+            return verify(manifest.parent)
         if route == "restore":
             scratch.joinpath("registry").mkdir()
             return restore(manifest, scratch / "registry")
@@ -197,10 +208,11 @@ def run(work: Path, sizes: dict[str, int], args: argparse.Namespace, free: int) 
     header = (
         f"{'weights':8} {'bytes':>14} "
         + " ".join(f"{r:>18}" for r in ROUTES)
-        + f" {'n':>3} {'ratio':>6} {'ratio+sync':>10}"
+        + f" {'n':>3} {'ratio':>6} {'ratio+sync':>10} {'verify':>7}"
     )
     print(header)
     ratios = {}
+    verify_ratios = {}
     for seed, (label, total) in enumerate(sizes.items()):
         manifest = make_adapter(work / f"src-{seed}" / NAME, total, seed)
         size = sum((manifest.parent / f).stat().st_size for f in FILES)
@@ -218,12 +230,16 @@ def run(work: Path, sizes: dict[str, int], args: argparse.Namespace, free: int) 
         ratio = med["restore"] / med["cp+sha256sum"]
         ratio_sync = med["restore"] / med["cp+sha256sum+sync"]
         ratios[label] = ratio
+        verify_ratios[label] = med["verify"] / med["cp+sha256sum"]
         cells = " ".join(f"{med[r]:>18.1f}" for r in ROUTES)
-        print(f"{label:8} {size:>14,} {cells} {reps:>3} {ratio:>5.2f}x {ratio_sync:>9.2f}x")
+        print(
+            f"{label:8} {size:>14,} {cells} {reps:>3} {ratio:>5.2f}x {ratio_sync:>9.2f}x {verify_ratios[label]:>6.2f}x"
+        )
         shutil.rmtree(manifest.parent.parent)
     print()
     print(
-        "ratio: restore / cp+sha256sum; ratio+sync: restore / cp+sha256sum+sync (the shell also fsyncs, as restore does)"
+        "ratio: restore / cp+sha256sum; ratio+sync: restore / cp+sha256sum+sync (the shell also fsyncs, as restore "
+        "does); verify: verify / cp+sha256sum (verify copies nothing: it hashes every file and reads every tensor)"
     )
     print("small sizes are dominated by the shell route's three process starts")
     for label, ratio in ratios.items():
@@ -231,6 +247,8 @@ def run(work: Path, sizes: dict[str, int], args: argparse.Namespace, free: int) 
             print(
                 f"target restore <= 1.3x cp+sha256sum at {label}: {ratio:.2f}x ({'met' if ratio <= 1.3 else 'NOT met'})"
             )
+            v = verify_ratios[label]
+            print(f"target verify <= 1.3x cp+sha256sum at {label}: {v:.2f}x ({'met' if v <= 1.3 else 'NOT met'})")
 
 
 if __name__ == "__main__":
