@@ -238,7 +238,9 @@ def test_resume_refuses_a_different_loss_route(cancelled, tiny_model_dir, data_f
     import kiln.kernels
 
     registry, checkpoint = cancelled
-    monkeypatch.setattr(kiln.kernels, "select_loss_route", lambda device, dtype: "active_rows")
+    monkeypatch.setattr(
+        kiln.kernels, "choose_loss_route", lambda *a, **k: kiln.kernels.LossRouteChoice("active_rows", None)
+    )
     error = _refusal(registry, data_file, tiny_model_dir, _config(checkpoint_interval=None), checkpoint)
     assert error.code == "checkpoint_incompatible"
     assert error.reason == "auxiliary_state.training_runtime_planning_identity.sft_loss_route"

@@ -240,9 +240,32 @@ def test_default_chunk_is_the_largest_power_of_two_within_the_budget():
 
 def test_public_surface_of_kernels_is_pinned():
     assert kiln.kernels.__all__ == [
-        "ACTIVE_ROWS", "FULL_LOGITS", "FUSED_CHUNKED_LINEAR_CE", "LOSS_ROUTES", "LossRouteChoice",
-        "choose_loss_route", "default_chunk_size", "select_loss_route", "sft_loss",
+        "ACTIVE_ROWS", "FULL_LOGITS", "FUSED_CHUNKED_LINEAR_CE", "LOSS_ROUTES", "ROUTE_IMPLEMENTATIONS",
+        "LossRouteChoice", "choose_loss_route", "default_chunk_size", "select_loss_route", "sft_loss",
     ]  # fmt: skip
+
+
+def test_the_fused_route_computes_its_gradient_in_the_forward_pass():
+    """Backward only scales the stored gradient: wiping the head after forward changes nothing."""
+    gen = torch.Generator().manual_seed(3)
+    hidden = torch.randn(40, 16, generator=gen, requires_grad=True)
+    weight = torch.randn(300, 16, generator=gen)
+    labels = torch.randint(0, 300, (40,), generator=gen)
+    labels[::3] = -100
+    reference = sft_loss("full_logits", hidden, weight, labels)
+    (expected,) = torch.autograd.grad(reference, hidden)
+    loss = sft_loss("fused_chunked_linear_ce", hidden, weight, labels, chunk_size=64)
+    weight.zero_()  # a backward that recomputed logits from the head would now see zeros
+    (got,) = torch.autograd.grad(loss * 2.0, hidden)
+    torch.testing.assert_close(got, 2.0 * expected, rtol=1e-5, atol=1e-6)
+    assert torch.all(got[::3] == 0)
+
+
+def test_every_route_names_its_implementation():
+    assert set(kiln.kernels.ROUTE_IMPLEMENTATIONS) == set(kiln.kernels.LOSS_ROUTES)
+    choice = kiln.kernels.choose_loss_route("cpu", torch.float32, max_rows=1024, vocab=151_936, hidden=896)
+    assert (choice.route, choice.chunk_size) == ("fused_chunked_linear_ce", 8192)
+    assert choice.implementation == "torch.fused-linear-ce.online-grad.v2"
     assert LOSS_ROUTES == ("full_logits", "active_rows", "fused_chunked_linear_ce")
 
 

@@ -56,7 +56,11 @@ def test_training_publishes_an_adapter_with_a_valid_receipt_and_manifest(tmp_pat
         digest = "sha256:" + hashlib.sha256((result.adapter_dir / name).read_bytes()).hexdigest()
         assert manifest[field] == digest, field
     raw = json.loads(result.receipt_path.read_text())
-    assert raw["runtime"]["sft_loss_route"] in {"fused_chunked_linear_ce", "active_rows", "full_logits"}
+    assert raw["runtime"]["sft_loss_route"] == "fused_chunked_linear_ce"  # CPU capability
+    assert raw["runtime"]["sft_loss_implementation"] == "torch.fused-linear-ce.online-grad.v2"
+    chunk = raw["runtime"]["sft_loss_chunk_size"]
+    assert chunk >= 256
+    assert chunk & (chunk - 1) == 0
     assert raw["data"]["examples_trained"] == len(CONVERSATIONS)
     assert raw["training_data"]["sha256"] == raw["data"]["sft_ingestion"]["kept_corpus_sha256"]
     assert len(result.losses) == len(CONVERSATIONS)

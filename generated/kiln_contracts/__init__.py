@@ -16,7 +16,7 @@ from importlib import resources
 from typing import Any
 
 SCHEMA_DIGESTS: dict[str, str] = {
-    "kiln-artifacts-v1.schema.json": "sha256:a4f58ede7104bb0379ab348217fb044740b54372a0e049e1ef3340c31f0caca7",
+    "kiln-artifacts-v1.schema.json": "sha256:80caefd11f8e74fcddfc6197dac920cfc1824dfe7cde96d7cb4e53bbad134aaa",
     "kiln-checkpoint-v1.schema.json": "sha256:74af4e1585bafc06ce891558189cb949a07ace144edf9c26034e0ea47545e6a3",
     "kiln-common-v1.schema.json": "sha256:578fb0867921ff18b61214d1e6a909abccdcc2532c6c6bd5a1c1aada83583c73",
     "kiln-config-v1.schema.json": "sha256:fe225dfed3f0b89e9f92aa718d8aa56c2473d29fb9b71d99ab178444d1ddb443",

@@ -4,7 +4,8 @@
   reference, and the only route that accepts a trainable head.
 * ``active_rows`` -- gathers the A supervised rows, dense cross-entropy on ``[A, V]``; O(A·V).
 * ``fused_chunked_linear_ce`` -- one autograd node: walks the vocabulary in chunks of C
-  with an online log-sum-exp and recomputes chunk logits in backward; O(A·H + A·C).
+  with an online log-sum-exp and computes the gradient of the hidden rows in the same
+  pass, so backward only scales it; two matrix products per supervised row, O(A·H + A·C).
 
 All routes accumulate in at least fp32 whatever the input dtype, treat ``-100`` labels as
 ignored, return 0.0 (with zero gradients) when nothing is supervised, and are
@@ -21,6 +22,7 @@ from ._select import (
     FULL_LOGITS,
     FUSED_CHUNKED_LINEAR_CE,
     LOSS_ROUTES,
+    ROUTE_IMPLEMENTATIONS,
     LossRouteChoice,
     choose_loss_route,
     default_chunk_size,
@@ -33,6 +35,7 @@ __all__ = [
     "FULL_LOGITS",
     "FUSED_CHUNKED_LINEAR_CE",
     "LOSS_ROUTES",
+    "ROUTE_IMPLEMENTATIONS",
     "LossRouteChoice",
     "choose_loss_route",
     "default_chunk_size",

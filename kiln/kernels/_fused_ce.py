@@ -1,14 +1,20 @@
 """Fused chunked linear cross-entropy: one autograd node from hidden states to the loss.
 
-Forward gathers the ``A`` supervised rows, walks the vocabulary in chunks of ``C`` rows of
-the head, computes each chunk's logits in the compute dtype (at least fp32) and keeps an
-online log-sum-exp and the target logit per row. It saves the gathered rows, their
-log-sum-exp, targets and indices (and a reference to the frozen head), never logits.
+With LoRA the head is frozen, so the loss path needs only two matrix products per
+supervised row: the logits, and the gradient with respect to the hidden row. Both happen
+in the forward pass, in one walk over the vocabulary:
 
-Backward recomputes each chunk's logits, turns them into ``(softmax - one_hot) * g / A``
-in place and accumulates ``d(hidden_active) += chunk @ W_chunk`` in the compute dtype,
-then scatters the rows back to ``[T, H]`` (zeros for ignored rows). Neither ``[T, V]``
-nor ``[A, V]`` ever exists: the peak is ``O(A·H + A·C)``.
+* gather the ``A`` supervised rows (compute dtype: at least fp32, whatever the inputs);
+* per vocabulary chunk of ``C`` head rows: ``logits = rows @ W_c.T`` ([A, C]); an online
+  log-sum-exp (running max and sum); the target logit; and the unnormalised softmax
+  gradient ``G = Σ exp(logit - running_max) · W_c``, rescaled by ``exp(old_max - new_max)``
+  whenever a row's running max moves (the online-softmax trick applied to ``softmax @ W``);
+* at the end ``d loss / d row = (G / sum - W[target]) / A``.
+
+Backward only scales that stored ``[A, H]`` gradient by the incoming gradient and scatters
+it to ``[T, H]``: no logits are recomputed. Neither ``[T, V]`` nor ``[A, V]`` ever exists:
+the peak is ``O(A·H + A·C)``. When ``hidden`` needs no gradient the ``G`` accumulation is
+skipped.
 
 Every step is a deterministic op (matmul, elementwise, row reductions, gathers and
 scatters onto distinct positions), so the same inputs give bit-identical loss and
@@ -46,52 +52,49 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         compute = torch.promote_types(torch.promote_types(hidden.dtype, weight.dtype), torch.float32)
         active = (labels != IGNORE_INDEX).nonzero().squeeze(1)
         targets = labels.index_select(0, active)
-        rows_in = hidden.index_select(0, active)
         ctx.num_rows_total = hidden.shape[0]
-        ctx.chunk_size = chunk_size
-        ctx.compute = compute
+        ctx.hidden_dtype = hidden.dtype
         count = active.numel()
         if count == 0:
-            ctx.save_for_backward(rows_in, active, targets, rows_in.new_empty(0, dtype=compute), weight)
+            ctx.save_for_backward(active, hidden.new_empty((0, hidden.shape[1]), dtype=compute))
             return hidden.new_zeros((), dtype=compute)
 
-        rows = rows_in.to(compute)
+        want_grad = ctx.needs_input_grad[0]
+        rows = hidden.index_select(0, active).to(compute)
         running_max = rows.new_full((count,), float("-inf"))
         running_sum = rows.new_zeros(count)
         target_logit = rows.new_zeros(count)
+        # sum_j exp(logit_j - running_max) * W_j, rescaled whenever the running max moves
+        weighted = torch.zeros_like(rows) if want_grad else None
         for cols, hit, w in _chunks(weight, targets, chunk_size, compute):
             logits = rows @ w.T  # [A, C]
             target_logit += torch.where(hit, logits.gather(1, cols).squeeze(1), 0.0)
             new_max = torch.maximum(running_max, logits.amax(dim=1))
-            running_sum = running_sum * torch.exp(running_max - new_max)
-            running_sum += logits.sub_(new_max.unsqueeze(1)).exp_().sum(dim=1)
+            rescale = torch.exp(running_max - new_max)
+            probs = logits.sub_(new_max.unsqueeze(1)).exp_()  # unnormalised, in place of the logits
+            running_sum = running_sum * rescale + probs.sum(dim=1)
+            if weighted is not None:
+                weighted.mul_(rescale.unsqueeze(1)).addmm_(probs, w)
             running_max = new_max
-            del logits  # free this chunk before the next one is allocated
+            del logits, probs  # free this chunk before the next one is allocated
         lse = running_max + torch.log(running_sum)
-        ctx.save_for_backward(rows_in, active, targets, lse, weight)
+        if weighted is None:
+            grad_rows = rows.new_empty((0, rows.shape[1]))
+        else:
+            # d(mean CE)/d(row) = (softmax(row @ W.T) @ W - W[target]) / A
+            weighted.div_(running_sum.unsqueeze(1))
+            weighted.sub_(weight.index_select(0, targets).to(compute)).div_(count)
+            grad_rows = weighted
+        ctx.save_for_backward(active, grad_rows)
         return (lse - target_logit).sum() / count
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_loss):
-        rows_in, active, targets, lse, weight = ctx.saved_tensors
-        compute = ctx.compute
-        grad_hidden = rows_in.new_zeros((ctx.num_rows_total, rows_in.shape[1]))
-        count = active.numel()
-        if count == 0:
-            return grad_hidden, None, None, None
-
-        rows = rows_in.to(compute)
-        scale = grad_loss.to(compute) / count
-        grad_rows = torch.zeros_like(rows)
-        lse = lse.unsqueeze(1)
-        for cols, hit, w in _chunks(weight, targets, ctx.chunk_size, compute):
-            probs = (rows @ w.T).sub_(lse).exp_()  # softmax restricted to this chunk, [A, C]
-            probs.scatter_add_(1, cols, hit.to(compute).neg().unsqueeze(1))  # - one_hot(target)
-            probs.mul_(scale)
-            grad_rows.addmm_(probs, w)
-            del probs
-        grad_hidden.index_copy_(0, active, grad_rows.to(grad_hidden.dtype))
+        active, grad_rows = ctx.saved_tensors
+        grad_hidden = grad_rows.new_zeros((ctx.num_rows_total, grad_rows.shape[1]), dtype=ctx.hidden_dtype)
+        if active.numel():
+            grad_hidden.index_copy_(0, active, (grad_rows * grad_loss.to(grad_rows.dtype)).to(ctx.hidden_dtype))
         return grad_hidden, None, None, None
 
 

@@ -24,6 +24,13 @@ ACTIVE_ROWS = "active_rows"
 FUSED_CHUNKED_LINEAR_CE = "fused_chunked_linear_ce"
 LOSS_ROUTES = (FULL_LOGITS, ACTIVE_ROWS, FUSED_CHUNKED_LINEAR_CE)
 
+# Which code runs each route, with a version that changes whenever its numerics do.
+ROUTE_IMPLEMENTATIONS = {
+    FULL_LOGITS: "torch.full-logits.v1",
+    ACTIVE_ROWS: "torch.active-rows.v1",
+    FUSED_CHUNKED_LINEAR_CE: "torch.fused-linear-ce.online-grad.v2",
+}
+
 FUSED_DEVICE_TYPES = ("cpu", "cuda")
 CHUNK_BUDGET_BYTES = 64 * 1024 * 1024
 MIN_CHUNK = 256
@@ -36,6 +43,10 @@ class LossRouteChoice:
 
     route: str
     chunk_size: int | None
+
+    @property
+    def implementation(self) -> str:
+        return ROUTE_IMPLEMENTATIONS[self.route]
 
 
 def select_loss_route(device: torch.device | str, dtype: torch.dtype) -> str:

@@ -182,6 +182,7 @@ class AdmittedSft:
     precision: dict[str, Any] = field(default_factory=dict)
     route: str = ""
     resume: LoadedCheckpoint | None = None
+    loss_route: Any = None  # kiln.kernels.LossRouteChoice: route, fixed chunk size, implementation
 
     @property
     def total_steps(self) -> int:
@@ -242,7 +243,7 @@ def admit_sft(
     import torch
 
     from kiln.data import ingest_sft
-    from kiln.kernels import select_loss_route
+    from kiln.kernels import choose_loss_route
     from kiln.model import capture_identity, load_base_model, resolve_model_path, training_precision
 
     config = dict(config)
@@ -291,8 +292,16 @@ def admit_sft(
     torch.use_deterministic_algorithms(True)  # before the identity: provenance records it
     precision = training_precision(optimizer_kind=cfg["optimizer"]["kind"])
     identity = capture_identity(loaded.path, loaded.tokenizer, training_policy=precision)
-    route = select_loss_route("cpu", torch.float32)
-    job = AdmittedSft(adapter_name, registry, cfg, loaded, ingestion, tokenize_ms, identity, precision, route)
+    head = loaded.model.get_output_embeddings().weight
+    choice = choose_loss_route(
+        "cpu",
+        torch.float32,
+        max_rows=max(ex.supervised_tokens for ex in ingestion.examples),
+        vocab=head.shape[0],
+        hidden=head.shape[1],
+    )
+    job = AdmittedSft(adapter_name, registry, cfg, loaded, ingestion, tokenize_ms, identity, precision, choice.route)
+    job.loss_route = choice
     if checkpoint_path is not None:
         job.resume = load_checkpoint(checkpoint_path)  # every byte hashed, loop state checked
         require_compatible(checkpoint_path.name, job.resume.manifest, identity_manifest(job))
@@ -519,7 +528,7 @@ def run_sft(
             ids, targets = tensors[index]
             t0 = time.perf_counter()
             hidden = body(input_ids=ids).last_hidden_state[0, :-1]
-            loss = sft_loss(job.route, hidden, head.weight, targets)
+            loss = sft_loss(job.route, hidden, head.weight, targets, chunk_size=job.loss_route.chunk_size)
             t1 = time.perf_counter()
             value = float(loss.detach())
             if not torch.isfinite(loss.detach()):
@@ -794,6 +803,8 @@ def _receipt(job, loop, timings, delta_norms, started, *, adapter_dir=None, fail
             "peak_vram_mib": None,
             "peak_host_memory_mib": peak_kib // 1024,
             "sft_loss_route": route,
+            "sft_loss_chunk_size": job.loss_route.chunk_size,
+            "sft_loss_implementation": job.loss_route.implementation,
             "execution_provenance": identity.execution_provenance,
             "training_precision": precision,
         },
