@@ -2,7 +2,16 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
+
+ADAPTER_CONVERSATIONS = [
+    {"messages": [{"role": "user", "content": "How do I reset my password?"},
+                  {"role": "assistant", "content": "Open Settings, choose Security, then Reset password."}]},
+    {"messages": [{"role": "user", "content": "Can I change my email?"},
+                  {"role": "assistant", "content": "Yes: Settings, Account, Email."}]},
+]  # fmt: skip
 
 
 @pytest.fixture(autouse=True)
@@ -19,3 +28,28 @@ def tiny_model_dir(tmp_path_factory):
     from kiln.model import create_tiny
 
     return create_tiny(tmp_path_factory.mktemp("models") / "kiln-tiny", seed=0)
+
+
+@pytest.fixture(scope="session")
+def trained_adapter(tmp_path_factory, tiny_model_dir):
+    """A real Kiln adapter (weights, config, receipt, manifest) named ``bot``, trained once per session.
+
+    Read-only: tests copy it before tampering.
+    """
+    from kiln.trainers.sft import admit_sft, run_sft
+
+    root = tmp_path_factory.mktemp("trained-adapter")
+    data = root / "data.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in ADAPTER_CONVERSATIONS), encoding="utf-8")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("KILN_HOME", str(root / "kiln-home"))
+        job = admit_sft(
+            adapter_name="bot",
+            registry=root / "adapters",
+            config={"epochs": 1, "seed": 7},
+            dataset_path=data,
+            model_path=str(tiny_model_dir),
+        )
+        result = run_sft(job)
+    assert result.status == "success"
+    return result.adapter_dir

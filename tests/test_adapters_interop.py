@@ -10,38 +10,11 @@ from kiln import contracts
 from kiln.adapters._verify import verify_adapter
 from kiln.artifacts.adapter_bodies import OFFLINE_CHECKS
 
-CONVERSATIONS = [
-    {"messages": [{"role": "user", "content": "How do I reset my password?"},
-                  {"role": "assistant", "content": "Open Settings, choose Security, then Reset password."}]},
-    {"messages": [{"role": "user", "content": "Can I change my email?"},
-                  {"role": "assistant", "content": "Yes: Settings, Account, Email."}]},
-]  # fmt: skip
 PROMPT = "How do I reset my password?"
 
 # peft 0.21 asks transformers 5 for a renamed attribute while wrapping a model; the deprecation
 # is theirs (kiln.training.attach_lora silences the same warning).
 PEFT_GRADIENT_CHECKPOINTING_WARNING = "ignore:.*is_gradient_checkpointing.*:FutureWarning"
-
-
-@pytest.fixture(scope="module")
-def trained_adapter(tmp_path_factory, tiny_model_dir):
-    from kiln.trainers.sft import admit_sft, run_sft
-
-    root = tmp_path_factory.mktemp("interop-train")
-    data = root / "data.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in CONVERSATIONS), encoding="utf-8")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("KILN_HOME", str(root / "kiln-home"))
-        job = admit_sft(
-            adapter_name="bot",
-            registry=root / "adapters",
-            config={"epochs": 1, "seed": 7},
-            dataset_path=data,
-            model_path=str(tiny_model_dir),
-        )
-        result = run_sft(job)
-    assert result.status == "success"
-    return result.adapter_dir
 
 
 def _plain_base(tiny_model_dir):

@@ -13,40 +13,14 @@ import pytest
 from kiln import contracts
 from kiln.adapters._restore import restore_adapter
 from kiln.errors import AdapterError, ConflictError, RequestError
-from kiln.trainers.sft import admit_sft, run_sft
-
-CONVERSATIONS = [
-    {"messages": [{"role": "user", "content": "How do I reset my password?"},
-                  {"role": "assistant", "content": "Open Settings, choose Security, then Reset password."}]},
-    {"messages": [{"role": "user", "content": "Where is my order?"},
-                  {"role": "assistant", "content": "Please share the order number and I will check."}]},
-]  # fmt: skip
 
 FILES = ["adapter_config.json", "adapter_manifest.json", "adapter_model.safetensors", "train_receipt.json"]
 
 
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory, tiny_model_dir):
-    """One real adapter with its receipt and manifest, trained once for this module (read-only)."""
-    root = tmp_path_factory.mktemp("restore-source")
-    data = root / "data.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in CONVERSATIONS), encoding="utf-8")
-    job = admit_sft(
-        adapter_name="bot",
-        registry=root / "adapters",
-        config={"epochs": 1, "seed": 7},
-        dataset_path=data,
-        model_path=str(tiny_model_dir),
-    )
-    result = run_sft(job)
-    assert result.status == "success"
-    return result.adapter_dir
-
-
 @pytest.fixture
-def source(tmp_path, trained):
+def source(tmp_path, trained_adapter):
     """A private copy of the trained adapter, free to tamper with."""
-    return shutil.copytree(trained, tmp_path / "transfer" / "bot")
+    return shutil.copytree(trained_adapter, tmp_path / "transfer" / "bot")
 
 
 def _sha(path):
@@ -65,18 +39,18 @@ def _edit_manifest(source, **changes):
     return path
 
 
-def test_restore_round_trips_an_adapter_between_two_registries(tmp_path, trained):
-    receipt = restore_adapter(trained / "adapter_manifest.json", tmp_path / "first")
+def test_restore_round_trips_an_adapter_between_two_registries(tmp_path, trained_adapter):
+    receipt = restore_adapter(trained_adapter / "adapter_manifest.json", tmp_path / "first")
     restored = tmp_path / "first" / "bot"
     assert contracts.problems("AdapterRestoreReceipt", receipt) == []
     assert receipt["restored_adapter_dir"] == str(restored)
-    assert receipt["source_adapter_dir"] == str(trained)
+    assert receipt["source_adapter_dir"] == str(trained_adapter)
     assert receipt["adapter_name"] == "bot"
     assert receipt["copied_files"] == [
         "adapter_config.json", "adapter_model.safetensors", "train_receipt.json", "adapter_manifest.json",
     ]  # fmt: skip
     for name in FILES:
-        assert (restored / name).read_bytes() == (trained / name).read_bytes(), name
+        assert (restored / name).read_bytes() == (trained_adapter / name).read_bytes(), name
 
     again = restore_adapter(restored / "adapter_manifest.json", tmp_path / "second", name="bot-copy")
     copy = tmp_path / "second" / "bot-copy"
@@ -121,7 +95,7 @@ def test_a_missing_file_is_refused_and_nothing_is_left_behind(tmp_path, source):
     assert _registry_entries(registry) == []
 
 
-def test_an_existing_target_is_refused_without_overwrite_and_replaced_with_it(tmp_path, trained):
+def test_an_existing_target_is_refused_without_overwrite_and_replaced_with_it(tmp_path, trained_adapter):
     registry = tmp_path / "adapters"
     old = registry / "bot"
     old.mkdir(parents=True)
@@ -129,15 +103,17 @@ def test_an_existing_target_is_refused_without_overwrite_and_replaced_with_it(tm
     (old / "stale.txt").write_text("from the old adapter")
 
     with pytest.raises(ConflictError) as info:
-        restore_adapter(trained / "adapter_manifest.json", registry)
+        restore_adapter(trained_adapter / "adapter_manifest.json", registry)
     assert info.value.code == "adapter_exists"
     assert (old / "adapter_model.safetensors").read_bytes() == b"old weights", "the existing target is untouched"
     assert _registry_entries(registry) == ["bot"]
 
-    receipt = restore_adapter(trained / "adapter_manifest.json", registry, overwrite=True)
+    receipt = restore_adapter(trained_adapter / "adapter_manifest.json", registry, overwrite=True)
     assert receipt["restored_adapter_dir"] == str(old)
     assert sorted(p.name for p in old.iterdir()) == FILES
-    assert (old / "adapter_model.safetensors").read_bytes() == (trained / "adapter_model.safetensors").read_bytes()
+    assert (old / "adapter_model.safetensors").read_bytes() == (
+        trained_adapter / "adapter_model.safetensors"
+    ).read_bytes()
     assert _registry_entries(registry) == ["bot"], "neither staging nor the replaced adapter remains"
 
 
@@ -155,10 +131,10 @@ def test_a_failed_overwrite_leaves_the_existing_target_untouched(tmp_path, sourc
 
 
 @pytest.mark.parametrize("name", ["a/b", "a\\b", "..", "x..y", ".hidden", "", "n" * 256])
-def test_a_target_name_that_is_not_path_safe_is_refused(tmp_path, trained, name):
+def test_a_target_name_that_is_not_path_safe_is_refused(tmp_path, trained_adapter, name):
     registry = tmp_path / "adapters"
     with pytest.raises(RequestError) as info:
-        restore_adapter(trained / "adapter_manifest.json", registry, name=name)
+        restore_adapter(trained_adapter / "adapter_manifest.json", registry, name=name)
     assert info.value.code == "training_invalid_request"
     assert "path-safe" in info.value.message
     assert not registry.exists()

@@ -20,37 +20,9 @@ from kiln.artifacts.adapter_bodies import (
     render_adapter_verify_receipt,
 )
 
-CONVERSATIONS = [
-    {"messages": [{"role": "user", "content": "How do I reset my password?"},
-                  {"role": "assistant", "content": "Open Settings, choose Security, then Reset password."}]},
-    {"messages": [{"role": "user", "content": "Can I change my email?"},
-                  {"role": "assistant", "content": "Yes: Settings, Account, Email."}]},
-]  # fmt: skip
 CONFIG = "adapter_config.json"
 WEIGHTS = "adapter_model.safetensors"
 MANIFEST = "adapter_manifest.json"
-
-
-@pytest.fixture(scope="module")
-def trained_adapter(tmp_path_factory, tiny_model_dir):
-    """A real Kiln adapter (weights, config, manifest, receipt), trained once per module."""
-    from kiln.trainers.sft import admit_sft, run_sft
-
-    root = tmp_path_factory.mktemp("verify-train")
-    data = root / "data.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in CONVERSATIONS), encoding="utf-8")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("KILN_HOME", str(root / "kiln-home"))
-        job = admit_sft(
-            adapter_name="bot",
-            registry=root / "adapters",
-            config={"epochs": 1, "seed": 7},
-            dataset_path=data,
-            model_path=str(tiny_model_dir),
-        )
-        result = run_sft(job)
-    assert result.status == "success"
-    return result.adapter_dir
 
 
 @pytest.fixture
