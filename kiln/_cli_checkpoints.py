@@ -121,17 +121,24 @@ def cmd_list(args: argparse.Namespace) -> int:
     return 0
 
 
+def _read(reader: Any, path: Path, as_json: bool) -> Any:
+    """``reader(path)``, or None after reporting the refusal (JSON or human lines)."""
+    try:
+        return reader(path)
+    except CheckpointError as exc:
+        if as_json:
+            print(json.dumps({"valid": False, "path": str(path), "error": _error_json(exc)}, indent=2))
+        else:
+            _print_error(exc, path)
+        return None
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
     from kiln.checkpoints import inspect_checkpoint
 
     path = _target(args)
-    try:
-        info = inspect_checkpoint(path)
-    except CheckpointError as exc:
-        if args.json:
-            print(json.dumps({"valid": False, "path": str(path), "error": _error_json(exc)}, indent=2))
-        else:
-            _print_error(exc, path)
+    info = _read(inspect_checkpoint, path, args.json)
+    if info is None:
         return 1
     m, s = info.manifest, info.summary
     if args.json:
@@ -161,13 +168,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from kiln.checkpoints import load_checkpoint
 
     path = _target(args)
-    try:
-        loaded = load_checkpoint(path)
-    except CheckpointError as exc:
-        if args.json:
-            print(json.dumps({"valid": False, "path": str(path), "error": _error_json(exc)}, indent=2))
-        else:
-            _print_error(exc, path)
+    loaded = _read(load_checkpoint, path, args.json)
+    if loaded is None:
         return 1
     total = sum(len(b) for b in loaded.blobs.values())
     if args.json:
