@@ -36,6 +36,7 @@ import time
 from pathlib import Path
 
 import torch
+from _machine import cpu_model, filesystem_of
 from safetensors.torch import save as save_safetensors
 
 from kiln import contracts
@@ -59,32 +60,6 @@ def _tool(name: str) -> str:
 
 
 CP, SHA256SUM, SYNC = _tool("cp"), _tool("sha256sum"), _tool("sync")
-
-
-def filesystem_of(path: Path) -> str:
-    best, found = "", "unknown"
-    target = os.path.realpath(path)
-    try:
-        with open("/proc/mounts") as f:
-            for line in f:
-                device, mount, fstype = line.split()[:3]
-                inside = target == mount or target.startswith(mount.rstrip("/") + "/")
-                if inside and len(mount) > len(best):
-                    best, found = mount, f"{fstype} on {device}"
-    except OSError:
-        pass
-    return found
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown cpu"
 
 
 def _sha(path: Path) -> str:

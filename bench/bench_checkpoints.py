@@ -39,6 +39,7 @@ import time
 from pathlib import Path
 
 import torch
+from _machine import cpu_model, filesystem_of
 from safetensors.torch import save as save_safetensors
 
 from kiln.checkpoints import inspect_checkpoint, load_checkpoint, publish_checkpoint
@@ -49,33 +50,6 @@ ADAPTER = "bench"
 MIB = 1024 * 1024
 SIZES = {"1 MiB": MIB, "64 MiB": 64 * MIB, "1 GiB": 1024 * MIB}
 LARGE = "1 GiB"
-
-
-def filesystem_of(path: Path) -> str:
-    """``fstype on device`` of the mount holding ``path`` (from /proc/mounts), or ``unknown``."""
-    best, found = "", "unknown"
-    target = os.path.realpath(path)
-    try:
-        with open("/proc/mounts") as f:
-            for line in f:
-                device, mount, fstype = line.split()[:3]
-                inside = target == mount or target.startswith(mount.rstrip("/") + "/")
-                if inside and len(mount) > len(best):
-                    best, found = mount, f"{fstype} on {device}"
-    except OSError:
-        pass
-    return found
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown cpu"
 
 
 def load() -> str:

@@ -24,6 +24,7 @@ import sys
 import time
 
 import torch
+from _machine import available_bytes, memory_status
 
 from kiln.kernels import FULL_LOGITS, FUSED_CHUNKED_LINEAR_CE, LOSS_ROUTES, sft_loss
 
@@ -31,25 +32,10 @@ VOCAB, HIDDEN = 151_936, 896
 MIB = 1024 * 1024
 
 
-def memory_status(field: str) -> int:
-    """``VmRSS`` / ``VmHWM`` of this process in bytes (Linux /proc)."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise KeyError(field)
-
-
 def reset_peak() -> None:
     """Reset the resident high-water mark (VmHWM) to the current resident set (Linux >= 4.0)."""
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
-
-
-def available_bytes() -> int:
-    with open("/proc/meminfo") as f:
-        fields = dict(line.split(":", 1) for line in f)
-    return int(fields["MemAvailable"].split()[0]) * 1024
 
 
 def worker(route: str, rows: int, vocab: int, width: int, reps: int) -> dict:

@@ -66,6 +66,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from _machine import available_bytes, memory_status
+
 VOCAB, HIDDEN, INTERMEDIATE, LAYERS = 151_936, 896, 4864, 2
 HEADS, KV_HEADS = 14, 2
 LORA_RANK, LORA_ALPHA, LR = 16, 32, 1e-4
@@ -106,15 +108,6 @@ MODEL_FREE = ("head_matmuls", "head_matmuls_chunked")
 # ----------------------------------------------------------------------------- memory
 
 
-def memory_status(field: str) -> int:
-    """``VmRSS`` / ``VmHWM`` of this process in bytes (Linux /proc)."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise KeyError(field)
-
-
 def reset_peak() -> int:
     """Reset the resident high-water mark to the current resident set; return that resident set.
 
@@ -127,12 +120,6 @@ def reset_peak() -> int:
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
     return memory_status("VmRSS")
-
-
-def available_bytes() -> int:
-    with open("/proc/meminfo") as f:
-        fields = dict(line.split(":", 1) for line in f)
-    return int(fields["MemAvailable"].split()[0]) * 1024
 
 
 def row_chunk(vocab: int) -> int:
