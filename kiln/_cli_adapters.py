@@ -67,10 +67,9 @@ def add_adapters_parser(sub: Any) -> None:
 
 
 def _registry(args: argparse.Namespace) -> Path:
-    from kiln.config import config_value, load_config
-    from kiln.home import adapter_registry
+    from kiln.config import configured_registry
 
-    return adapter_registry(args.adapter_dir or config_value(load_config(), "model", "adapter_dir"))
+    return configured_registry(args.adapter_dir)
 
 
 def _error(exc: KilnError) -> int:

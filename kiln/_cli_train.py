@@ -162,8 +162,7 @@ def cmd_train_sft(args: argparse.Namespace) -> int:
     if not args.local:
         print("error: submitting to a server is not available yet; run with --local", file=sys.stderr)
         return 2
-    from kiln.config import config_value, load_config
-    from kiln.home import adapter_registry
+    from kiln.config import config_value, configured_registry, load_config
     from kiln.trainers.sft import admit_sft, run_sft
 
     path = Path(args.file)
@@ -194,7 +193,7 @@ def cmd_train_sft(args: argparse.Namespace) -> int:
         examples, dataset_path = _read_examples(path)
         job = admit_sft(
             adapter_name=args.adapter,
-            registry=adapter_registry(args.adapter_dir or config_value(settings, "model", "adapter_dir")),
+            registry=configured_registry(args.adapter_dir, settings),
             config=config,
             examples=examples,
             dataset_path=dataset_path,

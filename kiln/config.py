@@ -14,9 +14,9 @@ from typing import Any
 
 from kiln import contracts
 from kiln.errors import RequestError
-from kiln.home import kiln_home
+from kiln.home import adapter_registry, kiln_home
 
-__all__ = ["config_value", "load_config"]
+__all__ = ["config_value", "configured_registry", "load_config"]
 
 
 def load_config(path: str | os.PathLike[str] | None = None) -> dict[str, Any]:
@@ -43,3 +43,10 @@ def config_value(config: dict[str, Any], section: str, key: str) -> Any:
     if env:
         return env
     return config.get(section, {}).get(key)
+
+
+def configured_registry(override: str | os.PathLike[str] | None = None, config: dict[str, Any] | None = None) -> Path:
+    """The adapter registry: ``override`` (``--adapter-dir``), else ``KILN_MODEL_ADAPTER_DIR``,
+    else ``model.adapter_dir`` of kiln.toml, else ``$KILN_HOME/adapters``."""
+    settings = load_config() if config is None else config
+    return adapter_registry(override or config_value(settings, "model", "adapter_dir"))
