@@ -59,6 +59,15 @@ def build_openapi(definitions: dict[str, Any], routes: list[dict[str, Any]], ver
                 entry["content"] = {
                     "application/json": {"schema": {"$ref": "#/components/schemas/" + _body_name(body)}}
                 }
+            elif status.startswith("2") and route.get("media_type"):
+                # a text route (/metrics, /ui): the body is a document of that media type, not JSON
+                entry["content"] = {route["media_type"]: {"schema": {"type": "string"}}}
+            if status.startswith("2") and route.get("stream_response"):
+                # server-sent events: each `data:` line carries one JSON object of this definition
+                entry["content"]["text/event-stream"] = {
+                    "schema": {"type": "string"},
+                    "x-kiln-event-schema": {"$ref": "#/components/schemas/" + _body_name(route["stream_response"])},
+                }
             responses[status] = entry
         for status, text in ERROR_STATUSES.items():
             responses.setdefault(

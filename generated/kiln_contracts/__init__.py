@@ -20,7 +20,7 @@ SCHEMA_DIGESTS: dict[str, str] = {
     "kiln-checkpoint-v1.schema.json": "sha256:74af4e1585bafc06ce891558189cb949a07ace144edf9c26034e0ea47545e6a3",
     "kiln-common-v1.schema.json": "sha256:578fb0867921ff18b61214d1e6a909abccdcc2532c6c6bd5a1c1aada83583c73",
     "kiln-config-v1.schema.json": "sha256:fe225dfed3f0b89e9f92aa718d8aa56c2473d29fb9b71d99ab178444d1ddb443",
-    "kiln-control-plane-v1.schema.json": "sha256:22f1e6cec1ecce7b8cc92e4bfb0f5d63e7eed162be5f2cc03ae4f9f4885c55b1",
+    "kiln-control-plane-v1.schema.json": "sha256:5e0fa71abefd6f13d34c4285030d78169b1d9e7eebc32b9a775b6a0dcef79e8e",
     "kiln-observability-v1.schema.json": "sha256:f2577529d90ec5b8426f93f2fe6f869a6a95ee86838974a450e002caeeacccbd"
 }
 
