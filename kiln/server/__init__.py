@@ -1,0 +1,20 @@
+"""The HTTP control plane: ``kiln serve`` (FastAPI + uvicorn).
+
+Layers, top to bottom: ``_app`` (routes, error envelope, auth, body bounds) →
+``_jobs`` (SQLite job store, FIFO queue, the one training worker) → the trainers;
+``_generation`` (chat completions, adapter load/unload, serving canary) beside it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["create_app", "serve"]
+
+
+def __getattr__(name: str) -> Any:  # FastAPI and the model load on first use, not on `import kiln`
+    if name in __all__:
+        from kiln.server import _app
+
+        return getattr(_app, name)
+    raise AttributeError(name)
