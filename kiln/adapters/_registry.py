@@ -184,16 +184,18 @@ def _adapter_dirs(registry: Path) -> list[Path]:
     return sorted(out, key=lambda p: p.name)
 
 
-def list_adapters(registry: str | os.PathLike[str]) -> dict[str, Any]:
-    """The registry as ``AdaptersResponse`` (locally nothing is loaded or active)."""
+def list_adapters(registry: str | os.PathLike[str], *, loaded: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The registry as ``AdaptersResponse``. ``loaded`` is the server's ``LoadedAdapterIdentity``
+    (the served adapter is also the active one); locally nothing is loaded."""
     root = Path(registry)
-    available = [adapter_entry(path) for path in _adapter_dirs(root)]
+    name = loaded["name"] if loaded else None
+    available = [adapter_entry(path, loaded=path.name == name) for path in _adapter_dirs(root)]
     return {
-        "active_adapter": None,
-        "active": None,
-        "loaded_adapter": None,
-        "loaded_adapter_identity": None,
-        "loaded_adapters": [],
+        "active_adapter": name,
+        "active": name,
+        "loaded_adapter": name,
+        "loaded_adapter_identity": loaded,
+        "loaded_adapters": [name] if name else [],
         "adapter_dir": str(root.resolve()),
         "available": available,
         "available_adapters": json.loads(json.dumps(available)),

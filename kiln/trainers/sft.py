@@ -238,8 +238,13 @@ def admit_sft(
     examples: list[Any] | None = None,
     dataset_path: str | Path | None = None,
     model_path: str | None = None,
+    loaded: Any = None,
 ) -> AdmittedSft:
-    """Everything that can fail before training; raises ``KilnError`` and publishes nothing."""
+    """Everything that can fail before training; raises ``KilnError`` and publishes nothing.
+
+    ``loaded``: an already loaded base model (the server's) to admit against instead of
+    loading ``model_path``; admission only reads it (tokenizer, head shape, paths).
+    """
     import torch
 
     from kiln.data import ingest_sft
@@ -277,8 +282,9 @@ def admit_sft(
         adapter_name,
         inspect_checkpoint(checkpoint_path).manifest["progress"]["global_step"] if checkpoint_path else 0,
     )
-    path, is_default = resolve_model_path(model_path)
-    loaded = load_base_model(path, is_default=is_default)
+    if loaded is None:
+        path, is_default = resolve_model_path(model_path)
+        loaded = load_base_model(path, is_default=is_default)
     start = time.perf_counter()
     if dataset_path is not None:
         dataset_path = str(Path(dataset_path).resolve())
@@ -476,11 +482,13 @@ def run_sft(
     progress: Progress | None = None,
     cancel: threading.Event | None = None,
     keep_final_state: bool = False,
+    on_checkpoint: Callable[[Any], None] | None = None,
 ) -> SftResult:
     """Train, then publish adapter, receipt and manifest (or a failed receipt).
 
     ``cancel``: when set, the loop stops at the next committed step, publishes a
-    checkpoint there and fails with reason ``cancelled``.
+    checkpoint there and fails with reason ``cancelled``. ``on_checkpoint`` receives each
+    ``PublishedCheckpoint`` (path, manifest, phase timings) as it lands.
     """
     import torch
 
@@ -519,9 +527,11 @@ def run_sft(
         ]
 
         def publish() -> Path:
-            path = _publish_checkpoint(job, loop, params, optimizer, lora_init_position)
-            published.append(path)
-            return path
+            done = _publish_checkpoint(job, loop, params, optimizer, lora_init_position)
+            published.append(done.path)
+            if on_checkpoint is not None:
+                on_checkpoint(done)
+            return done.path
 
         while loop.global_step < loop.total:
             index = loop.order[loop.cursor]
@@ -595,7 +605,7 @@ def run_sft(
         )
 
 
-def _publish_checkpoint(job: AdmittedSft, loop: _Loop, params: Any, optimizer: Any, lora_init_position: int) -> Path:
+def _publish_checkpoint(job: AdmittedSft, loop: _Loop, params: Any, optimizer: Any, lora_init_position: int) -> Any:
     stateful = job.config["optimizer"]["kind"] != "sgd"
 
     def capture() -> tuple[Any, Any, dict[str, Any]]:
@@ -629,7 +639,7 @@ def _publish_checkpoint(job: AdmittedSft, loop: _Loop, params: Any, optimizer: A
             files[OPTIMIZER_FILE] = ("optimizer-state", encode_tensors(slots))
         return manifest, files
 
-    return publish_checkpoint(job.registry, capture, encode).path
+    return publish_checkpoint(job.registry, capture, encode)
 
 
 def _final_state(params: Any, optimizer: Any, loop: _Loop) -> FinalState:

@@ -1,0 +1,670 @@
+"""The FastAPI application: routes, error envelope, bearer auth and body bounds.
+
+Bodies are read and parsed here with Kiln's strict JSON reader (duplicate keys, NaN and
+oversized bodies are refused) and validated against the generated schemas, so every
+error, from a malformed body to a full queue, leaves as ``{"error": {code, message,
+hint[, pointer]}}`` with the HTTP status the schema assigns to the code. FastAPI's own
+OpenAPI generation is off: ``/openapi.json`` serves the document codegen built from the
+schemas.
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import json
+import logging
+import os
+import resource
+import sys
+import threading
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import kiln_contracts
+from fastapi import FastAPI, Request
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from kiln import __version__, contracts
+from kiln._jsonio import parse_json
+from kiln.errors import AuthError, CapacityError, ContractError, KilnError, NotFoundError, RequestError
+from kiln.server import _training
+from kiln.server._jobs import JobManager, JobStore
+from kiln.server._settings import Settings, resolve_settings
+
+log = logging.getLogger("kiln.server")
+STATIC = Path(__file__).parent / "static"
+RETRY_AFTER_S = 30
+OPEN_ROUTES = ("/health", "/ui")  # everything else needs the bearer key when one is configured
+
+
+def _http_statuses() -> dict[str, int]:
+    return kiln_contracts.load_bundle()["$defs"]["ErrorCode"]["x-kiln-http-status"]
+
+
+def error_response(exc: KilnError) -> JSONResponse:
+    status = _HTTP_STATUS.get(exc.code, 500)
+    headers = {}
+    if exc.code == "queue_full":
+        headers["Retry-After"] = str(RETRY_AFTER_S)
+    if exc.code == "unauthorized":
+        headers["WWW-Authenticate"] = "Bearer"
+    return JSONResponse(exc.as_envelope(), status_code=status, headers=headers)
+
+
+_HTTP_STATUS = _http_statuses()
+
+
+@dataclass
+class Server:
+    """Everything the routes read: settings, model identity, jobs, generation and counters."""
+
+    settings: Settings
+    engine: _training.Engine
+    jobs: JobManager
+    generator: Any
+    identity: Any  # kiln.model.ModelIdentity of the served base model
+    model_name: str
+    model_source: str
+    started: float = field(default_factory=time.time)
+    requests: dict[str, int] = field(default_factory=dict)
+    webhook_failures: int = 0
+
+    @property
+    def registry(self) -> Path:
+        return self.settings.registry
+
+
+# ----------------------------------------------------------------------------- building the server
+
+
+def _notify(settings: Settings, server_ref: list[Server]) -> Any:
+    url = settings.get("training", "webhook_url")
+
+    def on_terminal(job: Any) -> None:
+        if not url:
+            return
+
+        def post() -> None:
+            import httpx
+
+            body = {"event": "training_job.terminal", "job": job.status()}
+            try:
+                httpx.post(url, json=body, timeout=5.0, follow_redirects=False)
+            except httpx.HTTPError as exc:
+                log.warning("webhook %s failed for job %s: %s", url, job.job_id, exc)
+                if server_ref:
+                    server_ref[0].webhook_failures += 1
+
+        threading.Thread(target=post, name="kiln-webhook", daemon=True).start()
+
+    return on_terminal
+
+
+def build_server(settings: Settings) -> Server:
+    """Load the base model, capture its identity, open the job store and start the worker."""
+    import copy
+
+    from kiln.model import capture_identity, load_base_model, resolve_model_path
+    from kiln.server._generation import Generator
+
+    path, is_default = resolve_model_path(settings.get("model", "path"))
+    served = load_base_model(path, is_default=is_default)
+    # training works on private copies of pristine weights with a tokenizer of its own;
+    # generation owns `served` and may wrap it with adapters
+    base = copy.copy(served)
+    base.model = copy.deepcopy(served.model)
+    base.tokenizer = copy.deepcopy(served.tokenizer)
+    identity = capture_identity(path, served.tokenizer, server_config=settings.redacted())
+    model_name = "kiln-tiny-default" if is_default else path.name
+    generator = Generator(served, settings.registry, model_name)
+    engine = _training.Engine(settings=settings, base=base, generator=generator)
+    ref: list[Server] = []
+    jobs = JobManager(
+        JobStore(settings.job_store),
+        max_queued=int(settings.get("training", "max_queued_jobs")),
+        runner=lambda job, cancel, report: _training.run(engine, job, cancel, report),
+        on_terminal=_notify(settings, ref),
+    )
+    server = Server(
+        settings=settings,
+        engine=engine,
+        jobs=jobs,
+        generator=generator,
+        identity=identity,
+        model_name=model_name,
+        model_source="builtin_default" if is_default else "local_path",
+    )
+    ref.append(server)
+    return server
+
+
+# ----------------------------------------------------------------------------- the app
+
+
+async def _body(request: Request, server: Server) -> Any:
+    limit = int(server.settings.get("server", "max_request_bytes"))
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise CapacityError(f"request body of {declared} bytes exceeds {limit}", code="payload_too_large")
+    data = b""
+    async for chunk in request.stream():
+        data += chunk
+        if len(data) > limit:
+            raise CapacityError(f"request body exceeds {limit} bytes", code="payload_too_large")
+    if not data.strip():
+        raise ContractError([contracts_problem("missing_field", "", "the request needs a JSON body")])
+    return parse_json(data, source="request body", limit=limit)
+
+
+def contracts_problem(code: str, pointer: str, message: str) -> Any:
+    from kiln.errors import Problem
+
+    return Problem(code, pointer, message)
+
+
+def _check(definition: str, body: Any) -> None:
+    found = contracts.problems(definition, body)
+    if found:
+        raise ContractError(found, document=definition)
+
+
+def create_app(server: Server, *, own_lifecycle: bool = True) -> FastAPI:
+    """The ASGI app over a built ``Server``; with ``own_lifecycle`` the app starts and stops the worker."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> Any:
+        if own_lifecycle:
+            server.jobs.start()
+        yield
+        if own_lifecycle:
+            server.jobs.stop()
+
+    app = FastAPI(title="Kiln", version=__version__, openapi_url=None, docs_url=None, redoc_url=None, lifespan=lifespan)
+    api_key = server.settings.get("server", "api_key")
+
+    @app.middleware("http")
+    async def guard(request: Request, call_next: Any) -> Response:
+        path = request.url.path
+        server.requests[path] = server.requests.get(path, 0) + 1
+        if api_key and path not in OPEN_ROUTES:
+            given = request.headers.get("authorization", "")
+            scheme, _, token = given.partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
+                return error_response(
+                    AuthError(
+                        "missing or wrong bearer token",
+                        hint="send Authorization: Bearer <key> (the server's server.api_key / KILN_API_KEY)",
+                    )
+                )
+        try:
+            return await call_next(request)
+        except KilnError as exc:
+            return error_response(exc)
+
+    @app.exception_handler(KilnError)
+    async def kiln_error(request: Request, exc: KilnError) -> JSONResponse:
+        return error_response(exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = "not_found" if exc.status_code in (404, 405) else "internal_error"
+        body = {"error": {"code": code, "message": f"{request.method} {request.url.path}: {exc.detail}", "hint": None}}
+        return JSONResponse(body, status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def crash(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        body = {"error": {"code": "internal_error", "message": f"{type(exc).__name__}: {exc}", "hint": None}}
+        return JSONResponse(body, status_code=500)
+
+    # ------------------------------------------------------------------ training
+
+    def submit(kind: str, body: Any) -> dict[str, Any]:
+        fields = _training.admit(server.engine, kind, body, server.jobs)
+        job = server.jobs.submit(**fields)
+        return {
+            "job_id": job.job_id,
+            "state": "queued",
+            "effective_seed": job.effective_seed,
+            "message": f"{kind.upper()} job queued at position {len(server.jobs.queue)} "
+            f"({job.total_steps} steps, adapter {job.adapter_name})",
+        }
+
+    @app.post("/v1/train/sft")
+    async def submit_sft(request: Request) -> JSONResponse:
+        body = await _body(request, server)
+        return JSONResponse(await _threaded(submit, "sft", body))
+
+    @app.post("/v1/train/grpo")
+    async def submit_grpo(request: Request) -> JSONResponse:
+        return JSONResponse(await _threaded(submit, "grpo", await _body(request, server)))
+
+    @app.post("/v1/train/opd")
+    async def submit_opd(request: Request) -> JSONResponse:
+        return JSONResponse(await _threaded(submit, "opd", await _body(request, server)))
+
+    @app.get("/v1/train/status")
+    def list_status() -> JSONResponse:
+        return JSONResponse([job.status() for job in server.jobs.ordered()])
+
+    @app.get("/v1/train/jobs/{job_id}")
+    def job_detail(job_id: str) -> JSONResponse:
+        return JSONResponse(detail(server, job_id))
+
+    @app.get("/v1/train/queue")
+    def queue() -> JSONResponse:
+        running = server.jobs.jobs.get(server.jobs.running) if server.jobs.running else None
+        return JSONResponse(
+            {
+                "running": running.status() if running else None,
+                "queued": [
+                    {"job_id": j.job_id, "job_type": j.job_type, "adapter_name": j.adapter_name, "position": i}
+                    for i, j in enumerate(server.jobs.queued(), start=1)
+                ],
+                "completed": [j.status() for j in server.jobs.ordered() if j.terminal],
+            }
+        )
+
+    @app.delete("/v1/train/queue/{job_id}")
+    def cancel(job_id: str) -> JSONResponse:
+        outcome = server.jobs.cancel(job_id)
+        if outcome == "cancelled":
+            return JSONResponse({"status": "cancelled", "job_id": job_id})
+        return JSONResponse(
+            {
+                "status": "cancelling",
+                "job_id": job_id,
+                "message": "stop requested \u2014 the trainer aborts at the next step boundary",
+            }
+        )
+
+    @app.delete("/v1/train/jobs/{job_id}")
+    def forget(job_id: str) -> JSONResponse:
+        removed = server.jobs.forget(job_id)
+        return JSONResponse({"job_id": job_id, "status": "deleted", "removed_archive_file": removed})
+
+    # ------------------------------------------------------------------ adapters
+
+    @app.get("/v1/adapters")
+    def adapters() -> JSONResponse:
+        from kiln.adapters._registry import list_adapters
+
+        return JSONResponse(list_adapters(server.registry, loaded=server.generator.active()))
+
+    @app.post("/v1/adapters/load")
+    async def load(request: Request) -> JSONResponse:
+        body = await _body(request, server)
+        _check("LoadAdapterRequest", body)
+        return JSONResponse(
+            await _threaded(
+                server.generator.load,
+                body["name"],
+                allow_quarantined=bool(body.get("allow_quarantined", False)),
+                reload=bool(body.get("reload", False)),
+            )
+        )
+
+    @app.post("/v1/adapters/unload")
+    def unload() -> JSONResponse:
+        return JSONResponse(server.generator.unload())
+
+    @app.delete("/v1/adapters/{name}")
+    def delete(name: str) -> JSONResponse:
+        from kiln.adapters._registry import delete_adapter
+        from kiln.errors import ConflictError
+
+        active = server.generator.active()
+        if active and active["name"] == name:
+            raise ConflictError(
+                f"adapter {name!r} is being served",
+                code="adapter_active",
+                hint="unload it first: POST /v1/adapters/unload",
+            )
+        writer = server.jobs.writer_of(name)
+        if writer is not None:
+            raise ConflictError(
+                f"job {writer.job_id} ({writer.state}) is writing adapter {name!r}",
+                code="adapter_active",
+                hint=f"cancel it first: DELETE /v1/train/queue/{writer.job_id}",
+            )
+        delete_adapter(server.registry, name)
+        return JSONResponse({"status": "deleted", "name": name})
+
+    @app.get("/v1/adapters/{name}/receipt")
+    def receipt(name: str) -> JSONResponse:
+        return JSONResponse(adapter_receipt(server, name))
+
+    # ------------------------------------------------------------------ teachers (arrive with OPD)
+
+    @app.get("/v1/teachers")
+    def teachers() -> JSONResponse:
+        return JSONResponse({"teachers": []})
+
+    @app.post("/v1/teachers")
+    async def register_teacher(request: Request) -> JSONResponse:
+        body = await _body(request, server)
+        _check("RegisterTeacherRequest", body)
+        raise RequestError(
+            "teacher registration arrives with the on-policy distillation trainer; this Kiln has no teachers yet",
+            code="training_backend_unsupported",
+        )
+
+    @app.delete("/v1/teachers/{alias}")
+    def delete_teacher(alias: str) -> JSONResponse:
+        raise NotFoundError(f"no teacher {alias!r} is registered", code="teacher_not_found")
+
+    # ------------------------------------------------------------------ generation
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        body = await _body(request, server)
+        _check("ChatCompletionRequest", body)
+        if body.get("stream"):
+            chunks = await _threaded(lambda: _first_then_rest(server.generator.stream(body)))
+            return StreamingResponse(_sse(chunks), media_type="text/event-stream")
+        return JSONResponse(await _threaded(server.generator.complete, body))
+
+    # ------------------------------------------------------------------ observability
+
+    @app.get("/health")
+    def health() -> JSONResponse:
+        doc = health_body(server)
+        return JSONResponse(doc, status_code=200 if doc["status"] == "ok" else 503)
+
+    @app.get("/metrics")
+    def metrics() -> PlainTextResponse:
+        return PlainTextResponse(metrics_text(server), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/config")
+    def config() -> JSONResponse:
+        return JSONResponse(server.settings.response())
+
+    @app.get("/openapi.json")
+    def openapi() -> JSONResponse:
+        return JSONResponse(kiln_contracts.openapi_document())
+
+    @app.get("/ui")
+    def ui() -> HTMLResponse:
+        return HTMLResponse((STATIC / "dashboard.html").read_text(encoding="utf-8"))
+
+    return app
+
+
+async def _threaded(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    from starlette.concurrency import run_in_threadpool
+
+    return await run_in_threadpool(fn, *args, **kwargs)
+
+
+def _first_then_rest(chunks: Any) -> Any:
+    """Pull the first chunk before the response starts, so request errors still get a status code."""
+    iterator = iter(chunks)
+    first = next(iterator)
+    return first, iterator
+
+
+def _sse(pulled: Any) -> Any:
+    first, rest = pulled
+
+    def events() -> Any:
+        yield f"data: {json.dumps(first, separators=(',', ':'))}\n\n"
+        for chunk in rest:
+            yield f"data: {json.dumps(chunk, separators=(',', ':'))}\n\n"
+        yield "data: [DONE]\n\n"
+
+    return events()
+
+
+# ----------------------------------------------------------------------------- bodies
+
+
+def detail(server: Server, job_id: str) -> dict[str, Any]:
+    """``TrainingJobDetail``: the status plus loss curve, receipt, replay request and checkpoint."""
+    from kiln.checkpoints import latest_checkpoint
+    from kiln.errors import CheckpointError
+
+    job = server.jobs.get(job_id)
+    out = job.status()
+    receipt, metadata_error = None, server.jobs.broken.get(job_id)
+    if job.receipt_path:
+        try:
+            receipt = json.loads(Path(job.receipt_path).read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            metadata_error = f"train_receipt.json unreadable: {exc}"
+    checkpoint, checkpoint_error = None, None
+    try:
+        checkpoint = latest_checkpoint(server.registry, job.adapter_name)
+    except (CheckpointError, OSError) as exc:
+        checkpoint_error = str(exc)
+    adapter_dir = server.registry / job.adapter_name
+    out.update(
+        {
+            "epoch": job.epoch,
+            "adapter_path": job.adapter_path
+            or (str(adapter_dir) if (adapter_dir / "adapter_config.json").is_file() else None),
+            "auto_load": job.auto_load,
+            "linked_eval_job_ids": [],
+            "loss_history": list(job.loss_history),
+            "train_receipt": receipt,
+            "replay_request": job.request,
+            "latest_checkpoint": checkpoint,
+            "checkpoint_error": checkpoint_error,
+            "metadata_error": metadata_error,
+        }
+    )
+    return out
+
+
+def adapter_receipt(server: Server, name: str) -> dict[str, Any]:
+    from kiln.adapters._registry import _safe_name
+
+    _safe_name(name)
+    directory = server.registry / name
+    if not directory.is_dir():
+        raise NotFoundError(f"no adapter {name!r} in {server.registry}", code="adapter_not_found")
+    path = directory / "train_receipt.json"
+    if not path.is_file():
+        raise NotFoundError(f"adapter {name!r} has no train_receipt.json (not trained by Kiln?)", code="not_found")
+    from kiln.artifacts.receipt import load_train_receipt
+
+    return load_train_receipt(path).model_dump(mode="json", exclude_unset=True)
+
+
+def _memory() -> dict[str, Any]:
+    import torch
+
+    total = None
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        total = None
+    rss = None
+    try:
+        with open("/proc/self/statm", encoding="ascii") as handle:
+            rss = int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        rss = None
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+    cuda = torch.cuda.is_available()
+    return {
+        "device": "cuda:0" if cuda else "cpu",
+        "device_total_bytes": torch.cuda.get_device_properties(0).total_memory if cuda else None,
+        "device_allocated_bytes": torch.cuda.memory_allocated() if cuda else None,
+        "device_reserved_bytes": torch.cuda.memory_reserved() if cuda else None,
+        "device_peak_allocated_bytes": torch.cuda.max_memory_allocated() if cuda else None,
+        "host_total_bytes": total,
+        "host_rss_bytes": rss,
+        "host_peak_rss_bytes": peak,
+    }
+
+
+def health_body(server: Server) -> dict[str, Any]:
+    """``HealthResponse``: readiness checks, identities, training queue and memory."""
+    identity = server.identity
+    record = identity.execution_provenance
+    shards = identity.base_weight_shard_manifest
+    running = server.jobs.jobs.get(server.jobs.running) if server.jobs.running else None
+    active = server.generator.active()
+    checks = [
+        {"name": "model_loaded", "pass": server.engine.base.model is not None},
+        {"name": "execution_provenance_valid", "pass": not contracts.problems("ExecutionProvenanceV1", record)},
+        {"name": "base_weights_identified", "pass": bool(shards.get("shards"))},
+        {"name": "job_store_writable", "pass": server.jobs.store.writable()},
+        {"name": "training_worker_alive", "pass": server.jobs.alive()},
+    ]
+    return {
+        "status": "ok" if all(c["pass"] for c in checks) else "degraded",
+        "version": __version__,
+        "uptime_seconds": int(time.time() - server.started),
+        "model": server.model_name,
+        "model_source": server.model_source,
+        "auth_required": bool(server.settings.get("server", "api_key")),
+        "config_hashes": {
+            "tokenizer_config_hash": identity.tokenizer_config_hash,
+            "chat_template_hash": identity.chat_template_hash,
+            "training_chat_template_hash": identity.training_chat_template_hash,
+            "model_config_hash": identity.config_hash,
+        },
+        "base_weight_identity": {
+            "manifest_type": shards["manifest_type"],
+            "aggregate_algorithm": shards["aggregate_algorithm"],
+            "aggregate_sha256": shards["aggregate_sha256"],
+            "shard_count": len(shards["shards"]),
+            "total_size_bytes": sum(s["size_bytes"] for s in shards["shards"]),
+        },
+        "execution_identity": {
+            "provenance_type": record["provenance_type"],
+            "backend": record["backend"]["name"],
+            "device": record["backend"]["device"],
+            "inference_dtype": record["precision"]["inference_dtype"],
+            "training_policy": record["precision"]["training_policy"],
+            "provenance_sha256": record["provenance_sha256"],
+            "executable_sha256": record["build"]["executable_sha256"],
+            "numerical_runtime_sha256": record["backend"]["numerical_runtime_sha256"],
+            "kernel_contract_sha256": record["kernels"]["contract_sha256"],
+            "effective_server_config_sha256": record["configuration"]["effective_server_config_sha256"],
+            "effective_environment_sha256": record["configuration"]["effective_environment_sha256"],
+        },
+        "active_adapter": active["name"] if active else None,
+        "loaded_adapter_count": 1 if active else 0,
+        "training": {
+            "active_job": None
+            if running is None
+            else {
+                "job_id": running.job_id,
+                "job_type": running.job_type,
+                "adapter_name": running.adapter_name,
+                "progress": min(1.0, running.progress),
+                "cancel_requested": running.cancel_requested,
+            },
+            "queued": len(server.jobs.queue),
+            "queue_capacity": server.jobs.max_queued,
+        },
+        "memory": _memory(),
+        "checks": checks,
+    }
+
+
+def _quantiles(values: list[float]) -> tuple[float, float, int]:
+    return (sum(values), max(values) if values else 0.0, len(values))
+
+
+def metrics_text(server: Server) -> str:
+    """Prometheus text exposition (version 0.0.4)."""
+    jobs = server.jobs
+    by_state = dict.fromkeys(("queued", "running", "completed", "failed"), 0)
+    for job in jobs.ordered():
+        by_state[job.state] = by_state.get(job.state, 0) + 1
+    lines = [
+        "# HELP kiln_queue_depth Jobs waiting in the training queue (the running job is not counted).",
+        "# TYPE kiln_queue_depth gauge",
+        f"kiln_queue_depth {len(jobs.queue)}",
+        "# HELP kiln_queue_capacity Most jobs that may wait in the queue.",
+        "# TYPE kiln_queue_capacity gauge",
+        f"kiln_queue_capacity {jobs.max_queued}",
+        "# HELP kiln_jobs Training jobs known to the server, by state.",
+        "# TYPE kiln_jobs gauge",
+        *(f'kiln_jobs{{state="{state}"}} {count}' for state, count in sorted(by_state.items())),
+    ]
+    for name, help_text, values in (
+        ("kiln_step_seconds", "Wall time of recent optimizer steps (last 100).", jobs.step_seconds),
+        ("kiln_checkpoint_publish_seconds", "Time to publish recent checkpoints (last 100).", jobs.checkpoint_seconds),
+    ):
+        total, peak, count = _quantiles(list(values))
+        lines += [
+            f"# HELP {name} {help_text}",
+            f"# TYPE {name} summary",
+            f"{name}_sum {total:.6f}",
+            f"{name}_count {count}",
+            f"# HELP {name}_max Slowest of those.",
+            f"# TYPE {name}_max gauge",
+            f"{name}_max {peak:.6f}",
+        ]
+    lines += [
+        "# HELP kiln_tokens_per_second Tokens per second of the most recent training step.",
+        "# TYPE kiln_tokens_per_second gauge",
+        f"kiln_tokens_per_second {jobs.tokens_per_second:.3f}",
+        "# HELP kiln_webhook_failures_total Terminal-state notifications that could not be delivered.",
+        "# TYPE kiln_webhook_failures_total counter",
+        f"kiln_webhook_failures_total {server.webhook_failures}",
+        "# HELP kiln_uptime_seconds Seconds since the server became ready.",
+        "# TYPE kiln_uptime_seconds gauge",
+        f"kiln_uptime_seconds {int(time.time() - server.started)}",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+# ----------------------------------------------------------------------------- kiln serve
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def serve(
+    *,
+    host: str | None = None,
+    port: int | None = None,
+    model: str | None = None,
+    adapter_dir: str | None = None,
+    config_path: str | None = None,
+) -> int:
+    """``kiln serve``: resolve the configuration, load everything, print ``Ready on …`` and serve."""
+    import uvicorn
+
+    settings = resolve_settings(
+        {"server.host": host, "server.port": port, "model.path": model, "model.adapter_dir": adapter_dir},
+        config_path=config_path,
+    )
+    bind_host, bind_port = settings.get("server", "host"), int(settings.get("server", "port"))
+    if not _loopback(bind_host) and not settings.get("server", "api_key"):
+        print(
+            f"warning: binding {bind_host} without an API key: anyone who can reach this port can train and "
+            "delete adapters; set KILN_API_KEY (or server.api_key)",
+            file=sys.stderr,
+        )
+    print("Loading the base model and capturing its identity…", file=sys.stderr, flush=True)
+    server = build_server(settings)
+    app = create_app(server)
+    config = uvicorn.Config(app, host=bind_host, port=bind_port, log_level="warning", access_log=False)
+    web = uvicorn.Server(config)
+    original_startup = web.startup
+
+    async def startup(sockets: Any = None) -> None:
+        await original_startup(sockets=sockets)
+        if web.started:
+            print(f"Ready on http://{bind_host}:{bind_port}", flush=True)
+
+    web.startup = startup  # type: ignore[method-assign]
+    web.run()
+    return 0

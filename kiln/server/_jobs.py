@@ -1,0 +1,412 @@
+"""Training jobs: the SQLite store, the FIFO queue and the one training worker.
+
+Every job lives in memory (status reads never touch the disk) and is mirrored to one
+SQLite row written on each transition and, throttled, on progress. On start the store is
+read back: queued jobs queue again in submission order; a job that was running when the
+process died becomes ``failed`` with reason ``interrupted``, and its detail offers the
+newest checkpoint of its adapter for resume.
+
+States: ``queued → running → completed | failed``. Cancelling a queued job fails it at
+once (``cancelled: removed from the queue``); cancelling a running job sets its cancel
+event: the trainer finishes the step, publishes a checkpoint and fails with reason
+``cancelled``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sqlite3
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from kiln.errors import CapacityError, ConflictError, KilnError, NotFoundError
+
+log = logging.getLogger("kiln.server.jobs")
+
+TERMINAL = ("completed", "failed")
+LOSS_HISTORY_LIMIT = 2000  # points kept per job; longer curves are thinned evenly
+PROGRESS_WRITE_INTERVAL_S = 0.5
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def _rfc3339(ms: int) -> str:
+    return datetime.fromtimestamp(ms / 1000, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+@dataclass
+class Job:
+    """One training job; ``request`` is the replay request (every default resolved)."""
+
+    job_id: str
+    seq: int
+    job_type: str
+    adapter_name: str
+    effective_seed: str
+    request: dict[str, Any]
+    fingerprint: dict[str, Any]
+    auto_load: bool
+    total_steps: int
+    state: str = "queued"
+    submitted_ms: int = field(default_factory=_now_ms)
+    started_ms: int | None = None
+    finished_ms: int | None = None
+    progress: float = 0.0
+    current_loss: float | None = None
+    epoch: int | None = None
+    error: str | None = None
+    receipt_path: str | None = None
+    adapter_path: str | None = None
+    loss_history: list[dict[str, Any]] = field(default_factory=list)
+    cancel_requested: bool = False
+    tokens: int = 0
+
+    @property
+    def terminal(self) -> bool:
+        return self.state in TERMINAL
+
+    def elapsed_secs(self) -> float:
+        if self.started_ms is None:
+            return 0.0
+        end = self.finished_ms if self.finished_ms is not None else _now_ms()
+        return max(0.0, (end - self.started_ms) / 1000)
+
+    def status(self) -> dict[str, Any]:
+        """``TrainingStatus``."""
+        out: dict[str, Any] = {
+            "job_id": self.job_id,
+            "state": self.state,
+            "progress": min(1.0, max(0.0, self.progress)),
+            "current_loss": self.current_loss,
+            "adapter_name": self.adapter_name,
+            "effective_seed": self.effective_seed,
+            "started_at": _rfc3339(self.started_ms if self.started_ms is not None else self.submitted_ms),
+            "elapsed_secs": round(self.elapsed_secs(), 3),
+            "submitted_unix_ms": self.submitted_ms,
+            "job_type": self.job_type,
+        }
+        if self.finished_ms is not None:
+            out["finished_unix_ms"] = self.finished_ms
+        if self.state == "failed" and self.error:
+            out["error"] = self.error
+        return out
+
+    def record_loss(self, loss: float, step: int, total: int, rows_per_epoch: int) -> None:
+        self.current_loss = loss
+        self.progress = step / total if total else 1.0
+        self.epoch = (step - 1) // rows_per_epoch + 1 if rows_per_epoch else 1
+        self.loss_history.append(
+            {
+                "epoch": self.epoch,
+                "progress": self.progress,
+                "loss": loss,
+                "elapsed_secs": round(self.elapsed_secs(), 3),
+            }
+        )
+        if len(self.loss_history) > LOSS_HISTORY_LIMIT:  # keep every other point, and always the newest
+            newest = self.loss_history[-1]
+            self.loss_history = self.loss_history[::2]
+            if self.loss_history[-1] is not newest:
+                self.loss_history.append(newest)
+
+
+class JobStore:
+    """SQLite mirror of the jobs: one row per job, the job as JSON."""
+
+    def __init__(self, path: Path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        self._lock = threading.Lock()
+        self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=FULL")
+        self._db.execute(
+            "CREATE TABLE IF NOT EXISTS jobs (job_id TEXT PRIMARY KEY, seq INTEGER NOT NULL, state TEXT NOT NULL, "
+            "doc TEXT NOT NULL)"
+        )
+
+    def save(self, job: Job) -> None:
+        doc = json.dumps(asdict(job), sort_keys=True)
+        with self._lock:
+            self._db.execute(
+                "INSERT INTO jobs (job_id, seq, state, doc) VALUES (?, ?, ?, ?) "
+                "ON CONFLICT(job_id) DO UPDATE SET state = excluded.state, doc = excluded.doc",
+                (job.job_id, job.seq, job.state, doc),
+            )
+
+    def delete(self, job_id: str) -> bool:
+        with self._lock:
+            return self._db.execute("DELETE FROM jobs WHERE job_id = ?", (job_id,)).rowcount > 0
+
+    def load(self) -> tuple[list[Job], list[tuple[str, str]]]:
+        """Every readable job in submission order, and (job_id, error) for rows that cannot be read."""
+        jobs, broken = [], []
+        with self._lock:
+            rows = self._db.execute("SELECT job_id, doc FROM jobs ORDER BY seq").fetchall()
+        for job_id, doc in rows:
+            try:
+                jobs.append(Job(**json.loads(doc)))
+            except (TypeError, ValueError) as exc:
+                broken.append((job_id, f"stored job record is unreadable: {exc}"))
+        return jobs, broken
+
+    def writable(self) -> bool:
+        try:
+            with self._lock:
+                self._db.execute("CREATE TABLE IF NOT EXISTS probe (x INTEGER)")
+            return True
+        except sqlite3.Error:
+            return False
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+
+@dataclass
+class Outcome:
+    """What the runner reports when a job ends."""
+
+    state: str  # completed | failed
+    error: str | None = None
+    receipt_path: str | None = None
+    adapter_path: str | None = None
+
+
+Runner = Callable[[Job, threading.Event, Callable[[dict[str, Any]], None]], Outcome]
+
+
+class JobManager:
+    """The queue and its single worker thread. ``runner`` trains one job (and revalidates it first)."""
+
+    def __init__(
+        self,
+        store: JobStore,
+        *,
+        max_queued: int,
+        runner: Runner,
+        on_terminal: Callable[[Job], None] | None = None,
+    ):
+        self.store = store
+        self.max_queued = max_queued
+        self.runner = runner
+        self.on_terminal = on_terminal
+        self.jobs: dict[str, Job] = {}
+        self.queue: deque[str] = deque()
+        self.running: str | None = None
+        self.broken: dict[str, str] = {}
+        self._cancel: threading.Event | None = None
+        self._cond = threading.Condition()
+        self._stopping = False
+        self._seq = 0
+        self._last_write = 0.0
+        self.step_seconds: list[float] = []  # recent step durations, for /metrics
+        self.checkpoint_seconds: list[float] = []
+        self.tokens_per_second: float = 0.0
+        self._recover()
+        self._thread = threading.Thread(target=self._work, name="kiln-training-worker", daemon=True)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def _recover(self) -> None:
+        jobs, broken = self.store.load()
+        self.broken = dict(broken)
+        for job in jobs:
+            self._seq = max(self._seq, job.seq)
+            if job.state == "running":
+                job.state = "failed"
+                job.finished_ms = _now_ms()
+                job.error = (
+                    "interrupted: the server stopped while this job was running; its newest checkpoint "
+                    "(latest_checkpoint in the job detail) resumes it"
+                )
+                self.store.save(job)
+            self.jobs[job.job_id] = job
+            if job.state == "queued":
+                self.queue.append(job.job_id)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Ask a running job to stop at its next step (it publishes a checkpoint) and join the worker."""
+        with self._cond:
+            self._stopping = True
+            if self._cancel is not None:
+                self._cancel.set()
+            self._cond.notify_all()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    # ------------------------------------------------------------------ submissions
+
+    def check_capacity(self) -> None:
+        with self._cond:
+            if len(self.queue) >= self.max_queued:
+                raise CapacityError(
+                    f"the training queue is full ({len(self.queue)} of {self.max_queued} jobs waiting)",
+                    code="queue_full",
+                    hint="retry after 30 s, or raise training.max_queued_jobs",
+                )
+
+    def writer_of(self, adapter_name: str) -> Job | None:
+        """The queued or running job that will write ``adapter_name``, if any."""
+        with self._cond:
+            for job in self.jobs.values():
+                if not job.terminal and job.adapter_name == adapter_name:
+                    return job
+        return None
+
+    def submit(self, **fields: Any) -> Job:
+        """Queue an admitted job (raises ``queue_full`` or ``adapter_exists`` without queueing)."""
+        with self._cond:
+            self.check_capacity()
+            clash = next(
+                (j for j in self.jobs.values() if not j.terminal and j.adapter_name == fields["adapter_name"]), None
+            )
+            if clash is not None:
+                raise ConflictError(
+                    f"job {clash.job_id} ({clash.state}) already writes adapter {clash.adapter_name!r}",
+                    code="adapter_exists",
+                    hint="choose another config.output_name, or wait for that job to finish",
+                )
+            self._seq += 1
+            job = Job(job_id=f"job-{uuid.uuid4().hex[:12]}", seq=self._seq, **fields)
+            self.store.save(job)
+            self.jobs[job.job_id] = job
+            self.queue.append(job.job_id)
+            self._cond.notify_all()
+            return job
+
+    def get(self, job_id: str) -> Job:
+        job = self.jobs.get(job_id)
+        if job is None:
+            raise NotFoundError(
+                f"no training job {job_id!r}", code="not_found", hint="list jobs with GET /v1/train/status"
+            )
+        return job
+
+    def cancel(self, job_id: str) -> str:
+        """``cancelled`` for a queued job (removed now) or ``cancelling`` for the running one."""
+        with self._cond:
+            job = self.get(job_id)
+            if job.state == "queued":
+                self.queue.remove(job_id)
+                job.state, job.finished_ms = "failed", _now_ms()
+                job.error = "cancelled: removed from the queue before it started"
+                self.store.save(job)
+                self._terminal(job)
+                return "cancelled"
+            if job.state == "running":
+                job.cancel_requested = True
+                if self._cancel is not None:
+                    self._cancel.set()
+                self.store.save(job)
+                return "cancelling"
+        raise NotFoundError(
+            f"job {job_id} is not queued or running (it ended {job.state}); there is nothing to cancel",
+            code="not_found",
+            hint=f"see GET /v1/train/jobs/{job_id}",
+        )
+
+    def forget(self, job_id: str) -> bool:
+        with self._cond:
+            job = self.get(job_id)
+            if not job.terminal:
+                raise ConflictError(
+                    f"job {job_id} is {job.state}; only finished jobs can be deleted",
+                    code="job_not_terminal",
+                    hint=f"cancel it first: DELETE /v1/train/queue/{job_id}",
+                )
+            del self.jobs[job_id]
+            return self.store.delete(job_id)
+
+    def ordered(self) -> list[Job]:
+        with self._cond:
+            return sorted(self.jobs.values(), key=lambda j: j.seq)
+
+    def queued(self) -> list[Job]:
+        with self._cond:
+            return [self.jobs[i] for i in self.queue]
+
+    # ------------------------------------------------------------------ the worker
+
+    def _terminal(self, job: Job) -> None:
+        if self.on_terminal is not None:
+            try:
+                self.on_terminal(job)
+            except Exception:  # a notification must never take the worker down
+                log.exception("terminal-state hook failed for %s", job.job_id)
+
+    def _next(self) -> Job | None:
+        with self._cond:
+            while not self.queue and not self._stopping:
+                self._cond.wait()
+            if self._stopping:
+                return None
+            job = self.jobs[self.queue.popleft()]
+            job.state, job.started_ms = "running", _now_ms()
+            self.running = job.job_id
+            self._cancel = threading.Event()
+            self.store.save(job)
+            return job
+
+    def _progress(self, job: Job) -> Callable[[dict[str, Any]], None]:
+        last = [time.perf_counter()]
+        rows = max(1, job.total_steps // max(1, int(job.request.get("config", {}).get("epochs", 1))))
+
+        def report(event: dict[str, Any]) -> None:
+            now = time.perf_counter()
+            if event.get("kind") == "checkpoint":
+                self.checkpoint_seconds = [*self.checkpoint_seconds[-99:], event["seconds"]]
+                return
+            spent = now - last[0]
+            last[0] = now
+            self.step_seconds = [*self.step_seconds[-99:], spent]
+            job.tokens += int(event.get("tokens", 0))
+            self.tokens_per_second = event.get("tokens", 0) / spent if spent > 0 else 0.0
+            job.record_loss(float(event["loss"]), int(event["step"]), int(event["total"]), rows)
+            if now - self._last_write >= PROGRESS_WRITE_INTERVAL_S:
+                self._last_write = now
+                self.store.save(job)
+
+        return report
+
+    def _work(self) -> None:
+        while True:
+            job = self._next()
+            if job is None:
+                return
+            assert self._cancel is not None
+            try:
+                outcome = self.runner(job, self._cancel, self._progress(job))
+            except KilnError as exc:
+                outcome = Outcome("failed", f"{exc.code}: {exc.message}")
+            except Exception as exc:  # the worker survives any job; the job records why it died
+                log.exception("job %s crashed", job.job_id)
+                outcome = Outcome("failed", f"internal_error: {type(exc).__name__}: {exc}")
+            with self._cond:
+                job.state = outcome.state
+                job.error = outcome.error if outcome.state == "failed" else None
+                job.receipt_path = outcome.receipt_path
+                job.adapter_path = outcome.adapter_path
+                job.finished_ms = _now_ms()
+                if outcome.state == "completed":
+                    job.progress = 1.0
+                self.running = None
+                self._cancel = None
+                self.store.save(job)
+            self._terminal(job)

@@ -1,0 +1,276 @@
+"""Training requests over HTTP: admission before queueing, revalidation and the run.
+
+Admission (``admit``) runs in the request thread and does everything that can fail
+before any model work: the request schema, the features Kiln does not execute, the
+dataset path, the trainer's own admission (config rules, effective seed, data ingestion,
+full checkpoint load and compatibility when resuming, loss route) and a memory estimate.
+Only the replay request (every default resolved, seed and learning rate filled in) and a
+fingerprint of what was admitted are kept; the worker admits the replay request again at
+dequeue and refuses to train when the fingerprint changed (data bytes, checkpoint,
+seed, loss route), naming what changed.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import hashlib
+import logging
+import os
+import threading
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kiln import contracts
+from kiln.errors import CapacityError, ContractError, Problem, RequestError
+from kiln.server._jobs import Job, Outcome
+
+log = logging.getLogger("kiln.server.training")
+
+KIND_NAMES = {"grpo": "GRPO", "opd": "on-policy distillation (OPD)"}
+REQUEST_TYPES = {"sft": "SftRequest", "grpo": "GrpoRequest", "opd": "OpdRequest"}
+
+
+@dataclass
+class Engine:
+    """What admission and the worker share: the base model (pristine training copy) and settings."""
+
+    settings: Any  # kiln.server._settings.Settings
+    base: Any  # kiln.model.LoadedModel: pristine weights and a tokenizer of their own, never served
+    generator: Any = None  # kiln.server._generation.Generator (auto_load and canaries)
+    admission_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+
+    @property
+    def registry(self) -> Path:
+        return self.settings.registry
+
+
+def check_request(kind: str, body: Any) -> None:
+    """The request schema, every problem reported with its JSON pointer."""
+    found = contracts.problems(REQUEST_TYPES[kind], body)
+    if found:
+        raise ContractError(found, document=REQUEST_TYPES[kind])
+
+
+def refuse_unexecuted_kind(kind: str) -> None:
+    raise RequestError(
+        f"this Kiln cannot run {KIND_NAMES[kind]} jobs yet; the request is well formed but was not queued",
+        code="training_backend_unsupported",
+        hint="submit supervised fine-tuning jobs (POST /v1/train/sft)",
+    )
+
+
+def _sft_source(body: dict[str, Any]) -> tuple[list[Any] | None, str | None]:
+    if body.get("dataset") is not None or "dataset_split" in body:
+        raise RequestError(
+            "named datasets (dataset, dataset_split) are not supported: Kiln has no dataset registry",
+            code="training_backend_unsupported",
+            hint="send the rows inline as examples, or a server-local JSONL file as dataset_path",
+        )
+    if body.get("post_eval") is not None:
+        raise RequestError(
+            "post_eval: evaluation gates are not supported by this Kiln", code="training_backend_unsupported"
+        )
+    path = body.get("dataset_path")
+    if path is None:
+        return body["examples"], None
+    if not os.path.isabs(path) or ".." in Path(path).parts:
+        raise ContractError(
+            [Problem("unsafe_path", "/dataset_path", f"dataset_path {path!r} must be an absolute path without '..'")],
+            document="SftRequest",
+        )
+    if not Path(path).is_file():
+        raise RequestError(
+            f"dataset_path {path} is not a readable regular file on the server", code="training_invalid_request"
+        )
+    return None, path
+
+
+def _file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _fingerprint(admitted: Any) -> dict[str, Any]:
+    resume = admitted.resume
+    return {
+        "data_sha256": admitted.ingestion.corpus_sha256,
+        "seed": str(admitted.config["seed"]),
+        "loss_route": admitted.loss_route.route,
+        "loss_chunk_size": admitted.loss_route.chunk_size,
+        "checkpoint": None
+        if resume is None
+        else {"name": resume.path.name, "manifest_sha256": _file_sha256(resume.path / "checkpoint_manifest.json")},
+    }
+
+
+def _available_memory() -> int | None:
+    try:
+        with open("/proc/meminfo", encoding="ascii") as handle:
+            for line in handle:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def estimate_memory(model: Any, admitted: Any) -> int:
+    """A coarse upper bound of the run's extra host memory: a private copy of the weights, LoRA with
+    gradients and two optimizer slots, activations of the longest row and the loss route's buffers."""
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    config = model.config
+    hidden, layers = int(config.hidden_size), int(config.num_hidden_layers)
+    rank = int(admitted.config["lora_rank"])
+    lora = layers * 7 * rank * (hidden + int(getattr(config, "intermediate_size", hidden))) * 4 * 4
+    longest = max(len(ex.input_ids) for ex in admitted.ingestion.examples)
+    activations = longest * hidden * layers * 4 * 32
+    vocab = int(config.vocab_size)
+    loss = (admitted.loss_route.chunk_size or vocab) * vocab * 4 + longest * hidden * 4 * 2
+    return weights + lora + activations + loss
+
+
+def admit(engine: Engine, kind: str, body: Any, jobs: Any) -> dict[str, Any]:
+    """Admit a submission; returns the fields of the ``Job`` to queue. Raises ``KilnError``."""
+    from kiln.trainers.sft import admit_sft
+
+    check_request(kind, body)
+    if kind != "sft":
+        refuse_unexecuted_kind(kind)
+    jobs.check_capacity()  # cheap, before the expensive part
+    examples, dataset_path = _sft_source(body)
+    config = dict(body.get("config") or {})
+    auto_load = bool(config.pop("auto_load", True))
+    adapter = config.get("output_name") or f"sft-{uuid.uuid4().hex[:8]}"
+    config["output_name"] = adapter
+    if config.get("checkpoint_interval") is None:
+        config["checkpoint_interval"] = engine.settings.get("training", "checkpoint_interval")
+    resume = config.get("resume_checkpoint")
+    writer = jobs.writer_of(adapter)
+    if writer is not None:
+        from kiln.errors import ConflictError
+
+        raise ConflictError(
+            f"job {writer.job_id} ({writer.state}) already writes adapter {adapter!r}",
+            code="adapter_exists",
+            hint="choose another config.output_name, or wait for that job to finish",
+        )
+    with engine.admission_lock:
+        admitted = admit_sft(
+            adapter_name=adapter,
+            registry=engine.registry,
+            config=config,
+            examples=examples,
+            dataset_path=dataset_path,
+            loaded=engine.base,
+        )
+    need, have = estimate_memory(engine.base.model, admitted), _available_memory()
+    if have is not None and need > have:
+        raise CapacityError(
+            f"the job needs about {need / 2**30:.1f} GiB of host memory and {have / 2**30:.1f} GiB is available",
+            code="memory_budget_exceeded",
+            hint="use shorter conversations, a smaller lora_rank, or free memory on the server",
+        )
+    replay_config = {**admitted.config, "auto_load": auto_load}
+    if resume is not None:
+        replay_config["resume_checkpoint"] = resume
+    replay: dict[str, Any] = {"config": replay_config}
+    if dataset_path is not None:
+        replay["dataset_path"] = str(Path(dataset_path).resolve())
+    else:
+        replay["examples"] = examples
+    start = admitted.start_step
+    history: list[dict[str, Any]] = []
+    if admitted.resume is not None:
+        rows = len(admitted.ingestion.examples)
+        for step, loss in enumerate(admitted.resume.loop_state["loss_history"], start=1):
+            history.append(
+                {
+                    "epoch": (step - 1) // rows + 1,
+                    "progress": step / admitted.total_steps,
+                    "loss": loss,
+                    "elapsed_secs": 0.0,
+                }
+            )
+    return {
+        "job_type": kind,
+        "adapter_name": adapter,
+        "effective_seed": str(admitted.config["seed"]),
+        "request": replay,
+        "fingerprint": _fingerprint(admitted),
+        "auto_load": auto_load,
+        "total_steps": admitted.total_steps,
+        "progress": start / admitted.total_steps if admitted.total_steps else 0.0,
+        "current_loss": history[-1]["loss"] if history else None,
+        "loss_history": history,
+    }
+
+
+def _changed(before: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    labels = {
+        "data_sha256": "the training data",
+        "seed": "the effective seed",
+        "loss_route": "the loss route",
+        "loss_chunk_size": "the loss chunk size",
+        "checkpoint": "the resume checkpoint",
+    }
+    return [f"{labels[k]} ({before.get(k)} → {now.get(k)})" for k in labels if before.get(k) != now.get(k)]
+
+
+def run(engine: Engine, job: Job, cancel: threading.Event, report: Callable[[dict[str, Any]], None]) -> Outcome:
+    """Revalidate the job at dequeue, train it on a private copy of the weights, then auto-load."""
+    from kiln.trainers.sft import admit_sft, run_sft
+
+    body = job.request
+    config = dict(body["config"])
+    config.pop("auto_load", None)
+    with engine.admission_lock:
+        admitted = admit_sft(
+            adapter_name=job.adapter_name,
+            registry=engine.registry,
+            config=config,
+            examples=body.get("examples"),
+            dataset_path=body.get("dataset_path"),
+            loaded=engine.base,
+        )
+    changed = _changed(job.fingerprint, _fingerprint(admitted))
+    if changed:
+        return Outcome(
+            "failed",
+            "revalidation_failed: changed since the job was admitted: "
+            + "; ".join(changed)
+            + ". Nothing was trained; submit the job again",
+        )
+    admitted.loaded = dataclasses.replace(engine.base, model=copy.deepcopy(engine.base.model))
+
+    def checkpoint_landed(published: Any) -> None:
+        t = published.timings
+        report({"kind": "checkpoint", "seconds": (t.capture_ms + t.encode_ms + t.write_ms) / 1000})
+
+    result = run_sft(admitted, progress=report, cancel=cancel, on_checkpoint=checkpoint_landed)
+    admitted.loaded = None  # drop the private weights now, not when the job record goes
+    receipt = result.receipt
+    if result.status != "success":
+        error = f"{receipt['failure_reason']}: {receipt.get('failure_message') or 'no detail'}"
+        return Outcome("failed", error, str(result.receipt_path), None)
+    if job.auto_load and engine.generator is not None:
+        _auto_load(engine, job.adapter_name)
+    return Outcome("completed", None, str(result.receipt_path), str(result.adapter_dir))
+
+
+def _auto_load(engine: Engine, name: str) -> None:
+    """Serve the new adapter once its canary passes; a quarantined adapter is never activated."""
+    try:
+        status = engine.generator.run_canary(name)
+        if status["status"] == "passed":
+            engine.generator.load(name)
+        else:
+            log.warning("adapter %s quarantined by its canary: %s", name, status["failure_reason"])
+    except Exception:  # the training job succeeded; serving it is a separate, reported concern
+        log.exception("auto_load of adapter %s failed", name)

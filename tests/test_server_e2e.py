@@ -1,0 +1,193 @@
+"""End to end over loopback against a real ``kiln serve`` process.
+
+Submit SFT with a checkpoint interval, watch progress, cancel, resume through the HTTP
+``resume_checkpoint`` field and finish; the resumed adapter equals an uninterrupted run's.
+Restart the server mid-queue and find the jobs intact. Several clients submit at once
+against a small queue bound: each submission is either queued or refused with 503 and
+``Retry-After``, and nothing accepted is lost. Every body validates against Kiln's
+schemas.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+
+import pytest
+from _server import ServerProcess, wait_for
+from conftest import ADAPTER_CONVERSATIONS
+
+from kiln import contracts
+
+pytestmark = pytest.mark.slow
+
+ROWS = ADAPTER_CONVERSATIONS * 2  # 4 conversations
+
+
+def _valid(definition: str, body):
+    problems = contracts.problems(definition, body)
+    assert problems == [], f"{definition}: {problems}"
+    return body
+
+
+def _submit(http, config, examples=ROWS):
+    answer = http.post("/v1/train/sft", json={"examples": examples, "config": config})
+    assert answer.status_code == 200, answer.text
+    return _valid("TrainingResponse", answer.json())
+
+
+def _detail(http, job_id):
+    answer = http.get(f"/v1/train/jobs/{job_id}")
+    assert answer.status_code == 200, answer.text
+    return _valid("TrainingJobDetail", answer.json())
+
+
+def _finished(http, job_id):
+    return wait_for(lambda: (d := _detail(http, job_id))["state"] in ("completed", "failed") and d, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, tiny_model_dir):
+    with ServerProcess(tmp_path_factory.mktemp("serve") / "home", tiny_model_dir) as proc:
+        yield proc
+
+
+def test_cancel_then_resume_over_http_equals_an_uninterrupted_run(server):
+    config = {"epochs": 30, "seed": 11, "checkpoint_interval": 3, "auto_load": False}
+    with server.client() as http:
+        first = _submit(http, {**config, "output_name": "interrupted"})
+        assert first["effective_seed"] == "11"
+        seen = wait_for(lambda: (d := _detail(http, first["job_id"]))["progress"] > 0.05 and d)
+        assert seen["state"] == "running"
+        assert seen["current_loss"] is not None
+        cancel = http.delete(f"/v1/train/queue/{first['job_id']}")
+        assert cancel.status_code == 200
+        assert _valid("CancelTrainingJobResponse", cancel.json())["status"] == "cancelling"
+        stopped = _finished(http, first["job_id"])
+        assert stopped["state"] == "failed"
+        assert stopped["error"].startswith("cancelled:")
+        checkpoint = stopped["latest_checkpoint"]
+        assert checkpoint is not None
+        assert 0 < checkpoint["global_step"] < checkpoint["total_steps"]
+        assert stopped["train_receipt"]["failure_reason"] == "cancelled"
+
+        resumed = _submit(
+            http, {**config, "output_name": "interrupted", "resume_checkpoint": checkpoint["resume_checkpoint"]}
+        )
+        early = _detail(http, resumed["job_id"])
+        assert len(early["loss_history"]) >= checkpoint["global_step"]  # the curve is restored from the checkpoint
+        done = _finished(http, resumed["job_id"])
+        assert done["state"] == "completed", done.get("error")
+        assert done["train_receipt"]["status"] == "success"
+
+        straight = _finished(http, _submit(http, {**config, "output_name": "straight"})["job_id"])
+        assert straight["state"] == "completed"
+        a = (server.home / "adapters" / "interrupted" / "adapter_model.safetensors").read_bytes()
+        b = (server.home / "adapters" / "straight" / "adapter_model.safetensors").read_bytes()
+        assert a == b
+
+
+def test_bad_submissions_get_the_error_envelope_with_the_schema_status(server):
+    with server.client() as http:
+        cases = [
+            ({"examples": ROWS, "config": {"batch_size": 4}}, 400, "unknown_field"),
+            ({"config": {}}, 400, None),
+            (
+                {"examples": ROWS, "config": {"resume_checkpoint": "nope-checkpoint-step-00000001.kiln-checkpoint"}},
+                400,
+                None,
+            ),
+            ({"examples": ROWS, "dataset": "hub/thing"}, 400, None),
+            ({"dataset_path": "relative/file.jsonl"}, 400, "unsafe_path"),
+        ]
+        for body, status, code in cases:
+            answer = http.post("/v1/train/sft", json=body)
+            assert answer.status_code == status, (body, answer.text)
+            envelope = _valid("ErrorEnvelope", answer.json())
+            if code:
+                assert envelope["error"]["code"] == code
+        broken = http.post("/v1/train/sft", content=b'{"examples": [], "examples": []}')
+        assert broken.status_code == 400
+        assert broken.json()["error"]["code"] == "invalid_json"
+        missing = http.get("/v1/train/jobs/job-does-not-exist")
+        assert missing.status_code == 404
+        assert missing.json()["error"]["code"] == "not_found"
+        assert http.get("/v1/no/such/route").json()["error"]["code"] == "not_found"
+
+
+def test_observability_bodies_validate(server):
+    with server.client() as http:
+        health = http.get("/health")
+        assert health.status_code == 200
+        body = _valid("HealthResponse", health.json())
+        assert body["status"] == "ok"
+        assert body["model_source"] == "local_path"
+        config = _valid("ConfigResponse", http.get("/v1/config").json())
+        assert config["effective_config"]["server"]["port"] == server.port
+        assert config["fields"]["server.port"]["source"] == "command_line"
+        assert body["execution_identity"]["effective_server_config_sha256"] == config["effective_server_config_sha256"]
+        metrics = http.get("/metrics")
+        assert metrics.status_code == 200
+        assert "kiln_queue_depth" in metrics.text
+        assert http.get("/openapi.json").json() == json.loads(
+            json.dumps(__import__("kiln_contracts").openapi_document())
+        )
+        _valid("QueueResponse", http.get("/v1/train/queue").json())
+        _valid("TrainingStatusList", http.get("/v1/train/status").json())
+        _valid("AdaptersResponse", http.get("/v1/adapters").json())
+
+
+def test_restart_mid_queue_keeps_every_job(tmp_path, tiny_model_dir):
+    home = tmp_path / "home"
+    long = {"epochs": 200, "seed": 3, "checkpoint_interval": 2, "auto_load": False}
+    proc = ServerProcess(home, tiny_model_dir).start()
+    try:
+        with proc.client() as http:
+            running = _submit(http, {**long, "output_name": "first"})["job_id"]
+            waiting = [_submit(http, {"epochs": 1, "seed": 5, "output_name": f"next{i}"})["job_id"] for i in range(2)]
+            wait_for(lambda: _detail(http, running)["progress"] > 0.01)
+            wait_for(lambda: _detail(http, running)["latest_checkpoint"] is not None)
+    finally:
+        proc.kill()
+    proc = ServerProcess(home, tiny_model_dir, port=proc.port).start()
+    try:
+        with proc.client() as http:
+            interrupted = _detail(http, running)
+            assert interrupted["state"] == "failed"
+            assert interrupted["error"].startswith("interrupted:")
+            assert interrupted["latest_checkpoint"]["resume_checkpoint"].startswith("first-checkpoint-step-")
+            for job_id in waiting:
+                assert _finished(http, job_id)["state"] == "completed"
+            listed = [s["job_id"] for s in http.get("/v1/train/status").json()]
+            assert listed == [running, *waiting]
+    finally:
+        proc.stop()
+
+
+def test_concurrent_clients_respect_the_queue_bound_and_lose_nothing(tmp_path, tiny_model_dir):
+    env = {"KILN_TRAINING_MAX_QUEUED_JOBS": "3"}
+    with ServerProcess(tmp_path / "home", tiny_model_dir, env=env) as proc, proc.client() as http:
+        blocker = _submit(http, {"epochs": 300, "seed": 1, "output_name": "blocker", "auto_load": False})["job_id"]
+        wait_for(lambda: _detail(http, blocker)["state"] == "running")
+
+        def submit(i):
+            with proc.client() as own:
+                return own.post(
+                    "/v1/train/sft", json={"examples": ROWS, "config": {"epochs": 1, "output_name": f"c{i}"}}
+                )
+
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            answers = list(pool.map(submit, range(8)))
+        accepted = [a.json()["job_id"] for a in answers if a.status_code == 200]
+        refused = [a for a in answers if a.status_code != 200]
+        assert len(accepted) == 3
+        for answer in refused:
+            assert answer.status_code == 503
+            assert answer.headers["retry-after"] == "30"
+            assert answer.json()["error"]["code"] == "queue_full"
+        queue = _valid("QueueResponse", http.get("/v1/train/queue").json())
+        assert {q["job_id"] for q in queue["queued"]} == set(accepted)
+        assert [q["position"] for q in queue["queued"]] == [1, 2, 3]
+        http.delete(f"/v1/train/queue/{blocker}")
+        for job_id in accepted:
+            assert _finished(http, job_id)["state"] == "completed"
