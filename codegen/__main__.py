@@ -18,6 +18,7 @@ from codegen._bundle import (
     reader_variant,
     writer_variant,
 )
+from codegen._client import generate_client
 from codegen._models import generate_models, module_name
 from codegen._openapi import build_openapi
 
@@ -160,8 +161,11 @@ def render(schema_dir: Path) -> dict[str, str]:
     files[base + "entrypoints.json"] = _canonical(dict(sorted(entrypoints.items())))
 
     routes: list[dict[str, Any]] = []
-    for doc in docs.values():
+    route_files: list[str] = []
+    for file, doc in docs.items():
         routes.extend(doc.get("x-kiln-routes", []))
+        if doc.get("x-kiln-routes"):
+            route_files.append(file)
     openapi = build_openapi(definitions, routes, CONTRACTS_VERSION)
     openapi["x-kiln-generated"] = stamp
     files[base + "openapi.json"] = _canonical(openapi)
@@ -183,6 +187,8 @@ def render(schema_dir: Path) -> dict[str, str]:
         text = files.get(key, "")
         if f"\nclass {name}(" not in text:
             files[key] = text + _union_root_model(name, definitions[name], text)
+    model_texts = {spec[: -len(".py")]: files[base + "models/" + spec] for spec in models}
+    files[base + "client.py"] = generate_client(routes, route_files, owner, model_texts, digests)
     init_lines = [f'"""Generated pydantic models (schemas set {combined[:16]}). Do not edit."""', ""]
     for module_file in sorted(models):
         init_lines.append(f"from . import {module_file[:-3]}")

@@ -472,7 +472,7 @@ def adapter_receipt(server: Server, name: str) -> dict[str, Any]:
         raise NotFoundError(f"adapter {name!r} has no train_receipt.json (not trained by Kiln?)", code="not_found")
     from kiln.artifacts.receipt import load_train_receipt
 
-    return load_train_receipt(path).model_dump(mode="json", exclude_unset=True)
+    return load_train_receipt(path).model_dump(mode="json", exclude_unset=True, by_alias=True)
 
 
 def _memory() -> dict[str, Any]:
