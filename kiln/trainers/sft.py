@@ -145,7 +145,8 @@ def effective_config(config: dict[str, Any], adapter_name: str) -> dict[str, Any
         seed = resolve_seed(config.get("seed"))
     except ValueError as exc:
         raise RequestError(str(exc), code="training_invalid_request") from None
-    rank = config.get("lora_rank", 16)
+    rank = int(config.get("lora_rank", 16))
+    interval = config.get("checkpoint_interval")
     alpha = float(config.get("lora_alpha", 32.0))
     if alpha / rank > MAX_ALPHA_OVER_RANK and not config.get("allow_high_lora_scale", False):
         raise RequestError(
@@ -157,14 +158,14 @@ def effective_config(config: dict[str, Any], adapter_name: str) -> dict[str, Any
     return {
         "training_profile": PROFILE,
         "invalid_row_policy": config.get("invalid_row_policy", "fail"),
-        "epochs": config.get("epochs", 3),
+        "epochs": int(config.get("epochs", 3)),  # JSON Schema integers may arrive as 3.0
         "learning_rate": float(learning_rate),
         "lora_rank": rank,
         "lora_alpha": alpha,
         "allow_high_lora_scale": bool(config.get("allow_high_lora_scale", False)),
         "output_name": adapter_name,
         "base_adapter": config.get("base_adapter"),
-        "checkpoint_interval": config.get("checkpoint_interval"),
+        "checkpoint_interval": None if interval is None else int(interval),
         "seed": seed,
         "optimizer": optimizer,
     }

@@ -1,0 +1,795 @@
+"""The generation engine of ``kiln serve``: chat completions, adapter load/unload, serving canary.
+
+One ``Generator`` owns the served model (``LoadedModel.model``) for inference. It never
+changes a base weight: an adapter is applied as a forward hook on each LoRA target
+``nn.Linear`` (``y + B(A(x)) * scale``, computed exactly as peft's LoRA layer does), the
+hooks exist only for the duration of one forward pass, and each hook is a no-op on any
+module other than the one it was registered on (so a deep copy taken mid-pass, e.g. by
+the training worker, never carries an adapter). Base output is therefore bit-identical
+to a pristine model's, before and after any adapter was loaded.
+
+Locking
+    One ``threading.Lock`` (``Generator.lock``) serialises every forward pass and every
+    adapter swap. A completion resolves its weights once, when it starts, and keeps them
+    for every token, so a load or unload during a long stream never mixes two adapters;
+    the lock is held per decoding step, never across a ``yield``, so a slow SSE client
+    cannot block other requests.
+
+Adapters
+    ``load(name)`` reads ``<registry>/<name>/`` once into memory and checks, in order: the
+    directory exists (``adapter_not_found``); ``adapter_manifest.json`` loads strictly,
+    binds ``adapter_model.safetensors`` and ``adapter_config.json``, and every file digest
+    it records (weights, config, train receipt) matches the bytes read
+    (``manifest.file-hashes``); the config is a plain LoRA config; every tensor is a
+    complete ``lora_A``/``lora_B`` pair of a declared target ``nn.Linear`` of the served
+    model with matching shapes; the canary has not quarantined it
+    (``adapter_canary_status.json``, read as ``kiln adapters list`` reads it: an invalid
+    file counts as quarantined) unless ``allow_quarantined``. Every refusal is
+    ``adapter_invalid`` and leaves the served adapter unchanged.
+
+``content_revision``
+    The revision of an adapter's serving files, a raw SHA-256 (64 lowercase hex)::
+
+        sha256(canonical_json({"adapter_config_sha256": <hex of adapter_config.json bytes>,
+                               "adapter_model_sha256":  <hex of adapter_model.safetensors bytes>}))
+
+    with canonical JSON as in spec/20 (sorted keys, no spaces, UTF-8). It changes whenever
+    either file changes and does not depend on the manifest or the receipt.
+
+Completions
+    ``messages`` are rendered with the tokenizer's chat template and a generation prompt;
+    message text that spells a special token is tokenized as plain text, exactly as SFT
+    ingestion does (so a user cannot forge a turn delimiter). Weights: ``adapter`` (this
+    request only; the active adapter when it names it, else read from the registry like
+    ``load`` without ``allow_quarantined``), ``base_model: true`` (base), else the active
+    adapter, else base. ``temperature`` 0 is greedy argmax (first maximum); above 0,
+    softmax(logits / temperature), nucleus filtering to ``top_p`` and a draw from a
+    ``torch.Generator`` seeded with ``seed`` (default 0), so equal requests give equal
+    answers. Decoding stops at an end-of-turn token (``stop``; not part of the content,
+    counted in ``completion_tokens``) or after ``max_tokens`` (default 64, at most the
+    model's context minus the prompt: ``length``). Text is decoded incrementally
+    (special tokens skipped; a chunk is held back while it ends in an incomplete UTF-8
+    sequence); the non-streaming content is the concatenation of exactly those deltas.
+
+Canary
+    ``run_canary(name)`` checks, stopping at the first failure: ``finite_logits`` (one
+    forward of a fixed prompt with the adapter), ``non_empty_output`` (greedy, at most 16
+    tokens, non-empty after stripping), ``bounded_latency`` (16 tokens with the adapter
+    take at most 10x the base model's time on the same prompt + 2 s). Identical greedy
+    output with and without the adapter is a warning. The ``AdapterCanaryStatus`` is
+    validated and written crash-atomically to ``<registry>/<name>/adapter_canary_status.json``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import itertools
+import re
+import secrets
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from kiln import contracts
+from kiln._jsonio import MAX_DOCUMENT_BYTES, canonical_json, parse_json
+from kiln.adapters._registry import _read_canary
+from kiln.artifacts.adapter_bodies import write_adapter_canary_status
+from kiln.artifacts.adapter_manifest import MANIFEST_FILE, load_adapter_manifest
+from kiln.data.sft import _match_skeleton, _template_errors
+from kiln.digests import prefixed
+from kiln.errors import AdapterError, ContractError, InternalError, KilnError, NotFoundError, Problem
+
+__all__ = ["CANARY_FILE", "Generator", "content_revision"]
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+CANARY_FILE = "adapter_canary_status.json"
+CHECKPOINT_SUFFIX = ".kiln-checkpoint"
+REQUEST = "ChatCompletionRequest"
+
+DEFAULT_MAX_TOKENS = 64
+CANARY_MESSAGES = ({"role": "user", "content": "Say hello in one short sentence."},)
+CANARY_MAX_TOKENS = 16
+LATENCY_FACTOR = 10.0
+LATENCY_SLACK_S = 2.0
+# End-of-turn spellings of common chat templates; used only when the tokenizer has them as special tokens.
+END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<end_of_turn>", "<|end|>", "<|endoftext|>")
+# LoRA config features this engine does not apply; an adapter using any of them is refused, never half-applied.
+UNSUPPORTED_CONFIG = (
+    "use_dora",
+    "lora_bias",
+    "fan_in_fan_out",
+    "modules_to_save",
+    "trainable_token_indices",
+    "layer_replication",
+    "target_parameters",
+    "alpha_pattern",
+    "alora_invocation_tokens",
+    "use_qalora",
+    "use_bdlora",
+)
+_KEY = re.compile(r"^base_model\.model\.(?P<path>.+)\.lora_(?P<ab>[AB])\.weight$")
+
+
+def content_revision(config_bytes: bytes, weights_bytes: bytes) -> str:
+    """The raw SHA-256 revision of an adapter's config and weights (see the module docstring)."""
+    record = {
+        "adapter_config_sha256": hashlib.sha256(config_bytes).hexdigest(),
+        "adapter_model_sha256": hashlib.sha256(weights_bytes).hexdigest(),
+    }
+    return hashlib.sha256(canonical_json(record)).hexdigest()
+
+
+@dataclass(frozen=True)
+class _Lora:
+    module: Any  # the target nn.Linear of the served model
+    a: Any  # [r, in_features], float32
+    b: Any  # [out_features, r], float32
+    scale: float
+
+
+@dataclass(frozen=True)
+class _Adapter:
+    name: str
+    content_revision: str
+    manifest_sha256: str  # sha256:<hex> of adapter_manifest.json as read
+    weights_sha256: str  # sha256:<hex> of adapter_model.safetensors as read
+    layers: tuple[_Lora, ...]
+
+    def identity(self) -> dict[str, str]:
+        return {"name": self.name, "content_revision": self.content_revision}
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """One admitted completion request."""
+
+    prompt_ids: list[int]
+    max_new: int
+    temperature: float
+    top_p: float
+    seed: int
+    adapter: _Adapter | None
+    model: str
+
+
+@dataclass
+class _Outcome:
+    finish_reason: str = "length"
+    completion_tokens: int = 0
+
+
+class _NonFiniteLogitsError(Exception):
+    """A forward pass produced NaN or infinite logits."""
+
+
+class Generator:
+    """Chat completions, adapter load/unload and the serving canary over one loaded model."""
+
+    def __init__(self, loaded: Any, registry: Path, model_name: str):
+        self.lock = threading.Lock()
+        self._model = loaded.model
+        self._tokenizer = loaded.tokenizer
+        self._registry = Path(registry)
+        self._model_name = model_name
+        self._active: _Adapter | None = None
+        self._load_errors: dict[str, str] = {}
+        first = next(self._model.parameters())
+        self._device = first.device
+        self._keep_last = "logits_to_keep" in inspect.signature(self._model.forward).parameters
+        self._specials = _special_tokens(self._tokenizer)
+        self._stop_ids = _stop_ids(self._model, self._tokenizer, self._specials)
+        self._max_positions = _max_positions(self._model, self._tokenizer)
+
+    # --- adapters -----------------------------------------------------------------------
+
+    def active(self) -> dict[str, str] | None:
+        """``LoadedAdapterIdentity`` of the served adapter, or None when serving the base model."""
+        current = self._active
+        return current.identity() if current else None
+
+    def last_load_error(self, name: str) -> str | None:
+        """Message of the most recent failed ``load`` of ``name`` (cleared by a successful one)."""
+        return self._load_errors.get(name)
+
+    def load(self, name: str, *, allow_quarantined: bool = False, reload: bool = False) -> dict[str, str]:
+        """Serve ``name`` (``LoadAdapterResponse``); a failure keeps the adapter served before."""
+        current = self._active
+        if current is not None and current.name == name and not reload:
+            return _checked("LoadAdapterResponse", {"status": "loaded", **current.identity()})
+        try:
+            adapter = self._read_adapter(name, allow_quarantined=allow_quarantined)
+        except KilnError as exc:
+            self._load_errors[name] = exc.message
+            raise
+        with self.lock:
+            self._active = adapter
+        self._load_errors.pop(name, None)
+        return _checked("LoadAdapterResponse", {"status": "loaded", **adapter.identity()})
+
+    def unload(self) -> dict[str, str]:
+        """Serve the base model (``UnloadAdapterResponse``); a no-op when nothing is loaded."""
+        with self.lock:
+            self._active = None
+        return _checked("UnloadAdapterResponse", {"status": "unloaded"})
+
+    # --- completions --------------------------------------------------------------------
+
+    def complete(self, request: dict[str, Any]) -> dict[str, Any]:
+        """``ChatCompletionRequest`` → ``ChatCompletionResponse``."""
+        plan = self._plan(request)
+        created = int(time.time())
+        outcome = _Outcome()
+        content = "".join(self._deltas(plan, outcome))
+        response = {
+            "id": _completion_id(),
+            "object": "chat.completion",
+            "created": created,
+            "model": plan.model,
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": content},
+                    "finish_reason": outcome.finish_reason,
+                }
+            ],
+            "usage": _usage(plan, outcome),
+            "kiln": _weights(plan.adapter),
+        }
+        return _checked("ChatCompletionResponse", response)
+
+    def stream(self, request: dict[str, Any]) -> Iterator[dict[str, Any]]:
+        """``ChatCompletionRequest`` → ``ChatCompletionChunk`` documents.
+
+        The request is admitted (and its weights resolved) when this is called, so refusals
+        raise before the first chunk. The first chunk carries the role and ``kiln``; the last
+        one ``finish_reason`` and ``usage``.
+        """
+        plan = self._plan(request)
+        return self._chunks(plan, _completion_id(), int(time.time()))
+
+    def _chunks(self, plan: _Plan, completion_id: str, created: int) -> Iterator[dict[str, Any]]:
+        def chunk(delta: dict[str, str], finish_reason: str | None = None, **extra: Any) -> dict[str, Any]:
+            body = {
+                "id": completion_id,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": plan.model,
+                "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason}],
+                **extra,
+            }
+            return _checked("ChatCompletionChunk", body)
+
+        yield chunk({"role": "assistant", "content": ""}, kiln=_weights(plan.adapter))
+        outcome = _Outcome()
+        for delta in self._deltas(plan, outcome):
+            yield chunk({"content": delta})
+        yield chunk({}, outcome.finish_reason, usage=_usage(plan, outcome))
+
+    # --- canary -------------------------------------------------------------------------
+
+    def run_canary(self, name: str) -> dict[str, Any]:
+        """Run the serving canary of ``name``, write ``adapter_canary_status.json``, return it."""
+        adapter = self._read_adapter(name, allow_quarantined=True)
+        prompt = self._encode_prompt(list(CANARY_MESSAGES))
+        checks: list[dict[str, Any]] = []
+        warnings: list[str] = []
+
+        def record(check: str, failure: str | None) -> bool:
+            checks.append(
+                {"name": check, "passed": True}
+                if failure is None
+                else {"name": check, "passed": False, "failure_reason": failure}
+            )
+            return failure is None
+
+        if record("finite_logits", self._finite_logits_failure(adapter, prompt)):
+            base_ids, base_s = self._timed_greedy(None, prompt)
+            adapter_ids, adapter_s = self._timed_greedy(adapter, prompt)
+            if adapter_ids is None:
+                empty = "greedy generation produced non-finite logits"
+            else:
+                adapter_text = self._decode(_until_stop(adapter_ids, self._stop_ids))
+                empty = (
+                    None
+                    if adapter_text.strip()
+                    else f"greedy output ({CANARY_MAX_TOKENS} tokens at most) is empty after stripping: {adapter_text!r}"
+                )
+                if base_ids is not None and adapter_text == self._decode(_until_stop(base_ids, self._stop_ids)):
+                    warnings.append(
+                        f"greedy output with the adapter is identical to the base model's: {adapter_text!r}"
+                    )
+            if record("non_empty_output", empty):
+                bound = LATENCY_FACTOR * base_s + LATENCY_SLACK_S
+                slow = None
+                if adapter_s > bound:
+                    slow = f"{CANARY_MAX_TOKENS} tokens took {adapter_s:.3f} s with the adapter, over the bound {bound:.3f} s ({LATENCY_FACTOR:g} x base {base_s:.3f} s + {LATENCY_SLACK_S:g} s)"
+                record("bounded_latency", slow)
+        failed = [check for check in checks if not check["passed"]]
+        status = {
+            "schema_version": 1,
+            "receipt_type": "kiln_adapter_canary_status",
+            "adapter_name": name,
+            "checked_at": datetime.now(UTC).isoformat(timespec="seconds").replace("+00:00", "Z"),
+            "adapter_model_sha256": adapter.weights_sha256,
+            "status": "quarantined" if failed else "passed",
+            "failure_reason": f"{failed[0]['name']}: {failed[0]['failure_reason']}" if failed else None,
+            "warnings": warnings,
+            "checks": checks,
+        }
+        write_adapter_canary_status(self._registry / name / CANARY_FILE, status)
+        return status
+
+    def _finite_logits_failure(self, adapter: _Adapter, prompt: list[int]) -> str | None:
+        import torch
+
+        with self.lock, torch.inference_mode(), self._applied(adapter):
+            logits = self._model(input_ids=torch.tensor([prompt], device=self._device)).logits
+        bad = int((~torch.isfinite(logits)).sum())
+        return f"{bad} of {logits.numel()} logits of the canary prompt are not finite" if bad else None
+
+    def _timed_greedy(self, adapter: _Adapter | None, prompt: list[int]) -> tuple[list[int] | None, float]:
+        """CANARY_MAX_TOKENS greedy tokens, stop tokens ignored so both timings cover equal work (None: non-finite)."""
+        started = time.perf_counter()
+        try:
+            ids: list[int] | None = list(self._tokens(adapter, prompt, CANARY_MAX_TOKENS, 0.0, 1.0, 0, stop=False))
+        except _NonFiniteLogitsError:
+            ids = None
+        return ids, time.perf_counter() - started
+
+    # --- admission ----------------------------------------------------------------------
+
+    def _plan(self, request: dict[str, Any]) -> _Plan:
+        found = contracts.problems(REQUEST, request)
+        if found:
+            raise ContractError(found, document=REQUEST)
+        if "adapter" in request and request.get("base_model") is True:
+            raise ContractError(
+                [
+                    Problem(
+                        "inconsistent_fields",
+                        "/adapter",
+                        "`adapter` and `base_model: true` cannot be combined: choose one set of weights",
+                    )
+                ],
+                document=REQUEST,
+            )
+        if "adapter" in request:
+            current = self._active
+            name = request["adapter"]
+            adapter = current if current is not None and current.name == name else self._read_adapter(name)
+        elif request.get("base_model") is True:
+            adapter = None
+        else:
+            adapter = self._active
+        prompt = self._encode_prompt(request["messages"])
+        room = self._max_positions - len(prompt)
+        if room < 1:
+            raise ContractError(
+                [
+                    Problem(
+                        "out_of_range",
+                        "/messages",
+                        f"the prompt is {len(prompt)} tokens and the model's context is {self._max_positions}: no room to generate; shorten the conversation",
+                    )
+                ],
+                document=REQUEST,
+            )
+        return _Plan(
+            prompt_ids=prompt,
+            max_new=min(int(request.get("max_tokens", DEFAULT_MAX_TOKENS)), room),
+            temperature=float(request.get("temperature", 0)),
+            top_p=float(request.get("top_p", 1)),
+            seed=int(request.get("seed", 0)),
+            adapter=adapter,
+            model=request.get("model") or self._model_name,
+        )
+
+    def _encode_prompt(self, messages: list[dict[str, Any]]) -> list[int]:
+        """Chat-template render with a generation prompt; message text spelling a special token stays text."""
+        full = self._render(messages)
+        slots: list[str] = []
+        base = "kilnslot"
+        while base in full:
+            base += "x"
+        swapped = []
+        for message in messages:
+            content = message["content"]
+            if any(special in content for special in self._specials):
+                slots.append(content)
+                content = f"{base}{len(slots) - 1}q"
+            swapped.append({**message, "content": content})
+        data: list[tuple[int, int]] = []
+        if slots:
+            spans = _match_skeleton(re.split(re.escape(base) + r"(\d+)q", self._render(swapped)), slots, full)
+            if spans is None:
+                raise ContractError(
+                    [
+                        Problem(
+                            "schema_violation",
+                            "/messages",
+                            "message text spells a special token and the chat template does not insert it verbatim, so it cannot be kept apart from the template's own delimiters",
+                        )
+                    ],
+                    document=REQUEST,
+                )
+            data = [span for span in spans if span[0] < span[1]]
+        cuts = sorted({0, len(full), *(p for span in data for p in span)})
+        pieces = [(full[a:b], any(s <= a and b <= e for s, e in data)) for a, b in itertools.pairwise(cuts) if a < b]
+        ids: list[int] = []
+        for text, is_data in pieces:
+            ids.extend(
+                int(i)
+                for i in self._tokenizer(text, add_special_tokens=False, split_special_tokens=is_data)["input_ids"]
+            )
+        if not ids:
+            raise ContractError(
+                [Problem("schema_violation", "/messages", "the rendered prompt is empty")], document=REQUEST
+            )
+        return ids
+
+    def _render(self, messages: list[dict[str, Any]]) -> str:
+        try:
+            text = self._tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except _template_errors() as exc:
+            raise ContractError(
+                [Problem("schema_violation", "/messages", f"the chat template rejected the conversation: {exc}")],
+                document=REQUEST,
+            ) from None
+        if not isinstance(text, str):
+            raise InternalError("the chat template did not render text")
+        return text
+
+    # --- decoding -----------------------------------------------------------------------
+
+    def _deltas(self, plan: _Plan, outcome: _Outcome) -> Iterator[str]:
+        """The incremental text of one completion; fills ``outcome`` as it goes."""
+        detok = _Detokenizer(self._decode)
+        try:
+            for token in self._tokens(
+                plan.adapter, plan.prompt_ids, plan.max_new, plan.temperature, plan.top_p, plan.seed
+            ):
+                outcome.completion_tokens += 1
+                if token in self._stop_ids:
+                    outcome.finish_reason = "stop"
+                    break
+                delta = detok.push(token)
+                if delta:
+                    yield delta
+        except _NonFiniteLogitsError:
+            if plan.adapter is None:
+                raise InternalError("the base model produced non-finite logits") from None
+            raise AdapterError(
+                f"adapter {plan.adapter.name!r} produced non-finite logits",
+                hint=f"run its canary; a quarantined adapter is only served with allow_quarantined ({plan.adapter.name})",
+            ) from None
+        tail = detok.flush()
+        if tail:
+            yield tail
+
+    def _tokens(
+        self,
+        adapter: _Adapter | None,
+        prompt: list[int],
+        max_new: int,
+        temperature: float,
+        top_p: float,
+        seed: int,
+        *,
+        stop: bool = True,
+    ) -> Iterator[int]:
+        """Sampled token ids with a KV cache; the lock is held per forward pass, never across a yield."""
+        import torch
+
+        generator = torch.Generator(device=self._device)
+        generator.manual_seed(seed)
+        extra = {"logits_to_keep": 1} if self._keep_last else {}
+        cache = None
+        step_ids = torch.tensor([prompt], device=self._device)
+        for _ in range(max_new):
+            with self.lock, torch.inference_mode(), self._applied(adapter):
+                out = self._model(input_ids=step_ids, past_key_values=cache, use_cache=True, **extra)
+                cache = out.past_key_values
+                logits = out.logits[0, -1].float()
+                if not bool(torch.isfinite(logits).all()):
+                    raise _NonFiniteLogitsError
+                token = _pick(logits, temperature, top_p, generator)
+            yield token
+            if stop and token in self._stop_ids:
+                return
+            step_ids = torch.tensor([[token]], device=self._device)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    @contextmanager
+    def _applied(self, adapter: _Adapter | None) -> Iterator[None]:
+        """Hook ``adapter`` onto its target modules for one forward pass (callers hold the lock)."""
+        if adapter is None:
+            yield
+            return
+        handles = [layer.module.register_forward_hook(_lora_hook(layer), with_kwargs=True) for layer in adapter.layers]
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    # --- reading adapters ---------------------------------------------------------------
+
+    def _read_adapter(self, name: str, *, allow_quarantined: bool = False) -> _Adapter:
+        """Read, verify and materialise a registry adapter (see the module docstring for the order)."""
+        directory = self._registry / name
+        unsafe = not name or name.startswith(".") or "/" in name or "\\" in name or ".." in name
+        if unsafe or name.endswith(CHECKPOINT_SUFFIX) or directory.is_symlink() or not directory.is_dir():
+            raise NotFoundError(
+                f"no adapter {name!r} in the registry {self._registry}",
+                code="adapter_not_found",
+                hint="GET /v1/adapters lists the installed adapters",
+            )
+        manifest_bytes = _read_file(directory, MANIFEST_FILE, MAX_DOCUMENT_BYTES)
+        try:
+            load_adapter_manifest(manifest_bytes)  # strict: schema, semantic rules, embedded records
+        except KilnError as exc:
+            raise AdapterError(f"adapter {name!r}: {MANIFEST_FILE} is invalid: {exc.message}") from None
+        manifest = parse_json(manifest_bytes, source=MANIFEST_FILE)
+        files = manifest["files"]
+        for role, expected in (("adapter_model", WEIGHTS_FILE), ("adapter_config", CONFIG_FILE)):
+            if files[role] != expected:
+                raise AdapterError(
+                    f"adapter {name!r}: {MANIFEST_FILE} files.{role} is {files[role]!r}, not {expected!r}"
+                )
+        config_bytes = _read_file(directory, CONFIG_FILE, MAX_DOCUMENT_BYTES)
+        weights_bytes = _read_file(directory, WEIGHTS_FILE, None)
+        bound = [
+            (WEIGHTS_FILE, weights_bytes, manifest["safetensors_hash"]),
+            (CONFIG_FILE, config_bytes, manifest["config_hash"]),
+        ]
+        if files["train_receipt"] is not None:
+            receipt = _read_file(directory, files["train_receipt"], MAX_DOCUMENT_BYTES)
+            bound.append((files["train_receipt"], receipt, manifest["receipt_hash"]))
+        for file_name, data, recorded in bound:  # manifest.file-hashes
+            actual = prefixed(hashlib.sha256(data).hexdigest())
+            if actual != recorded:
+                raise AdapterError(
+                    f"adapter {name!r}: {file_name} hashes to {actual} but {MANIFEST_FILE} records {recorded}",
+                    hint="the files changed after publication; restore the adapter or retrain it",
+                )
+        if not allow_quarantined and (directory / CANARY_FILE).exists():
+            canary = _read_canary(directory / CANARY_FILE)
+            if canary["status"] == "quarantined":
+                raise AdapterError(
+                    f"adapter {name!r} is quarantined by its serving canary: {canary['failure_reason']}",
+                    hint="load it explicitly with allow_quarantined: true to serve it anyway",
+                )
+        layers = self._lora_layers(name, config_bytes, weights_bytes)
+        return _Adapter(
+            name=name,
+            content_revision=content_revision(config_bytes, weights_bytes),
+            manifest_sha256=prefixed(hashlib.sha256(manifest_bytes).hexdigest()),
+            weights_sha256=prefixed(hashlib.sha256(weights_bytes).hexdigest()),
+            layers=layers,
+        )
+
+    def _lora_layers(self, name: str, config_bytes: bytes, weights_bytes: bytes) -> tuple[_Lora, ...]:
+        import torch
+        from safetensors import SafetensorError
+        from safetensors.torch import load as load_tensors
+
+        def invalid(why: str) -> AdapterError:
+            return AdapterError(f"adapter {name!r}: {why}")
+
+        try:
+            config = parse_json(config_bytes, source=CONFIG_FILE)
+        except KilnError as exc:
+            raise invalid(f"{CONFIG_FILE} does not parse: {exc.message}") from None
+        if not isinstance(config, dict):
+            raise invalid(f"{CONFIG_FILE} is not a JSON object")
+        if config.get("peft_type", "LORA") != "LORA":
+            raise invalid(f"{CONFIG_FILE} peft_type is {config.get('peft_type')!r}; only LORA adapters are served")
+        used = [key for key in UNSUPPORTED_CONFIG if config.get(key)]
+        if used:
+            raise invalid(f"{CONFIG_FILE} uses {', '.join(used)}, which the Kiln server does not apply")
+        rank, alpha = config.get("r"), config.get("lora_alpha")
+        if not (isinstance(rank, int) and not isinstance(rank, bool) and rank > 0):
+            raise invalid(f"{CONFIG_FILE} r is {rank!r}, not a positive integer")
+        if not (
+            isinstance(alpha, int | float)
+            and not isinstance(alpha, bool)
+            and alpha == alpha
+            and abs(alpha) != float("inf")
+        ):
+            raise invalid(f"{CONFIG_FILE} lora_alpha is {alpha!r}, not a finite number")
+        rank_pattern = config.get("rank_pattern") or {}
+        targets = config.get("target_modules")
+        if isinstance(targets, str):
+            targeted = lambda path: re.fullmatch(targets, path) is not None  # noqa: E731 - PEFT's regex form
+        elif isinstance(targets, list) and targets and all(isinstance(t, str) for t in targets):
+            targeted = lambda path: any(path == t or path.endswith("." + t) for t in targets)  # noqa: E731
+        else:
+            raise invalid(f"{CONFIG_FILE} target_modules is {targets!r}, not a list of module names")
+        try:
+            tensors = load_tensors(weights_bytes)
+        except (SafetensorError, ValueError, RuntimeError) as exc:
+            raise invalid(f"{WEIGHTS_FILE} is not a readable safetensors file: {exc}") from None
+        pairs: dict[str, dict[str, Any]] = {}
+        for key, tensor in tensors.items():
+            match = _KEY.match(key)
+            if match is None:
+                raise invalid(f"{WEIGHTS_FILE} holds {key!r}, which is not a LoRA A/B weight of a linear layer")
+            pairs.setdefault(match["path"], {})[match["ab"]] = tensor
+        if not pairs:
+            raise invalid(f"{WEIGHTS_FILE} holds no tensors")
+        layers = []
+        for path, pair in sorted(pairs.items()):
+            if set(pair) != {"A", "B"}:
+                raise invalid(f"{WEIGHTS_FILE} has lora_{next(iter(pair))} of {path} without its partner")
+            if not targeted(path):
+                raise invalid(f"{WEIGHTS_FILE} adapts {path}, which is not among target_modules {targets!r}")
+            try:
+                module = self._model.get_submodule(path)
+            except AttributeError:
+                raise invalid(
+                    f"the served model has no module {path}; was the adapter trained on another base model?"
+                ) from None
+            if not isinstance(module, torch.nn.Linear):
+                raise invalid(f"{path} is a {type(module).__name__}, not a linear layer")
+            a, b = pair["A"], pair["B"]
+            r = a.shape[0] if a.dim() == 2 else -1
+            expected_a, expected_b = (r, module.in_features), (module.out_features, r)
+            if a.dim() != 2 or b.dim() != 2 or tuple(a.shape) != expected_a or tuple(b.shape) != expected_b:
+                raise invalid(
+                    f"{path}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} do not fit a {module.in_features}->{module.out_features} linear layer"
+                )
+            if not rank_pattern and r != rank:
+                raise invalid(f"{path}: LoRA rank {r} differs from r = {rank} in {CONFIG_FILE}")
+            scale = float(alpha) / (r**0.5 if config.get("use_rslora") else r)
+            layers.append(_Lora(module, a.float().to(self._device), b.float().to(self._device), scale))
+        return tuple(layers)
+
+
+# --- helpers ------------------------------------------------------------------------------
+
+
+class _Detokenizer:
+    """Incremental decoding over a sliding window; text ending in an incomplete UTF-8 sequence waits."""
+
+    def __init__(self, decode: Any):
+        self._decode = decode
+        self._ids: list[int] = []
+        self._prefix = 0
+        self._read = 0
+
+    def push(self, token: int) -> str:
+        self._ids.append(token)
+        return self._step(final=False)
+
+    def flush(self) -> str:
+        return self._step(final=True)
+
+    def _step(self, *, final: bool) -> str:
+        before = self._decode(self._ids[self._prefix : self._read])
+        text = self._decode(self._ids[self._prefix :])
+        if len(text) > len(before) and (final or not text.endswith("\ufffd")):
+            self._prefix, self._read = self._read, len(self._ids)
+            return text[len(before) :]
+        return ""
+
+
+def _lora_hook(layer: _Lora) -> Any:
+    from torch.nn.functional import linear
+
+    def hook(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
+        if module is not layer.module:  # a deep copy of the model: never adapt it
+            return None
+        x = (args[0] if args else kwargs["input"]).to(layer.a.dtype)
+        return (output + linear(linear(x, layer.a), layer.b) * layer.scale).to(output.dtype)  # as peft's lora.Linear
+
+    return hook
+
+
+def _pick(logits: Any, temperature: float, top_p: float, generator: Any) -> int:
+    import torch
+
+    if temperature == 0:
+        return int(torch.argmax(logits))
+    probs = torch.softmax(logits / temperature, dim=-1)
+    if top_p < 1:
+        ordered, order = torch.sort(probs, descending=True, stable=True)
+        keep = (torch.cumsum(ordered, dim=-1) - ordered) < top_p  # always keeps the most likely token
+        probs = torch.zeros_like(probs).scatter(0, order, ordered * keep)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def _until_stop(ids: list[int], stop_ids: frozenset[int]) -> list[int]:
+    for i, token in enumerate(ids):
+        if token in stop_ids:
+            return ids[:i]
+    return ids
+
+
+def _special_tokens(tokenizer: Any) -> tuple[str, ...]:
+    specials = {str(t) for t in getattr(tokenizer, "all_special_tokens", ())}
+    for token in getattr(tokenizer, "added_tokens_decoder", {}).values():
+        if getattr(token, "special", False):
+            specials.add(str(token.content))
+    return tuple(sorted(s for s in specials if s))
+
+
+def _stop_ids(model: Any, tokenizer: Any, specials: tuple[str, ...]) -> frozenset[int]:
+    found: set[int] = set()
+    for value in (
+        getattr(tokenizer, "eos_token_id", None),
+        getattr(getattr(model, "generation_config", None), "eos_token_id", None),
+        getattr(model.config, "eos_token_id", None),
+    ):
+        for item in value if isinstance(value, list | tuple) else [value]:
+            if isinstance(item, int) and not isinstance(item, bool):
+                found.add(item)
+    for token in END_OF_TURN_TOKENS:
+        if token in specials:
+            token_id = tokenizer.convert_tokens_to_ids(token)
+            if isinstance(token_id, int) and token_id >= 0:
+                found.add(token_id)
+    if not found:
+        raise InternalError("the served model's tokenizer declares no end-of-sequence token")
+    return frozenset(found)
+
+
+def _max_positions(model: Any, tokenizer: Any) -> int:
+    config = model.config
+    for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        value = getattr(config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    value = getattr(tokenizer, "model_max_length", None)
+    if isinstance(value, int) and 0 < value < 10**7:
+        return value
+    raise InternalError("the served model declares no context length (max_position_embeddings)")
+
+
+def _read_file(directory: Path, file_name: str, limit: int | None) -> bytes:
+    path = directory / file_name
+    if path.is_symlink() or not path.is_file():
+        raise AdapterError(f"adapter {directory.name!r}: {file_name} is missing (or not a regular file) in {directory}")
+    try:
+        with open(path, "rb") as fh:
+            data = fh.read() if limit is None else fh.read(limit + 1)
+    except OSError as exc:
+        raise AdapterError(f"adapter {directory.name!r}: cannot read {file_name}: {exc.strerror or exc}") from None
+    if limit is not None and len(data) > limit:
+        raise AdapterError(f"adapter {directory.name!r}: {file_name} is larger than {limit} bytes")
+    return data
+
+
+def _weights(adapter: _Adapter | None) -> dict[str, str | None]:
+    if adapter is None:
+        return {"adapter": None, "adapter_manifest_sha256": None}
+    return {"adapter": adapter.name, "adapter_manifest_sha256": adapter.manifest_sha256}
+
+
+def _usage(plan: _Plan, outcome: _Outcome) -> dict[str, int]:
+    prompt = len(plan.prompt_ids)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": outcome.completion_tokens,
+        "total_tokens": prompt + outcome.completion_tokens,
+    }
+
+
+def _completion_id() -> str:
+    return "chatcmpl-" + secrets.token_hex(12)
+
+
+def _checked(doc_type: str, value: dict[str, Any]) -> dict[str, Any]:
+    """``value`` after validating it as ``doc_type``: the engine never returns a document that breaks its schema."""
+    found = contracts.problems(doc_type, value)
+    if found:
+        raise InternalError(f"the generation engine built an invalid {doc_type}: {found[0]}")
+    return value
