@@ -64,9 +64,26 @@ def build_openapi(definitions: dict[str, Any], routes: list[dict[str, Any]], ver
                 entry["content"] = {route["media_type"]: {"schema": {"type": "string"}}}
             if status.startswith("2") and route.get("stream_response"):
                 # server-sent events: each `data:` line carries one JSON object of this definition
+                # (the schema describes one event, as OpenAPI 3.2's itemSchema does; `data: [DONE]` ends the stream)
+                chunk = {"$ref": "#/components/schemas/" + _body_name(route["stream_response"])}
                 entry["content"]["text/event-stream"] = {
-                    "schema": {"type": "string"},
-                    "x-kiln-event-schema": {"$ref": "#/components/schemas/" + _body_name(route["stream_response"])},
+                    "schema": {
+                        "anyOf": [
+                            {"type": "object", "required": ["data"], "properties": {"data": {"const": "[DONE]"}}},
+                            {
+                                "type": "object",
+                                "required": ["data"],
+                                "properties": {
+                                    "event": {"type": "string"},
+                                    "data": {
+                                        "type": "string",
+                                        "contentMediaType": "application/json",
+                                        "contentSchema": chunk,
+                                    },
+                                },
+                            },
+                        ]
+                    }
                 }
             responses[status] = entry
         for status, text in ERROR_STATUSES.items():

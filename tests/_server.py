@@ -80,14 +80,16 @@ class ServerProcess:
             self._reap()
 
     def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
                 self.proc.wait(60)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(30)
-            self._reap()
+        self._reap()
 
     def __enter__(self) -> ServerProcess:
         return self.start()
