@@ -11,7 +11,9 @@ schemas.
 from __future__ import annotations
 
 import concurrent.futures
+import http.server
 import json
+import threading
 
 import pytest
 from _server import ServerProcess, wait_for
@@ -191,3 +193,47 @@ def test_concurrent_clients_respect_the_queue_bound_and_lose_nothing(tmp_path, t
         http.delete(f"/v1/train/queue/{blocker}")
         for job_id in accepted:
             assert _finished(http, job_id)["state"] == "completed"
+
+
+def test_api_key_body_bound_and_terminal_webhook(tmp_path, tiny_model_dir):
+    received: list[dict] = []
+
+    class Hook(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            received.append(json.loads(self.rfile.read(int(self.headers["content-length"]))))
+            self.send_response(204)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    hook = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Hook)
+    threading.Thread(target=hook.serve_forever, daemon=True).start()
+    env = {
+        "KILN_API_KEY": "k-123",
+        "KILN_SERVER_MAX_REQUEST_BYTES": "2048",
+        "KILN_TRAINING_WEBHOOK_URL": f"http://127.0.0.1:{hook.server_address[1]}/done",
+    }
+    try:
+        with ServerProcess(tmp_path / "home", tiny_model_dir, env=env) as proc:
+            with proc.client() as anonymous:
+                assert anonymous.get("/health").status_code == 200  # open: load balancers probe it
+                refused = anonymous.get("/v1/train/status")
+                assert refused.status_code == 401
+                assert refused.json()["error"]["code"] == "unauthorized"
+                assert anonymous.get("/v1/train/status", headers={"Authorization": "Bearer wrong"}).status_code == 401
+            with proc.client(headers={"Authorization": "Bearer k-123"}) as http_:
+                big = {"examples": ROWS * 40, "config": {"epochs": 1}}
+                too_large = http_.post("/v1/train/sft", json=big)
+                assert too_large.status_code == 413
+                assert too_large.json()["error"]["code"] == "payload_too_large"
+                job = _submit(http_, {"epochs": 1, "seed": 2, "output_name": "hooked", "auto_load": False}, ROWS[:1])
+                assert _finished(http_, job["job_id"])["state"] == "completed"
+                wait_for(lambda: received)
+                assert received[0]["event"] == "training_job.terminal"
+                assert _valid("TrainingStatus", received[0]["job"])["job_id"] == job["job_id"]
+                config = http_.get("/v1/config").json()
+                assert config["effective_config"]["server"]["api_key"] == "<redacted-present>"
+    finally:
+        hook.shutdown()
+        hook.server_close()
