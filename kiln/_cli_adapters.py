@@ -1,29 +1,56 @@
-"""``kiln adapters list|restore|verify|delete``: adapters as content-bound file sets (local)."""
+"""``kiln adapters list|load|unload|delete|restore|verify``: adapters as content-bound file sets.
+
+``list``, ``load``, ``unload`` and ``delete`` talk to the server (``--url``); ``list`` and ``delete``
+read and prune the registry on this machine instead with ``--local`` (implied by ``--adapter-dir``,
+and for ``delete`` by ``--dry-run``). ``restore`` and ``verify`` are local; ``verify --url`` adds the
+server checks.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
 
+from kiln._cli_client import add_client_options, body, print_json, run, server_url
 from kiln.errors import KilnError
 
 
 def add_adapters_parser(sub: Any) -> None:
     ad = sub.add_parser(
         "adapters",
-        help="list, restore, verify and delete adapters in the registry",
+        help="list, load, unload, delete, restore and verify adapters",
         description="Adapters are directories of the adapter registry: adapter_config.json and "
-        "adapter_model.safetensors, with train_receipt.json and adapter_manifest.json when Kiln trained them.",
+        "adapter_model.safetensors, with train_receipt.json and adapter_manifest.json when Kiln trained them. "
+        "list, load, unload and delete talk to the server (--url); --local lists or deletes in the registry "
+        "on this machine.",
     )
     verbs = ad.add_subparsers(dest="adapters_verb", metavar="VERB")
 
     p = verbs.add_parser("list", help="every adapter directory with its config facts, manifest and status")
-    p.add_argument("--adapter-dir", help="adapter registry directory (default: $KILN_HOME/adapters)")
-    p.add_argument("--json", action="store_true", help="print the GET /v1/adapters body")
+    p.add_argument("--local", action="store_true", help="list the registry on this machine instead of the server's")
+    p.add_argument("--adapter-dir", help="registry directory to list locally (implies --local)")
+    add_client_options(p, json_help="print the GET /v1/adapters body")
     p.set_defaults(func=cmd_list)
+
+    p = verbs.add_parser(
+        "load",
+        help="serve an adapter on the server (it becomes the active adapter)",
+        description="The server reads the adapter once, checks its manifest hashes, config and tensors (and its "
+        "canary) and makes it the adapter chat completions use by default.",
+    )
+    p.add_argument("name", help="adapter name in the server's registry")
+    p.add_argument("--allow-quarantined", action="store_true", help="load even though its canary quarantined it")
+    p.add_argument("--reload", action="store_true", help="re-read the files even if this adapter is already loaded")
+    add_client_options(p, json_help="print the server's LoadAdapterResponse")
+    p.set_defaults(func=cmd_load)
+
+    p = verbs.add_parser("unload", help="serve the base model again")
+    add_client_options(p, json_help="print the server's UnloadAdapterResponse")
+    p.set_defaults(func=cmd_unload)
 
     p = verbs.add_parser(
         "restore",
@@ -50,7 +77,12 @@ def add_adapters_parser(sub: Any) -> None:
     )
     p.add_argument("adapter", help="adapter name in the registry, or a directory path")
     p.add_argument("--adapter-dir", help="adapter registry directory (default: $KILN_HOME/adapters)")
-    p.add_argument("--url", help="also check against a running Kiln server at this URL")
+    p.add_argument(
+        "--url",
+        help="also check against a running Kiln server at this URL: it serves the adapter for a completion, lists "
+        "it with the same manifest hashes, and generates with it and with the base model",
+    )
+    p.add_argument("--api-key", metavar="KEY", help="bearer key of that server (default: $KILN_API_KEY)")
     p.add_argument("--prompt", help="prompt for the server's base-versus-adapter generation check")
     p.add_argument("--json", action="store_true", help="print the JSON check receipt")
     p.set_defaults(func=cmd_verify)
@@ -58,11 +90,15 @@ def add_adapters_parser(sub: Any) -> None:
     p = verbs.add_parser(
         "delete",
         help="delete an adapter and every <name>-checkpoint-* directory beside it",
-        description="Removes the adapter directory and all of its exact-resume checkpoints. There is no undo.",
+        description="Removes the adapter directory and all of its exact-resume checkpoints. There is no undo. "
+        "The server refuses an adapter it serves or a job writes; --local deletes on this machine.",
     )
     p.add_argument("name", help="adapter name")
-    p.add_argument("--adapter-dir", help="adapter registry directory (default: $KILN_HOME/adapters)")
-    p.add_argument("--dry-run", action="store_true", help="print what would be removed, remove nothing")
+    p.add_argument("--yes", action="store_true", help="delete on the server without asking for confirmation")
+    p.add_argument("--local", action="store_true", help="delete in the registry on this machine")
+    p.add_argument("--adapter-dir", help="registry directory to delete in locally (implies --local)")
+    p.add_argument("--dry-run", action="store_true", help="print what would be removed locally (implies --local)")
+    add_client_options(p, json_help="print the server's DeleteAdapterResponse (locally: what was removed)")
     p.set_defaults(func=cmd_delete)
 
 
@@ -80,18 +116,26 @@ def _error(exc: KilnError) -> int:
 
 
 def cmd_list(args: argparse.Namespace) -> int:
+    if not (args.local or args.adapter_dir):
+        return run(args, lambda client: _print_listing(args, body(client.list_adapters())))
     from kiln.adapters import list_adapters
 
     try:
         listing = list_adapters(_registry(args))
     except KilnError as exc:
         return _error(exc)
+    return _print_listing(args, listing)
+
+
+def _print_listing(args: argparse.Namespace, listing: dict[str, Any]) -> int:
     if args.json:
         print(json.dumps(listing, indent=2, ensure_ascii=False))
         return 0
     if not listing["available"]:
         print(f"no adapters in {listing['adapter_dir']}")
         return 0
+    if listing["active_adapter"] is not None:
+        print(f"active: {listing['active_adapter']}")
     print(f"{'NAME':28} {'STATUS':12} {'RANK':>4} {'ALPHA':>6} {'SIZE':>10}  MANIFEST")
     for e in listing["available"]:
         rank = "-" if e["rank"] is None else str(e["rank"])
@@ -109,6 +153,31 @@ def cmd_list(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_load(args: argparse.Namespace) -> int:
+    def load(client: Any) -> int:
+        request = {"name": args.name, "allow_quarantined": args.allow_quarantined, "reload": args.reload}
+        answer = body(client.load_adapter(request))
+        if args.json:
+            print_json(answer)
+        else:
+            print(f"✓ loaded {answer['name']} (content revision {answer['content_revision'][:12]}…); now active")
+        return 0
+
+    return run(args, load)
+
+
+def cmd_unload(args: argparse.Namespace) -> int:
+    def unload(client: Any) -> int:
+        answer = body(client.unload_adapter())
+        if args.json:
+            print_json(answer)
+        else:
+            print("✓ unloaded: the server serves the base model")
+        return 0
+
+    return run(args, unload)
+
+
 def cmd_restore(args: argparse.Namespace) -> int:
     from kiln.adapters import restore_adapter
 
@@ -124,7 +193,13 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from kiln.adapters import verify_adapter
 
     try:
-        receipt = verify_adapter(args.adapter, _registry(args), url=args.url, prompt=args.prompt)
+        receipt = verify_adapter(
+            args.adapter,
+            _registry(args),
+            url=args.url,
+            prompt=args.prompt,
+            api_key=args.api_key or os.environ.get("KILN_API_KEY") or None,
+        )
     except KilnError as exc:
         return _error(exc)
     if args.json:
@@ -140,13 +215,46 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 0 if receipt["status"] == "ok" else 1
 
 
+def _confirmed(args: argparse.Namespace) -> bool:
+    if args.yes:
+        return True
+    if not sys.stdin.isatty():
+        print(
+            f"error: deleting {args.name!r} on {server_url(args)} removes it and all of its checkpoints; "
+            "pass --yes to confirm (there is no terminal to ask on)",
+            file=sys.stderr,
+        )
+        return False
+    answer = input(f"Delete adapter {args.name!r} and all of its checkpoints on {server_url(args)}? [y/N] ")
+    if answer.strip().lower() in ("y", "yes"):
+        return True
+    print("nothing deleted", file=sys.stderr)
+    return False
+
+
 def cmd_delete(args: argparse.Namespace) -> int:
+    if not (args.local or args.adapter_dir or args.dry_run):
+        if not _confirmed(args):
+            return 2
+
+        def delete(client: Any) -> int:
+            answer = body(client.delete_adapter(args.name))
+            if args.json:
+                print_json(answer)
+            else:
+                print(f"✓ deleted {answer['name']} and its checkpoints")
+            return 0
+
+        return run(args, delete)
     from kiln.adapters import delete_adapter
 
     try:
         removed = delete_adapter(_registry(args), args.name, dry_run=args.dry_run)
     except KilnError as exc:
         return _error(exc)
+    if args.json:
+        print(json.dumps({"name": args.name, "dry_run": args.dry_run, "removed": [str(p) for p in removed]}, indent=2))
+        return 0
     verb = "would remove" if args.dry_run else "removed"
     for path in removed:
         print(f"{verb} {path}")

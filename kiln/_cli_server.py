@@ -1,4 +1,4 @@
-"""``kiln serve``: the HTTP control plane."""
+"""``kiln serve`` (the HTTP control plane) and ``kiln health`` (asks a running one how it is)."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import argparse
 import sys
 from typing import Any
 
+from kiln._cli_client import add_client_options, api_error, body, connect, connection_error, print_json
 from kiln.errors import KilnError
 
 
@@ -25,6 +26,17 @@ def add_serve_parser(sub: Any) -> None:
     p.set_defaults(func=cmd_serve)
 
 
+def add_health_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "health",
+        help="ask a running server how it is: status, model, identities, queue, active adapter and job",
+        description="GET /health (no API key needed): one line per fact. Exit 0 when the server is ok, 1 when it "
+        "is degraded (the failing checks are listed) or cannot be reached.",
+    )
+    add_client_options(p, json_help="print the server's HealthResponse")
+    p.set_defaults(func=cmd_health)
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from kiln.server import serve
 
@@ -37,3 +49,57 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if exc.hint:
             print(f"hint: {exc.hint}", file=sys.stderr)
         return 1
+
+
+def cmd_health(args: argparse.Namespace) -> int:
+    from kiln_contracts.client import KilnApiError, KilnConnectionError
+
+    try:
+        with connect(args) as client:
+            health = body(client.get_health())
+    except KilnApiError as exc:
+        health = _degraded(exc)
+        if health is None:
+            return api_error(args, exc)
+    except KilnConnectionError as exc:
+        return connection_error(args, exc)
+    if args.json:
+        print_json(health)
+    else:
+        _print_health(health)
+    return 0 if health["status"] == "ok" else 1
+
+
+def _degraded(exc: Any) -> dict[str, Any] | None:
+    """A degraded server answers 503 with the HealthResponse itself (not an error envelope)."""
+    import json
+
+    from kiln import contracts
+
+    if exc.status_code != 503:
+        return None
+    try:
+        value = json.loads(exc.message)
+    except ValueError:
+        return None
+    return value if not contracts.problems("HealthResponse", value) else None
+
+
+def _print_health(health: dict[str, Any]) -> None:
+    execution, weights, training = health["execution_identity"], health["base_weight_identity"], health["training"]
+    failed = [check["name"] for check in health["checks"] if not check["pass"]]
+    print(f"status: {health['status']}" + (f" (failing: {', '.join(failed)})" if failed else ""))
+    print(f"model: {health['model']} ({health['model_source']})")
+    print(f"version: kiln {health['version']}")
+    print(f"execution identity: {execution['provenance_sha256'] if execution else 'not captured'}")
+    print(f"base weights: {weights['aggregate_sha256'] if weights else 'not identified'}")
+    print(f"queue: {training['queued']}/{training['queue_capacity']}")
+    print(f"active adapter: {health['active_adapter'] or 'none (base model)'}")
+    job = training["active_job"]
+    if job is None:
+        print("active job: none")
+    else:
+        print(
+            f"active job: {job['job_id']} ({job['job_type']}, adapter {job['adapter_name']}, "
+            f"{job['progress'] * 100:.0f}%" + (", cancelling)" if job["cancel_requested"] else ")")
+        )

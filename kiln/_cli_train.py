@@ -1,4 +1,10 @@
-"""``kiln train sft --local`` and ``kiln models create-tiny``: in-process commands (they import torch)."""
+"""``kiln train``: SFT, GRPO and OPD jobs on a server, job status and cancellation; ``kiln train sft --local``
+and ``kiln models create-tiny`` run in-process (they import torch).
+
+Without ``--local`` a training command builds the request from the file and the flags (the same
+flags build the same ``SftConfig`` as ``--local``), submits it with the generated SDK and prints
+the job id and effective seed; ``--wait`` then follows the job with a progress bar until it ends.
+"""
 
 from __future__ import annotations
 
@@ -12,16 +18,29 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kiln._cli_client import DEFAULT_URL, add_client_options, body, print_json, run, server_url
 from kiln.errors import KilnError, RequestError
+
+OPTIMIZERS = ("muon", "adam_w", "sgd")
+TERMINAL = ("completed", "failed")
+POLL_S = 0.5  # how often --wait asks for the job detail
+BAR_STEPS = 1000  # resolution of the --wait progress bar (the server reports a fraction)
 
 
 def add_train_parser(sub: Any) -> None:
-    train = sub.add_parser("train", help="train an adapter (SFT now; GRPO and OPD later)")
+    train = sub.add_parser(
+        "train",
+        help="train an adapter on a server (or in-process with --local); follow and cancel jobs",
+        description="Submit SFT, GRPO and OPD jobs to a running `kiln serve` (--url, default $KILN_URL, else "
+        f"{DEFAULT_URL}), list them and cancel them. `kiln train sft --local` trains in this process instead.",
+    )
     kinds = train.add_subparsers(dest="train_kind", metavar="KIND")
     p = kinds.add_parser(
         "sft",
         help="supervised fine-tuning on a file of conversations",
         description="Train a LoRA adapter on conversations ({'messages': [...]} per JSONL line, or a JSON array). "
+        "By default the job is submitted to the server: a .jsonl file is sent as its absolute dataset_path (the "
+        "server reads it, so it must see the same file system), any other file as inline examples. "
         "With --local the job runs in this process and writes the adapter, train_receipt.json and "
         "adapter_manifest.json into the adapter registry.",
     )
@@ -30,12 +49,14 @@ def add_train_parser(sub: Any) -> None:
     )
     p.add_argument("--adapter", required=True, help="output adapter name (path-safe)")
     p.add_argument("--local", action="store_true", help="run in-process instead of submitting to a server")
-    p.add_argument("--adapter-dir", help="adapter registry directory (default: $KILN_HOME/adapters)")
-    p.add_argument("--model", help="base model directory (default: KILN_MODEL_PATH, else the built-in tiny model)")
+    p.add_argument("--adapter-dir", help="--local: adapter registry directory (default: $KILN_HOME/adapters)")
+    p.add_argument(
+        "--model", help="--local: base model directory (default: KILN_MODEL_PATH, else the built-in tiny model)"
+    )
     p.add_argument("--epochs", type=int, default=1, help="passes over the data (default 1)")
     p.add_argument("--seed", help="effective seed (default: a fresh random 64-bit seed, printed)")
     p.add_argument("--lr", type=float, help="learning rate (default: muon 1e-3, adam_w/sgd 1e-4)")
-    p.add_argument("--optimizer", choices=("muon", "adam_w", "sgd"), default="muon")
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default="muon")
     p.add_argument("--lora-rank", type=int, default=16)
     p.add_argument("--lora-alpha", type=float, default=32.0)
     p.add_argument("--invalid-row-policy", choices=("fail", "skip"), default="fail")
@@ -44,7 +65,8 @@ def add_train_parser(sub: Any) -> None:
         type=int,
         metavar="N",
         help="publish an exact-resume checkpoint every N optimizer steps (default: training.checkpoint_interval "
-        "of kiln.toml or KILN_TRAINING_CHECKPOINT_INTERVAL, else none; Ctrl-C always publishes one at the next step)",
+        "of kiln.toml or KILN_TRAINING_CHECKPOINT_INTERVAL -- the server's, without --local -- else none; "
+        "Ctrl-C under --local always publishes one at the next step)",
     )
     p.add_argument(
         "--resume-checkpoint",
@@ -52,8 +74,87 @@ def add_train_parser(sub: Any) -> None:
         help="continue an interrupted run from this checkpoint (basename in the adapter registry, or an "
         "absolute path directly inside it); every other option must match the original run",
     )
-    p.add_argument("--json", action="store_true", help="print the result as JSON (no progress bar)")
+    _add_job_options(
+        p,
+        json_help="print the result as JSON: the server's TrainingResponse (the final "
+        "TrainingJobDetail with --wait), or the local result with --local; no progress bar",
+    )
     p.set_defaults(func=cmd_train_sft)
+
+    p = kinds.add_parser(
+        "grpo",
+        help="GRPO on a file of scored groups (server only)",
+        description="Submit a GRPO job: a .jsonl file is sent as its absolute dataset_path (the streamed route), "
+        "a .json file as the request object itself (or, for a bare array, as its groups). --adapter becomes "
+        "config.output_name; the other flags override the file's config.",
+    )
+    _add_kind_options(p)
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="validate the streamed file end to end without training (needs a .jsonl dataset_path)",
+    )
+    p.set_defaults(func=cmd_train_grpo)
+
+    p = kinds.add_parser(
+        "opd",
+        help="on-policy distillation from a registered teacher (server only)",
+        description="Submit an OPD job: a .json file holding the request object or a bare array of prompts "
+        "(sent as {'prompts': [...], 'teacher': ALIAS}); a .jsonl file is sent as its absolute dataset_path. "
+        "--adapter becomes config.output_name; the other flags override the file's config.",
+    )
+    _add_kind_options(p)
+    p.add_argument("--teacher", required=True, metavar="ALIAS", help="alias of a teacher registered on the server")
+    p.add_argument("--epochs", type=int, help="passes over the prompt x sample candidates")
+    p.set_defaults(func=cmd_train_opd)
+
+    p = kinds.add_parser(
+        "status",
+        help="all jobs as a table, or one job in detail",
+        description="Without --job-id: every job (id, type, state, progress, loss, adapter). With --job-id: its "
+        "state, progress, loss, seed, error and the checkpoint a failed run resumes from.",
+    )
+    p.add_argument("--job-id", metavar="ID", help="show this job in detail")
+    add_client_options(p, json_help="print the server's TrainingStatus list (TrainingJobDetail with --job-id)")
+    p.set_defaults(func=cmd_train_status)
+
+    p = kinds.add_parser(
+        "cancel",
+        help="cancel a queued job, or ask a running one to stop at its next step",
+        description="A queued job is removed at once; a running job finishes its step, publishes a checkpoint "
+        "and ends failed with reason cancelled (resume it with --resume-checkpoint).",
+    )
+    p.add_argument("--job-id", required=True, metavar="ID", help="the job to cancel")
+    add_client_options(p, json_help="print the server's CancelTrainingJobResponse")
+    p.set_defaults(func=cmd_train_cancel)
+
+
+def _add_job_options(p: argparse.ArgumentParser, *, json_help: str) -> None:
+    """What every submission shares: activation, following the job, and the client options."""
+    p.add_argument(
+        "--no-auto-load",
+        action="store_true",
+        help="do not make the adapter active on the server when the job succeeds (config.auto_load false)",
+    )
+    p.add_argument(
+        "--wait", action="store_true", help="follow the job until it ends; exit 0 if it completed, 1 if it failed"
+    )
+    add_client_options(p, json_help=json_help)
+
+
+def _add_kind_options(p: argparse.ArgumentParser) -> None:
+    """The options of ``kiln train grpo`` and ``kiln train opd`` (defaults are the server's)."""
+    p.add_argument("-f", "--file", required=True, help="a .jsonl file (sent as dataset_path) or a .json request")
+    p.add_argument("--adapter", required=True, help="output adapter name (path-safe): config.output_name")
+    p.add_argument("--local", action="store_true", help="run in-process (not available yet for this kind)")
+    p.add_argument("--seed", help="effective seed (default: a fresh random 64-bit seed, printed)")
+    p.add_argument("--lr", type=float, help="learning rate (default: the optimizer's)")
+    p.add_argument("--optimizer", choices=OPTIMIZERS)
+    p.add_argument("--lora-rank", type=int)
+    p.add_argument("--lora-alpha", type=float)
+    p.add_argument("--checkpoint-interval", type=int, metavar="N", help="publish a checkpoint every N steps")
+    p.add_argument("--resume-checkpoint", metavar="BASENAME", help="continue from this checkpoint")
+    _add_job_options(p, json_help="print the server's TrainingResponse (the final TrainingJobDetail with --wait)")
 
 
 def add_models_parser(sub: Any) -> None:
@@ -95,12 +196,13 @@ def _default_interval(value: Any) -> int | None:
     return interval
 
 
-def _resume_command(args: argparse.Namespace, checkpoint: str, interval: int | None) -> str:
+def _resume_command(args: argparse.Namespace, checkpoint: str, interval: int | None, *, local: bool = True) -> str:
     """The command that continues this run from ``checkpoint`` (same options, no seed: the checkpoint has it)."""
-    argv = ["kiln", "train", "sft", "--local", "-f", str(Path(args.file).resolve()), "--adapter", args.adapter]
+    argv = ["kiln", "train", "sft", *(["--local"] if local else [])]
+    argv += ["-f", str(Path(args.file).resolve()), "--adapter", args.adapter]
+    where = (("--adapter-dir", args.adapter_dir), ("--model", args.model)) if local else (("--url", args.url),)
     for flag, value in (
-        ("--adapter-dir", args.adapter_dir),
-        ("--model", args.model),
+        *where,
         ("--epochs", args.epochs),
         ("--lr", args.lr),
         ("--optimizer", args.optimizer),
@@ -111,6 +213,8 @@ def _resume_command(args: argparse.Namespace, checkpoint: str, interval: int | N
     ):
         if value is not None:
             argv += [flag, str(value)]
+    if not local and args.no_auto_load:
+        argv.append("--no-auto-load")
     return shlex.join([*argv, "--resume-checkpoint", checkpoint])
 
 
@@ -158,10 +262,41 @@ def _read_examples(path: Path) -> tuple[list[Any] | None, str | None]:
     return value, None
 
 
+def _config(args: argparse.Namespace, kind: str) -> dict[str, Any]:
+    """The training config the flags describe: every SFT flag (with its default), only the given ones otherwise."""
+    config: dict[str, Any] = {}
+    if kind == "sft":
+        config.update(
+            epochs=args.epochs,
+            lora_rank=args.lora_rank,
+            lora_alpha=args.lora_alpha,
+            invalid_row_policy=args.invalid_row_policy,
+            optimizer={"kind": args.optimizer},
+        )
+    else:
+        for key, value in (
+            ("epochs", getattr(args, "epochs", None)),
+            ("lora_rank", args.lora_rank),
+            ("lora_alpha", args.lora_alpha),
+        ):
+            if value is not None:
+                config[key] = value
+        if args.optimizer is not None:
+            config["optimizer"] = {"kind": args.optimizer}
+    for key, value in (
+        ("seed", args.seed),
+        ("learning_rate", args.lr),
+        ("checkpoint_interval", args.checkpoint_interval),
+        ("resume_checkpoint", args.resume_checkpoint),
+    ):
+        if value is not None:
+            config[key] = value
+    return config
+
+
 def cmd_train_sft(args: argparse.Namespace) -> int:
     if not args.local:
-        print("error: submitting to a server is not available yet; run with --local", file=sys.stderr)
-        return 2
+        return _submit(args, "sft")
     from kiln.config import config_value, configured_registry, load_config
     from kiln.trainers.sft import admit_sft, run_sft
 
@@ -169,21 +304,7 @@ def cmd_train_sft(args: argparse.Namespace) -> int:
     if not path.is_file():
         print(f"error: {path} is not a file", file=sys.stderr)
         return 2
-    config: dict[str, Any] = {
-        "epochs": args.epochs,
-        "lora_rank": args.lora_rank,
-        "lora_alpha": args.lora_alpha,
-        "invalid_row_policy": args.invalid_row_policy,
-        "optimizer": {"kind": args.optimizer},
-    }
-    if args.seed is not None:
-        config["seed"] = args.seed
-    if args.lr is not None:
-        config["learning_rate"] = args.lr
-    if args.checkpoint_interval is not None:
-        config["checkpoint_interval"] = args.checkpoint_interval
-    if args.resume_checkpoint is not None:
-        config["resume_checkpoint"] = args.resume_checkpoint
+    config = _config(args, "sft")
     try:
         settings = load_config()
         if "checkpoint_interval" not in config:
@@ -282,6 +403,234 @@ def cmd_train_sft(args: argparse.Namespace) -> int:
     if result.cancelled:
         return 128 + (cancellation.signum or signal.SIGINT)
     return 0 if result.status == "success" else 1
+
+
+# --- over HTTP ------------------------------------------------------------------------------------------
+
+
+def _read_request(path: Path, list_key: str) -> dict[str, Any]:
+    """A .json file holding a request object, or a bare array sent under ``list_key``."""
+    from kiln._jsonio import read_json_file
+
+    value = read_json_file(path)
+    if isinstance(value, list):
+        return {list_key: value}
+    if not isinstance(value, dict):
+        raise ValueError(f"{path} must hold a JSON request object or an array of {list_key} (or use a .jsonl file)")
+    return dict(value)
+
+
+def _request(args: argparse.Namespace, kind: str, path: Path) -> dict[str, Any]:
+    """The request body: the file's data, the flags' config, ``--adapter`` as ``config.output_name``."""
+    if kind == "sft":
+        examples, dataset_path = _read_examples(path)
+        request: dict[str, Any] = {"dataset_path": dataset_path} if dataset_path else {"examples": examples}
+    elif path.suffix == ".jsonl":
+        request = {"dataset_path": str(path.resolve())}
+    else:
+        request = _read_request(path, "groups" if kind == "grpo" else "prompts")
+    config = request.get("config") or {}
+    if not isinstance(config, dict):
+        raise ValueError(f"{path}: config must be a JSON object")
+    config = {**config, **_config(args, kind), "output_name": args.adapter}
+    if args.no_auto_load:
+        config["auto_load"] = False
+    request["config"] = config
+    if kind == "grpo" and args.dry_run:
+        request["dry_run"] = True
+    if kind == "opd":
+        request["teacher"] = args.teacher
+    return request
+
+
+def _submit(args: argparse.Namespace, kind: str) -> int:
+    """Build the request, submit it and print the job; with ``--wait`` follow it to the end."""
+    if kind == "sft" and (args.adapter_dir or args.model):
+        print(
+            "error: --adapter-dir and --model apply to --local runs; a server trains with its own model "
+            "into its own registry",
+            file=sys.stderr,
+        )
+        return 2
+    path = Path(args.file)
+    if not path.is_file():
+        print(f"error: {path} is not a file", file=sys.stderr)
+        return 2
+    try:
+        request = _request(args, kind, path)
+    except KilnError as exc:
+        return _error(exc)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+    def submit(client: Any) -> int:
+        method = {
+            "sft": client.submit_sft_training,
+            "grpo": client.submit_grpo_training,
+            "opd": client.submit_opd_training,
+        }[kind]
+        answer = body(method(request))
+        job_id = answer["job_id"]
+        if args.json and not args.wait:
+            print_json(answer)
+            return 0
+        if not args.json:
+            print(f"✓ {kind.upper()} training job submitted")
+            print(f"Job ID: {job_id}")
+            print(f"Effective seed: {answer['effective_seed']}")
+            print(f"Check status: kiln train status --job-id {job_id}{_url_flag(args)}")
+        return _follow(client, args, job_id, kind) if args.wait else 0
+
+    return run(args, submit)
+
+
+def _url_flag(args: argparse.Namespace) -> str:
+    return f" --url {shlex.quote(args.url)}" if args.url else ""
+
+
+def _follow(client: Any, args: argparse.Namespace, job_id: str, kind: str) -> int:
+    """Poll the job until it ends (progress bar on stderr); Ctrl-C stops watching, not the job."""
+    bar = None
+    try:
+        if not args.json:
+            from tqdm import tqdm
+
+            bar = tqdm(
+                total=BAR_STEPS,
+                desc=job_id,
+                file=sys.stderr,
+                dynamic_ncols=True,
+                bar_format="{desc}: {percentage:3.0f}%|{bar}| [{elapsed}{postfix}]",
+            )
+        while True:
+            detail = body(client.get_training_job(job_id))
+            if bar is not None:
+                bar.n = round(detail["progress"] * BAR_STEPS)
+                loss = detail["current_loss"]
+                bar.set_postfix_str(detail["state"] + (f", loss {loss:.4f}" if loss is not None else ""))
+            if detail["state"] in TERMINAL:
+                break
+            time.sleep(POLL_S)
+    except KeyboardInterrupt:
+        if bar is not None:
+            bar.close()
+            bar = None
+        print(f"\nstopped watching; job {job_id} keeps running on the server", file=sys.stderr)
+        print(f"cancel it with: kiln train cancel --job-id {job_id}{_url_flag(args)}", file=sys.stderr)
+        return 130
+    finally:
+        if bar is not None:
+            bar.close()
+    return _outcome(args, detail, kind)
+
+
+def _checkpoint_line(checkpoint: dict[str, Any]) -> str:
+    return (
+        f"Resume checkpoint: {checkpoint['resume_checkpoint']} "
+        f"(step {checkpoint['global_step']}/{checkpoint['total_steps']})"
+    )
+
+
+def _outcome(args: argparse.Namespace, detail: dict[str, Any], kind: str) -> int:
+    ok = detail["state"] == "completed"
+    if args.json:
+        print_json(detail)
+        return 0 if ok else 1
+    if ok:
+        loss = detail["current_loss"]
+        print(f"✓ job {detail['job_id']} completed: adapter {detail['adapter_name']}")
+        if detail["adapter_path"]:
+            print(f"Adapter: {detail['adapter_path']}")
+        if loss is not None:
+            print(f"Final loss: {loss:.4f}")
+        return 0
+    print(f"✗ job {detail['job_id']} failed: {detail.get('error') or 'no reason given'}", file=sys.stderr)
+    checkpoint = detail["latest_checkpoint"]
+    if checkpoint is not None:
+        print(_checkpoint_line(checkpoint), file=sys.stderr)
+        if kind == "sft":
+            command = _resume_command(args, checkpoint["resume_checkpoint"], args.checkpoint_interval, local=False)
+            print(f"Resume with:\n  {command}", file=sys.stderr)
+    return 1
+
+
+def cmd_train_grpo(args: argparse.Namespace) -> int:
+    if args.local:
+        print("error: local GRPO training is not available yet; submit it to a server (drop --local)", file=sys.stderr)
+        return 2
+    return _submit(args, "grpo")
+
+
+def cmd_train_opd(args: argparse.Namespace) -> int:
+    if args.local:
+        print("error: local OPD training is not available yet; submit it to a server (drop --local)", file=sys.stderr)
+        return 2
+    return _submit(args, "opd")
+
+
+def _percent(progress: float) -> str:
+    return f"{progress * 100:.0f}%"
+
+
+def _loss(value: float | None) -> str:
+    return "-" if value is None else f"{value:.4f}"
+
+
+def cmd_train_status(args: argparse.Namespace) -> int:
+    def table(client: Any) -> int:
+        jobs = body(client.list_training_status())
+        if args.json:
+            print_json(jobs)
+            return 0
+        if not jobs:
+            print(f"no training jobs on {server_url(args)}")
+            return 0
+        print(f"{'JOB ID':18} {'TYPE':5} {'STATE':10} {'PROGRESS':>8} {'LOSS':>8}  ADAPTER")
+        for job in jobs:
+            print(
+                f"{job['job_id']:18} {job.get('job_type') or '-':5} {job['state']:10} "
+                f"{_percent(job['progress']):>8} {_loss(job['current_loss']):>8}  {job['adapter_name'] or '-'}"
+            )
+        return 0
+
+    def one(client: Any) -> int:
+        detail = body(client.get_training_job(args.job_id))
+        if args.json:
+            print_json(detail)
+            return 0
+        epoch = f" (epoch {detail['epoch']})" if detail["epoch"] is not None else ""
+        print(f"Job ID: {detail['job_id']}")
+        print(f"Type: {detail.get('job_type') or '-'}")
+        print(f"Adapter: {detail['adapter_name'] or '-'}")
+        print(f"State: {detail['state']}")
+        print(f"Progress: {_percent(detail['progress'])}{epoch}")
+        print(f"Loss: {_loss(detail['current_loss'])}")
+        print(f"Effective seed: {detail.get('effective_seed') or '-'}")
+        if detail.get("error"):
+            print(f"Error: {detail['error']}")
+        checkpoint = detail["latest_checkpoint"]
+        if checkpoint is not None and detail["state"] != "completed":
+            print(_checkpoint_line(checkpoint))
+        elif detail["checkpoint_error"]:
+            print(f"Checkpoint: unusable ({detail['checkpoint_error']})")
+        return 0
+
+    return run(args, table if args.job_id is None else one)
+
+
+def cmd_train_cancel(args: argparse.Namespace) -> int:
+    def cancel(client: Any) -> int:
+        answer = body(client.cancel_training_job(args.job_id))
+        if args.json:
+            print_json(answer)
+        elif answer["status"] == "cancelled":
+            print("✓ cancelled")
+        else:
+            print("✓ cancellation requested (the job stops at its next step and publishes a checkpoint)")
+        return 0
+
+    return run(args, cancel)
 
 
 def cmd_create_tiny(args: argparse.Namespace) -> int:

@@ -74,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     from kiln._cli_adapters import add_adapters_parser
     from kiln._cli_checkpoints import add_checkpoints_parser
-    from kiln._cli_server import add_serve_parser
+    from kiln._cli_server import add_health_parser, add_serve_parser
     from kiln._cli_train import add_models_parser, add_train_parser  # argparse only; torch loads on use
 
     add_train_parser(sub)
@@ -82,6 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_adapters_parser(sub)
     add_models_parser(sub)
     add_serve_parser(sub)
+    add_health_parser(sub)
     return parser
 
 

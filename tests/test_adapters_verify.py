@@ -10,7 +10,7 @@ import struct
 import pytest
 
 from kiln import contracts
-from kiln.adapters._verify import SERVER_UNAVAILABLE, verify_adapter
+from kiln.adapters._verify import verify_adapter
 from kiln.artifacts.adapter_bodies import (
     CHECK_ORDER,
     MANIFEST_CHECK,
@@ -303,13 +303,12 @@ def test_offline_verification_never_opens_a_socket(adapter, monkeypatch):
     assert _verify(adapter)["status"] == "ok"
 
 
-def test_with_a_url_the_server_check_fails_until_a_server_exists(adapter, monkeypatch):
-    def refuse(*args, **kwargs):
-        raise AssertionError("verify contacted a server that cannot exist yet")
-
-    monkeypatch.setattr(socket, "create_connection", refuse)
-    receipt = _verify(adapter, url="http://127.0.0.1:8420", prompt="Hello")
-    _assert_stopped_at(receipt, SERVER_CHECKS[0], SERVER_UNAVAILABLE)
+def test_with_a_url_an_unreachable_server_fails_the_first_server_check(adapter):
+    with socket.socket() as sock:  # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    receipt = _verify(adapter, url=f"http://127.0.0.1:{port}", prompt="Hello")
+    _assert_stopped_at(receipt, SERVER_CHECKS[0], "cannot reach the Kiln server at")
     assert receipt["checks"][-2]["name"] == MANIFEST_CHECK
 
 

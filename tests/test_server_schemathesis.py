@@ -67,6 +67,7 @@ def test_schemathesis_finds_no_server_error_and_no_schema_violation(tmp_path, ti
             capture_output=True,
             text=True,
             timeout=600,
+            cwd=tmp_path,  # schemathesis keeps a .schemathesis/ folder in its working directory
             check=False,
         )
         assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]

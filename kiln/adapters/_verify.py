@@ -13,9 +13,22 @@ non-zero": at least one tensor is non-zero **and** ``Σ‖A‖₂·‖B‖₂ > 
 initialised adapter (random A, zero B) has non-zero tensors but cannot change the model,
 so it fails.
 
-``--url``: no Kiln server exists yet (the OpenAPI document has no completion route), so
-``server_load`` is recorded as failed, without touching the network, once every offline
-check passed. Offline verification never opens a socket.
+``--url``: once every offline check passed, the server checks run through the generated SDK,
+in the schema's order and with the same short-circuit:
+
+``server_load``        a greedy chat completion with ``{"adapter": NAME}`` succeeds: the server
+                       read the adapter, checked its manifest hashes and tensors and applied it
+                       (for that request only: the served adapter is left as it was), and the
+                       ``adapter_manifest.json`` it loaded has the local file's digest;
+``server_listed``      ``GET /v1/adapters`` lists NAME with a valid manifest whose weight, config
+                       and receipt digests are those of the local files;
+``server_generation``  a greedy completion with ``{"base_model": true}`` on the same prompt
+                       succeeds; the two texts are compared (``logit_delta_summary``). It passes
+                       when the text changed or the offline update is measurable (which the
+                       ``measurable`` check already required), with the diagnosis recorded.
+
+An unreachable server or an error answer fails the check that was running with a clear
+message (never a traceback). Offline verification never opens a socket.
 
 The receipt is validated against ``AdapterVerifyReceipt`` before it is returned.
 """
@@ -38,7 +51,9 @@ from kiln.home import adapter_registry
 CONFIG = "adapter_config.json"
 WEIGHTS = "adapter_model.safetensors"
 MANIFEST = "adapter_manifest.json"
-SERVER_UNAVAILABLE = "server checks need a running kiln server (`kiln serve` is not available yet)"
+DEFAULT_PROMPT = "Say hello in one short sentence."
+SERVER_MAX_TOKENS = 32
+SERVER_TIMEOUT_S = 300.0
 
 _PORTABLE = re.compile(r"^[A-Za-z0-9._-]+$")
 # PEFT's saved names: `<prefix>.<module path>.lora_A.weight` (linear) or `...lora_embedding_A` (embedding).
@@ -55,11 +70,13 @@ def verify_adapter(
     *,
     url: str | None = None,
     prompt: str | None = None,
+    api_key: str | None = None,
 ) -> dict[str, Any]:
     """The ``AdapterVerifyReceipt`` of one adapter (``status`` is ``ok`` or ``failed``).
 
     ``name_or_path`` is an existing directory, else a path-safe name in ``registry``
-    (``None``: the configured registry). ``prompt`` is used only by the server comparison.
+    (``None``: the configured registry). With ``url`` the server checks run against that
+    server (``api_key`` as its bearer key); ``prompt`` is used only by their generations.
     """
     given = os.fspath(name_or_path)
     if not given:
@@ -79,8 +96,7 @@ def verify_adapter(
     }
     passed = _offline(receipt, adapter_path) and _manifest(receipt, adapter_path)
     if passed and url is not None:
-        # No server exists yet: the first server check fails and verification stops there.
-        _record(receipt, SERVER_CHECKS[0], False, f"{SERVER_UNAVAILABLE}; not contacting {url}")
+        _server(receipt, url.rstrip("/"), api_key, prompt or DEFAULT_PROMPT)
     receipt["status"] = "ok" if all(check["pass"] for check in receipt["checks"]) else "failed"
     found = contracts.problems("AdapterVerifyReceipt", receipt)
     if found:
@@ -406,3 +422,111 @@ def _manifest(receipt: dict[str, Any], path: Path) -> bool:
         return _record(receipt, MANIFEST_CHECK, False, _listed(problems))
     names = ", ".join(matched[:-1]) + f" and {matched[-1]}" if len(matched) > 1 else matched[0]
     return _record(receipt, MANIFEST_CHECK, True, f"{names} match")
+
+
+# --- server checks ---------------------------------------------------------------------------
+
+
+def _server(receipt: dict[str, Any], url: str, api_key: str | None, prompt: str) -> bool:
+    """``server_load``, ``server_listed`` and ``server_generation`` against ``url``, stopping at the first failure."""
+    from kiln_contracts.client import KilnApiError, KilnClient, KilnConnectionError
+
+    load, listed, generation = SERVER_CHECKS
+    name = receipt["name"]
+    if name is None or not _path_safe(name):
+        return _record(receipt, load, False, f"{receipt['adapter_path']} has no adapter name to ask the server about")
+    local = {f["name"]: f["sha256"] for f in receipt["files"]}
+    messages = [{"role": "user", "content": prompt}]
+    request = {"messages": messages, "temperature": 0, "max_tokens": SERVER_MAX_TOKENS}
+    check = load
+    try:
+        with KilnClient(url, api_key=api_key, timeout=SERVER_TIMEOUT_S) as client:
+            adapted = _dump(client.create_chat_completion({**request, "adapter": name}))
+            if not _record(receipt, load, *_load_result(adapted, name, local)):
+                return False
+            check = listed
+            if not _record(receipt, listed, *_listed_result(_dump(client.list_adapters()), name, local)):
+                return False
+            check = generation
+            base = _dump(client.create_chat_completion({**request, "base_model": True}))
+    except KilnConnectionError:
+        return _record(receipt, check, False, f"cannot reach the Kiln server at {url} (is `kiln serve` running?)")
+    except KilnApiError as exc:
+        hint = f" (hint: {exc.hint})" if exc.hint else ""
+        return _record(receipt, check, False, f"the server at {url} answered [{exc.code}] {exc.message}{hint}")
+    summary = _comparison(receipt, url, prompt, base, adapted)
+    receipt["logit_delta_summary"] = summary
+    return _record(receipt, generation, summary["passed"], summary["diagnosis"])
+
+
+def _dump(model: Any) -> dict[str, Any]:
+    return model.model_dump(mode="json", exclude_unset=True, by_alias=True)
+
+
+def _load_result(answer: dict[str, Any], name: str, local: dict[str, str]) -> tuple[bool, str]:
+    weights = answer["kiln"]
+    if weights["adapter"] != name:
+        return False, f"asked for adapter {name!r}, the server generated with {weights['adapter']!r}"
+    served, mine = weights["adapter_manifest_sha256"], local.get(MANIFEST)
+    if mine is not None and served != mine:
+        return False, f"the server loaded an {MANIFEST} hashing to {served}, the local one hashes to {mine}"
+    tokens = answer["usage"]["completion_tokens"]
+    return True, f"the server applied {name} to a completion ({tokens} tokens; {MANIFEST} {served})"
+
+
+def _listed_result(listing: dict[str, Any], name: str, local: dict[str, str]) -> tuple[bool, str]:
+    entry = next((e for e in listing["available"] if e["name"] == name), None)
+    if entry is None:
+        return False, f"GET /v1/adapters does not list {name!r} (registry {listing['adapter_dir']})"
+    manifest = entry["adapter_manifest"]
+    if manifest is None:
+        why = entry["adapter_manifest_error"] or f"it has no {MANIFEST}"
+        return False, f"the server lists {name} without a valid manifest: {why}"
+    problems = []
+    for field, role in (
+        ("safetensors_hash", "adapter_model"),
+        ("config_hash", "adapter_config"),
+        ("receipt_hash", "train_receipt"),
+    ):
+        file_name, recorded = manifest["files"][role], manifest[field]
+        if file_name is None or recorded is None:
+            continue
+        mine = local.get(file_name)
+        if mine != recorded:
+            problems.append(
+                f"{field} is {recorded} on the server but the local {file_name} hashes to {mine or 'nothing (missing)'}"
+            )
+    if problems:
+        return False, _listed(problems)
+    return True, f"listed ({entry['status']}) with a valid manifest; its hashes match the local files"
+
+
+def _comparison(
+    receipt: dict[str, Any], url: str, prompt: str, base: dict[str, Any], adapted: dict[str, Any]
+) -> dict[str, Any]:
+    """``logit_delta_summary``: the greedy base and adapter texts and what their difference means."""
+    summary = receipt["tensor_summary"] or {}
+    measurable = summary.get("nonzero_tensor_count", 0) > 0 and summary.get("lora_update_l2_upper_bound", 0) > 0
+    base_text = base["choices"][0]["message"]["content"]
+    adapter_text = adapted["choices"][0]["message"]["content"]
+    changed = base_text != adapter_text
+    if changed:
+        diagnosis = "the adapter changes the greedy output on this prompt"
+    elif measurable:
+        diagnosis = (
+            "identical greedy text, but the offline update is measurable "
+            f"(Σ‖A‖₂·‖B‖₂ = {summary['lora_update_l2_upper_bound']:.6g}): a small update can leave every argmax "
+            "unchanged on one prompt"
+        )
+    else:
+        diagnosis = "identical greedy text and no measurable offline update: the adapter does not change the model"
+    return {
+        "url": url,
+        "prompt": prompt,
+        "base_output": base_text,
+        "adapter_output": adapter_text,
+        "text_changed": changed,
+        "offline_update_measurable": measurable,
+        "passed": changed or measurable,
+        "diagnosis": diagnosis,
+    }
