@@ -109,11 +109,12 @@ def test_cancelling_a_queued_job_fails_it_at_once_and_it_never_runs(tmp_path):
 def test_a_restart_keeps_queued_jobs_and_fails_the_interrupted_one(tmp_path):
     store = tmp_path / "jobs.db"
     gate = threading.Event()
-    manager = JobManager(JobStore(store), max_queued=8, runner=FakeRunner(gate))
+    first_runner = FakeRunner(gate)
+    manager = JobManager(JobStore(store), max_queued=8, runner=first_runner)
     running = manager.submit(**_fields("a"))
     waiting = manager.submit(**_fields("b"))
     manager.start()
-    _wait(lambda: manager.get(running.job_id).state == "running")
+    _wait(lambda: first_runner.ran)  # the runner starts only after the `running` row is written
     # the process "dies" here: a second manager reads the same store
     again = JobManager(JobStore(store), max_queued=8, runner=FakeRunner())
     assert again.get(running.job_id).state == "failed"
