@@ -4,6 +4,7 @@ and ``kiln models create-tiny`` run in-process (they import torch).
 Without ``--local`` a training command builds the request from the file and the flags (the same
 flags build the same ``SftConfig`` as ``--local``), submits it with the generated SDK and prints
 the job id and effective seed; ``--wait`` then follows the job with a progress bar until it ends.
+The parsers and the local run are here; the HTTP commands are in ``kiln._cli_jobs``.
 """
 
 from __future__ import annotations
@@ -18,16 +19,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kiln._cli_client import DEFAULT_URL, add_client_options, body, print_json, run, server_url
+from kiln._cli_client import DEFAULT_URL, add_client_options
 from kiln.errors import KilnError, RequestError
 
 OPTIMIZERS = ("muon", "adam_w", "sgd")
-TERMINAL = ("completed", "failed")
-POLL_S = 0.5  # how often --wait asks for the job detail
-BAR_STEPS = 1000  # resolution of the --wait progress bar (the server reports a fraction)
 
 
 def add_train_parser(sub: Any) -> None:
+    from kiln._cli_jobs import cmd_train_cancel, cmd_train_grpo, cmd_train_opd, cmd_train_status
+
     train = sub.add_parser(
         "train",
         help="train an adapter on a server (or in-process with --local); follow and cancel jobs",
@@ -296,7 +296,9 @@ def _config(args: argparse.Namespace, kind: str) -> dict[str, Any]:
 
 def cmd_train_sft(args: argparse.Namespace) -> int:
     if not args.local:
-        return _submit(args, "sft")
+        from kiln._cli_jobs import submit
+
+        return submit(args, "sft")
     from kiln.config import config_value, configured_registry, load_config
     from kiln.trainers.sft import admit_sft, run_sft
 
@@ -403,234 +405,6 @@ def cmd_train_sft(args: argparse.Namespace) -> int:
     if result.cancelled:
         return 128 + (cancellation.signum or signal.SIGINT)
     return 0 if result.status == "success" else 1
-
-
-# --- over HTTP ------------------------------------------------------------------------------------------
-
-
-def _read_request(path: Path, list_key: str) -> dict[str, Any]:
-    """A .json file holding a request object, or a bare array sent under ``list_key``."""
-    from kiln._jsonio import read_json_file
-
-    value = read_json_file(path)
-    if isinstance(value, list):
-        return {list_key: value}
-    if not isinstance(value, dict):
-        raise ValueError(f"{path} must hold a JSON request object or an array of {list_key} (or use a .jsonl file)")
-    return dict(value)
-
-
-def _request(args: argparse.Namespace, kind: str, path: Path) -> dict[str, Any]:
-    """The request body: the file's data, the flags' config, ``--adapter`` as ``config.output_name``."""
-    if kind == "sft":
-        examples, dataset_path = _read_examples(path)
-        request: dict[str, Any] = {"dataset_path": dataset_path} if dataset_path else {"examples": examples}
-    elif path.suffix == ".jsonl":
-        request = {"dataset_path": str(path.resolve())}
-    else:
-        request = _read_request(path, "groups" if kind == "grpo" else "prompts")
-    config = request.get("config") or {}
-    if not isinstance(config, dict):
-        raise ValueError(f"{path}: config must be a JSON object")
-    config = {**config, **_config(args, kind), "output_name": args.adapter}
-    if args.no_auto_load:
-        config["auto_load"] = False
-    request["config"] = config
-    if kind == "grpo" and args.dry_run:
-        request["dry_run"] = True
-    if kind == "opd":
-        request["teacher"] = args.teacher
-    return request
-
-
-def _submit(args: argparse.Namespace, kind: str) -> int:
-    """Build the request, submit it and print the job; with ``--wait`` follow it to the end."""
-    if kind == "sft" and (args.adapter_dir or args.model):
-        print(
-            "error: --adapter-dir and --model apply to --local runs; a server trains with its own model "
-            "into its own registry",
-            file=sys.stderr,
-        )
-        return 2
-    path = Path(args.file)
-    if not path.is_file():
-        print(f"error: {path} is not a file", file=sys.stderr)
-        return 2
-    try:
-        request = _request(args, kind, path)
-    except KilnError as exc:
-        return _error(exc)
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-
-    def submit(client: Any) -> int:
-        method = {
-            "sft": client.submit_sft_training,
-            "grpo": client.submit_grpo_training,
-            "opd": client.submit_opd_training,
-        }[kind]
-        answer = body(method(request))
-        job_id = answer["job_id"]
-        if args.json and not args.wait:
-            print_json(answer)
-            return 0
-        if not args.json:
-            print(f"✓ {kind.upper()} training job submitted")
-            print(f"Job ID: {job_id}")
-            print(f"Effective seed: {answer['effective_seed']}")
-            print(f"Check status: kiln train status --job-id {job_id}{_url_flag(args)}")
-        return _follow(client, args, job_id, kind) if args.wait else 0
-
-    return run(args, submit)
-
-
-def _url_flag(args: argparse.Namespace) -> str:
-    return f" --url {shlex.quote(args.url)}" if args.url else ""
-
-
-def _follow(client: Any, args: argparse.Namespace, job_id: str, kind: str) -> int:
-    """Poll the job until it ends (progress bar on stderr); Ctrl-C stops watching, not the job."""
-    bar = None
-    try:
-        if not args.json:
-            from tqdm import tqdm
-
-            bar = tqdm(
-                total=BAR_STEPS,
-                desc=job_id,
-                file=sys.stderr,
-                dynamic_ncols=True,
-                bar_format="{desc}: {percentage:3.0f}%|{bar}| [{elapsed}{postfix}]",
-            )
-        while True:
-            detail = body(client.get_training_job(job_id))
-            if bar is not None:
-                bar.n = round(detail["progress"] * BAR_STEPS)
-                loss = detail["current_loss"]
-                bar.set_postfix_str(detail["state"] + (f", loss {loss:.4f}" if loss is not None else ""))
-            if detail["state"] in TERMINAL:
-                break
-            time.sleep(POLL_S)
-    except KeyboardInterrupt:
-        if bar is not None:
-            bar.close()
-            bar = None
-        print(f"\nstopped watching; job {job_id} keeps running on the server", file=sys.stderr)
-        print(f"cancel it with: kiln train cancel --job-id {job_id}{_url_flag(args)}", file=sys.stderr)
-        return 130
-    finally:
-        if bar is not None:
-            bar.close()
-    return _outcome(args, detail, kind)
-
-
-def _checkpoint_line(checkpoint: dict[str, Any]) -> str:
-    return (
-        f"Resume checkpoint: {checkpoint['resume_checkpoint']} "
-        f"(step {checkpoint['global_step']}/{checkpoint['total_steps']})"
-    )
-
-
-def _outcome(args: argparse.Namespace, detail: dict[str, Any], kind: str) -> int:
-    ok = detail["state"] == "completed"
-    if args.json:
-        print_json(detail)
-        return 0 if ok else 1
-    if ok:
-        loss = detail["current_loss"]
-        print(f"✓ job {detail['job_id']} completed: adapter {detail['adapter_name']}")
-        if detail["adapter_path"]:
-            print(f"Adapter: {detail['adapter_path']}")
-        if loss is not None:
-            print(f"Final loss: {loss:.4f}")
-        return 0
-    print(f"✗ job {detail['job_id']} failed: {detail.get('error') or 'no reason given'}", file=sys.stderr)
-    checkpoint = detail["latest_checkpoint"]
-    if checkpoint is not None:
-        print(_checkpoint_line(checkpoint), file=sys.stderr)
-        if kind == "sft":
-            command = _resume_command(args, checkpoint["resume_checkpoint"], args.checkpoint_interval, local=False)
-            print(f"Resume with:\n  {command}", file=sys.stderr)
-    return 1
-
-
-def cmd_train_grpo(args: argparse.Namespace) -> int:
-    if args.local:
-        print("error: local GRPO training is not available yet; submit it to a server (drop --local)", file=sys.stderr)
-        return 2
-    return _submit(args, "grpo")
-
-
-def cmd_train_opd(args: argparse.Namespace) -> int:
-    if args.local:
-        print("error: local OPD training is not available yet; submit it to a server (drop --local)", file=sys.stderr)
-        return 2
-    return _submit(args, "opd")
-
-
-def _percent(progress: float) -> str:
-    return f"{progress * 100:.0f}%"
-
-
-def _loss(value: float | None) -> str:
-    return "-" if value is None else f"{value:.4f}"
-
-
-def cmd_train_status(args: argparse.Namespace) -> int:
-    def table(client: Any) -> int:
-        jobs = body(client.list_training_status())
-        if args.json:
-            print_json(jobs)
-            return 0
-        if not jobs:
-            print(f"no training jobs on {server_url(args)}")
-            return 0
-        print(f"{'JOB ID':18} {'TYPE':5} {'STATE':10} {'PROGRESS':>8} {'LOSS':>8}  ADAPTER")
-        for job in jobs:
-            print(
-                f"{job['job_id']:18} {job.get('job_type') or '-':5} {job['state']:10} "
-                f"{_percent(job['progress']):>8} {_loss(job['current_loss']):>8}  {job['adapter_name'] or '-'}"
-            )
-        return 0
-
-    def one(client: Any) -> int:
-        detail = body(client.get_training_job(args.job_id))
-        if args.json:
-            print_json(detail)
-            return 0
-        epoch = f" (epoch {detail['epoch']})" if detail["epoch"] is not None else ""
-        print(f"Job ID: {detail['job_id']}")
-        print(f"Type: {detail.get('job_type') or '-'}")
-        print(f"Adapter: {detail['adapter_name'] or '-'}")
-        print(f"State: {detail['state']}")
-        print(f"Progress: {_percent(detail['progress'])}{epoch}")
-        print(f"Loss: {_loss(detail['current_loss'])}")
-        print(f"Effective seed: {detail.get('effective_seed') or '-'}")
-        if detail.get("error"):
-            print(f"Error: {detail['error']}")
-        checkpoint = detail["latest_checkpoint"]
-        if checkpoint is not None and detail["state"] != "completed":
-            print(_checkpoint_line(checkpoint))
-        elif detail["checkpoint_error"]:
-            print(f"Checkpoint: unusable ({detail['checkpoint_error']})")
-        return 0
-
-    return run(args, table if args.job_id is None else one)
-
-
-def cmd_train_cancel(args: argparse.Namespace) -> int:
-    def cancel(client: Any) -> int:
-        answer = body(client.cancel_training_job(args.job_id))
-        if args.json:
-            print_json(answer)
-        elif answer["status"] == "cancelled":
-            print("✓ cancelled")
-        else:
-            print("✓ cancellation requested (the job stops at its next step and publishes a checkpoint)")
-        return 0
-
-    return run(args, cancel)
 
 
 def cmd_create_tiny(args: argparse.Namespace) -> int:

@@ -215,7 +215,7 @@ def test_ctrl_c_during_wait_stops_watching_and_leaves_the_job_running(server, tm
 
 
 def test_grpo_and_opd_requests_are_built_from_the_file_and_the_flags(tmp_path):
-    from kiln._cli_train import _request
+    from kiln._cli_jobs import _request
 
     parser = build_parser()
     streamed = _jsonl(tmp_path / "groups.jsonl", [GRPO_REQUEST["groups"][0]])
