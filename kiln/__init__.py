@@ -19,8 +19,9 @@ Architecture map (data flows one way; lower layers never import higher ones)::
         ▼
     kiln.cli                       the `kiln` command (no torch on the path of validate/--help)
 
-Trainers, kernels, checkpoints, adapters and the server sit between artifacts and the
-CLI as they land; see ARCHITECTURE.md.
+Between the artifacts and the CLI sit the checkpoint engine, the model and data layers,
+the loss kernels, the shared training components, the trainers, the adapter lifecycle and
+the HTTP server (``kiln.server``); ARCHITECTURE.md draws the full stack.
 """
 
 from __future__ import annotations
