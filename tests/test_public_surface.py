@@ -40,3 +40,16 @@ def test_artifact_modules_offer_symmetric_load_and_write():
         exported = set(getattr(module, "__all__", ()))
         for writer in (n for n in exported if n.startswith("write_")):
             assert "load_" + writer.removeprefix("write_") in exported, f"{name}.{writer} has no loader"
+
+
+def test_the_server_exports_build_create_and_serve_without_importing_fastapi_eagerly():
+    import importlib
+    import subprocess
+    import sys
+
+    probe = "import sys, kiln.server; print('fastapi' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout == "False\n"
+    server = importlib.import_module("kiln.server")
+    assert sorted(server.__all__) == ["build_server", "create_app", "serve"]
+    for name in server.__all__:
+        assert callable(getattr(server, name))

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["create_app", "serve"]
+__all__ = ["build_server", "create_app", "serve"]
 
 
 def __getattr__(name: str) -> Any:  # FastAPI and the model load on first use, not on `import kiln`
