@@ -174,3 +174,28 @@ def test_cli_moves_an_adapter_to_another_registry_with_restore_and_verify(regist
     assert sorted(p.name for p in other.iterdir()) == ["bot"]  # nothing left behind
     assert main(["adapters", "verify", str(incoming)]) == 1
     assert "manifest_hashes" in capsys.readouterr().out
+
+
+def test_a_listing_cache_reuses_unchanged_entries_and_sees_every_change(tmp_path, trained_adapter):
+    import shutil
+
+    from kiln.adapters._registry import list_adapters
+
+    registry = tmp_path / "adapters"
+    registry.mkdir()
+    for name in ("a", "b"):
+        shutil.copytree(trained_adapter, registry / name)
+    cache: dict = {}
+    first = list_adapters(registry, cache=cache)
+    assert list_adapters(registry) == first  # the cache changes nothing
+    again = list_adapters(registry, cache=cache)
+    assert again["available"][0] is first["available"][0]  # reused, not re-read
+    config = registry / "b" / "adapter_config.json"
+    config.chmod(0o644)
+    config.write_text("{not json", encoding="utf-8")  # an in-place edit: same directory mtime granularity
+    changed = list_adapters(registry, cache=cache)
+    assert changed["available"][1]["status"] == "invalid"
+    assert changed == list_adapters(registry)
+    shutil.rmtree(registry / "a")
+    assert [e["name"] for e in list_adapters(registry, cache=cache)["available"]] == ["b"]
+    assert set(cache) == {"b"}

@@ -15,7 +15,6 @@ checkpoint.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import stat
@@ -184,12 +183,51 @@ def _adapter_dirs(registry: Path) -> list[Path]:
     return sorted(out, key=lambda p: p.name)
 
 
-def list_adapters(registry: str | os.PathLike[str], *, loaded: dict[str, Any] | None = None) -> dict[str, Any]:
+def _stat_key(directory: Path) -> tuple[Any, ...] | None:
+    """What stat says about a directory and its files: changes whenever any file does."""
+    try:
+        st = directory.stat(follow_symlinks=False)
+        files = []
+        for entry in os.scandir(directory):
+            fst = entry.stat(follow_symlinks=False)
+            files.append((entry.name, fst.st_mode, fst.st_size, fst.st_mtime_ns, fst.st_ino))
+    except OSError:
+        return None
+    return (st.st_ino, st.st_mtime_ns, tuple(sorted(files)))
+
+
+def list_adapters(
+    registry: str | os.PathLike[str],
+    *,
+    loaded: dict[str, Any] | None = None,
+    cache: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """The registry as ``AdaptersResponse``. ``loaded`` is the server's ``LoadedAdapterIdentity``
-    (the served adapter is also the active one); locally nothing is loaded."""
+    (the served adapter is also the active one); locally nothing is loaded.
+
+    ``cache`` (a dict the caller keeps between calls) reuses an entry while stat reports
+    the same directory and files (inode, size, mtime of each), so a poll of a large,
+    unchanged registry reads no file. Entries are shared between answers: treat them as
+    read-only.
+    """
     root = Path(registry)
     name = loaded["name"] if loaded else None
-    available = [adapter_entry(path, loaded=path.name == name) for path in _adapter_dirs(root)]
+    available = []
+    for path in _adapter_dirs(root):
+        if cache is None or path.name == name:
+            available.append(adapter_entry(path, loaded=path.name == name))
+            continue
+        key, hit = _stat_key(path), cache.get(path.name)
+        if key is not None and hit is not None and hit[0] == key:
+            available.append(hit[1])
+            continue
+        entry = adapter_entry(path)
+        if key is not None:
+            cache[path.name] = (key, entry)
+        available.append(entry)
+    if cache is not None:
+        for gone in set(cache) - {p["name"] for p in available}:
+            del cache[gone]
     return {
         "active_adapter": name,
         "active": name,
@@ -198,7 +236,7 @@ def list_adapters(registry: str | os.PathLike[str], *, loaded: dict[str, Any] | 
         "loaded_adapters": [name] if name else [],
         "adapter_dir": str(root.resolve()),
         "available": available,
-        "available_adapters": json.loads(json.dumps(available)),
+        "available_adapters": available,
     }
 
 

@@ -124,9 +124,26 @@ def list_checkpoints(registry: str | os.PathLike[str], adapter: str | None = Non
 
 
 def latest_checkpoint(registry: str | os.PathLike[str], adapter: str) -> dict[str, Any] | None:
-    """The summary of the newest checkpoint of ``adapter`` whose manifest validates, or None."""
-    valid = [c for c in list_checkpoints(registry, adapter) if c.info is not None]
-    return valid[-1].info.summary if valid else None
+    """The summary of the newest checkpoint of ``adapter`` whose manifest validates, or None.
+
+    Names are sorted by step without reading anything; manifests are inspected newest
+    first and the first that validates wins, so a status poll costs one inspection however
+    many checkpoints the run has published.
+    """
+    root = Path(registry)
+    if not root.is_dir():
+        return None
+    steps = []
+    for entry in os.scandir(root):
+        parsed = parse_checkpoint_name(entry.name)
+        if parsed is not None and parsed[0] == adapter:
+            steps.append((parsed[1], entry.path))
+    for _, path in sorted(steps, reverse=True):
+        try:
+            return inspect_checkpoint(path).summary
+        except CheckpointError:
+            continue
+    return None
 
 
 def orphaned_staging_dirs(registry: str | os.PathLike[str]) -> list[Path]:

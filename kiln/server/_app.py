@@ -73,6 +73,8 @@ class Server:
     started: float = field(default_factory=time.time)
     requests: dict[str, int] = field(default_factory=dict)
     webhook_failures: int = 0
+    adapter_cache: dict[str, Any] = field(default_factory=dict)  # registry entries by stat key
+    adapter_lock: threading.Lock = field(default_factory=threading.Lock)  # one listing at a time
 
     @property
     def registry(self) -> Path:
@@ -294,7 +296,9 @@ def create_app(server: Server, *, own_lifecycle: bool = True) -> FastAPI:
     def adapters() -> JSONResponse:
         from kiln.adapters._registry import list_adapters
 
-        return JSONResponse(list_adapters(server.registry, loaded=server.generator.active()))
+        with server.adapter_lock:  # concurrent polls wait for one listing instead of each redoing it
+            body = list_adapters(server.registry, loaded=server.generator.active(), cache=server.adapter_cache)
+        return JSONResponse(body)
 
     @app.post("/v1/adapters/load")
     async def load(request: Request) -> JSONResponse:
