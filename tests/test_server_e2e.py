@@ -237,3 +237,23 @@ def test_api_key_body_bound_and_terminal_webhook(tmp_path, tiny_model_dir):
     finally:
         hook.shutdown()
         hook.server_close()
+
+
+def test_a_dataset_changed_while_queued_fails_at_dequeue_naming_the_change(server, tmp_path):
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in ROWS), encoding="utf-8")
+    with server.client() as http:
+        blocker = _submit(http, {"epochs": 300, "seed": 4, "output_name": "blocker-reval", "auto_load": False})
+        wait_for(lambda: _detail(http, blocker["job_id"])["state"] == "running")
+        answer = http.post(
+            "/v1/train/sft", json={"dataset_path": str(data), "config": {"epochs": 1, "output_name": "reval"}}
+        )
+        assert answer.status_code == 200, answer.text
+        queued = answer.json()["job_id"]
+        data.write_text("".join(json.dumps(r) + "\n" for r in reversed(ROWS[:3])), encoding="utf-8")
+        http.delete(f"/v1/train/queue/{blocker['job_id']}")
+        failed = _finished(http, queued)
+        assert failed["state"] == "failed"
+        assert failed["error"].startswith("revalidation_failed:")
+        assert "the training data" in failed["error"]
+        assert not (server.home / "adapters" / "reval").exists()  # nothing was trained or written
