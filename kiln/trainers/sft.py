@@ -26,7 +26,6 @@ receipt reports the phase timings of its own process.
 
 from __future__ import annotations
 
-import resource
 import threading
 import time
 from collections.abc import Callable
@@ -35,7 +34,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from kiln import __version__, contracts
+from kiln import contracts
 from kiln.artifacts.checkpoint_manifest import SFT_SOURCE_KIND
 from kiln.artifacts.loop_state import loop_state_file_name
 from kiln.checkpoints import (
@@ -52,7 +51,6 @@ from kiln.digests import json_sha256, raw_hex
 from kiln.epoch_order import ALGORITHM_ID, epoch_order
 from kiln.errors import CheckpointError, Problem, RequestError
 from kiln.publish import (
-    adapter_file_receipt,
     check_target,
     stage_adapter,
     write_adapter_manifest,
@@ -70,6 +68,7 @@ from kiln.training import (
     resolve_seed,
 )
 from kiln.training._lora import module_of
+from kiln.training._receipt import receipt_base
 from kiln.training._state import (
     ADAPTER_FILE,
     LORA_INIT_ALGORITHM,
@@ -699,15 +698,10 @@ def _grad_norms(params: dict[str, Any]) -> dict[str, float]:
 
 
 def _receipt(job, loop, timings, delta_norms, started, *, adapter_dir=None, failure=None) -> dict[str, Any]:
-    from kiln.model._identity import git_source
-
     cfg, record = job.config, job.ingestion.record
-    config_hash = json_sha256(cfg)
-    commit, dirty = git_source()
     examples = job.ingestion.examples
     per_epoch_action = sum(ex.supervised_tokens for ex in examples)
     per_epoch_context = sum(len(ex.input_ids) - 1 for ex in examples) - per_epoch_action
-    identity, precision, route = job.identity, job.precision, job.route
     epochs_done = (
         cfg["epochs"] if failure is None else min(cfg["epochs"], -(-loop.global_step // max(len(examples), 1)))
     )
@@ -715,127 +709,52 @@ def _receipt(job, loop, timings, delta_norms, started, *, adapter_dir=None, fail
         {"module": m, "sample_count": int(a[0]), "min": a[2], "mean": a[1] / a[0], "max": a[3]}
         for m, a in sorted(loop.grad_norms.items())
     ]
-    peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    receipt: dict[str, Any] = {
-        "schema_version": 1,
-        "receipt_type": "kiln_train_receipt",
-        "adapter_name": job.adapter_name,
-        "produced_at": datetime.now(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z"),
-        "status": "success" if failure is None else "failed",
-        "failure_reason": None if failure is None else failure[0],
-        "kiln": {
-            "package_version": __version__,
-            "git_commit": commit,
-            "git_dirty": dirty,
-            "git_source": "git" if commit else None,
-            "env_config_hash": config_hash,
-        },
-        "model": {
-            "path": identity.path,
-            "config_hash": identity.config_hash,
-            "base_weight_shard_manifest": identity.base_weight_shard_manifest,
-        },
-        "tokenizer": {
-            "config_hash": identity.tokenizer_combined_hash,
-            "tokenizer_config_hash": identity.tokenizer_config_hash,
-            "chat_template_hash": identity.chat_template_hash,
-            "training_chat_template_hash": identity.training_chat_template_hash,
-        },
-        "adapters": {
-            "base": adapter_file_receipt(
-                base_adapter_dir(job.registry, cfg["base_adapter"]) if cfg["base_adapter"] else None
-            ),
-            "output": adapter_file_receipt(adapter_dir),
-        },
-        "training_data": {
+    receipt = receipt_base(
+        mode="sft",
+        adapter_name=job.adapter_name,
+        cfg=cfg,
+        identity=job.identity,
+        precision=job.precision,
+        training_data={
             "source": record["source"],
             "path": record.get("source_locator"),
             "sha256": record["kept_corpus_sha256"],
         },
-        "hyperparameters": {
-            "mode": "sft",
-            "rank": cfg["lora_rank"],
-            "alpha": cfg["lora_alpha"],
-            "alpha_over_rank": cfg["lora_alpha"] / cfg["lora_rank"],
-            "learning_rate": cfg["learning_rate"],
-            "epochs": cfg["epochs"],
-            "seed": cfg["seed"],
-            "shuffle": True,
-            "epoch_order_algorithm": ALGORITHM_ID,
-        },
-        "grpo": None,
-        "echo": {
-            "enabled": False,
-            "lambda": None,
-            "env_mask_mode": None,
-            "warning_filter": None,
-            "initial_env_ce": None,
-            "final_env_ce": None,
-        },
-        "no_policy_loss": False,
-        "data": {
-            "examples_read": record["rows_read"],
-            "examples_filtered": record["rows_rejected"],
-            "examples_trained": record["rows_kept"] * cfg["epochs"] if failure is None else loop.global_step,
-            "groups_read": 0,
-            "groups_filtered": 0,
-            "groups_trained": 0,
-            "completions_read": 0,
-            "completions_trained": 0,
-            "reward_groups_filtered": 0,
-            "reward_groups_kept": 0,
-            "sft_ingestion": record,
-        },
-        "rewards": {
-            "count": 0,
-            "mean": None,
-            "stdev": None,
-            "min": None,
-            "max": None,
-            "group_count": 0,
-            "all_pass_group_count": 0,
-            "all_fail_group_count": 0,
-            "degenerate_group_count": 0,
-            "group_variance_histogram": [],
-        },
-        "token_counts": {
-            "action_tokens": per_epoch_action * epochs_done,
-            "env_tokens": 0,
-            "env_tokens_before_warning_filter": 0,
-            "env_tokens_after_warning_filter": 0,
-            "warning_tokens_filtered": 0,
-            "context_tokens": per_epoch_context * epochs_done,
-        },
-        "phase_timings": {
-            "tokenize_ms": job.tokenize_ms,
-            "mask_build_ms": 0.0,
-            "reference_forward_ms": 0.0,
-            **timings,
-            "gpu_writer_wait_ms": 0.0,
-            "gpu_writer_held_ms": 0.0,
-            "gpu_writer_acquisitions": 0,
-        },
-        "runtime": {
-            "wall_clock_ms": int((time.perf_counter() - started) * 1000),
-            "peak_vram_mib": None,
-            "peak_host_memory_mib": peak_kib // 1024,
-            "sft_loss_route": route,
-            "sft_loss_chunk_size": job.loss_route.chunk_size,
-            "sft_loss_implementation": job.loss_route.implementation,
-            "execution_provenance": identity.execution_provenance,
-            "training_precision": precision,
-        },
-        "config_hashes": {
-            "tokenizer_config_hash": identity.tokenizer_config_hash,
-            "chat_template_hash": identity.chat_template_hash,
-            "training_chat_template_hash": identity.training_chat_template_hash,
-            "model_config_hash": identity.config_hash,
-            "effective_config_hash": config_hash,
-        },
-        "lora_delta_norms": delta_norms,
-        "lora_grad_norms": grad_norms,
-        "config": cfg,
+        started=started,
+        epochs=cfg["epochs"],
+        base_adapter_dir=base_adapter_dir(job.registry, cfg["base_adapter"]) if cfg["base_adapter"] else None,
+        adapter_dir=adapter_dir,
+        failure=failure,
+        tokenize_ms=job.tokenize_ms,
+        timings=timings,
+        delta_norms=delta_norms,
+        grad_norms=grad_norms,
+    )
+    receipt["hyperparameters"].update(shuffle=True, epoch_order_algorithm=ALGORITHM_ID)
+    receipt["data"] = {
+        "examples_read": record["rows_read"],
+        "examples_filtered": record["rows_rejected"],
+        "examples_trained": record["rows_kept"] * cfg["epochs"] if failure is None else loop.global_step,
+        "groups_read": 0,
+        "groups_filtered": 0,
+        "groups_trained": 0,
+        "completions_read": 0,
+        "completions_trained": 0,
+        "reward_groups_filtered": 0,
+        "reward_groups_kept": 0,
+        "sft_ingestion": record,
     }
-    if failure is not None:
-        receipt["failure_message"] = failure[1]
+    receipt["token_counts"] = {
+        "action_tokens": per_epoch_action * epochs_done,
+        "env_tokens": 0,
+        "env_tokens_before_warning_filter": 0,
+        "env_tokens_after_warning_filter": 0,
+        "warning_tokens_filtered": 0,
+        "context_tokens": per_epoch_context * epochs_done,
+    }
+    receipt["runtime"].update(
+        sft_loss_route=job.route,
+        sft_loss_chunk_size=job.loss_route.chunk_size,
+        sft_loss_implementation=job.loss_route.implementation,
+    )
     return receipt
