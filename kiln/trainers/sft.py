@@ -731,6 +731,7 @@ def _receipt(job, loop, timings, delta_norms, started, *, adapter_dir=None, fail
         grad_norms=grad_norms,
     )
     receipt["hyperparameters"].update(shuffle=True, epoch_order_algorithm=ALGORITHM_ID)
+    receipt["tokenizer"]["training_chat_template_hash"] = job.identity.training_chat_template_hash
     receipt["data"] = {
         "examples_read": record["rows_read"],
         "examples_filtered": record["rows_rejected"],

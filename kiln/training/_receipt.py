@@ -86,7 +86,6 @@ def receipt_base(
             "config_hash": identity.tokenizer_combined_hash,
             "tokenizer_config_hash": identity.tokenizer_config_hash,
             "chat_template_hash": identity.chat_template_hash,
-            "training_chat_template_hash": identity.training_chat_template_hash,
         },
         "adapters": {"base": adapter_file_receipt(base_adapter_dir), "output": adapter_file_receipt(adapter_dir)},
         "training_data": training_data,
