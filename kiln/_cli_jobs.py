@@ -173,7 +173,11 @@ def _outcome(args: argparse.Namespace, detail: dict[str, Any], kind: str) -> int
 
 def cmd_train_grpo(args: argparse.Namespace) -> int:
     if args.local:
-        print("error: local GRPO training is not available yet; submit it to a server (drop --local)", file=sys.stderr)
+        from kiln._cli_train import cmd_train_grpo_local
+
+        return cmd_train_grpo_local(args)
+    if args.model or args.adapter_dir:
+        print("error: --model and --adapter-dir apply to --local runs", file=sys.stderr)
         return 2
     return submit(args, "grpo")
 

@@ -83,7 +83,7 @@ def add_train_parser(sub: Any) -> None:
 
     p = kinds.add_parser(
         "grpo",
-        help="GRPO on a file of scored groups (server only)",
+        help="GRPO on a file of scored groups (on a server, or in-process with --local)",
         description="Submit a GRPO job: a .jsonl file is sent as its absolute dataset_path (the streamed route), "
         "a .json file as the request object itself (or, for a bare array, as its groups). --adapter becomes "
         "config.output_name; the other flags override the file's config.",
@@ -146,7 +146,9 @@ def _add_kind_options(p: argparse.ArgumentParser) -> None:
     """The options of ``kiln train grpo`` and ``kiln train opd`` (defaults are the server's)."""
     p.add_argument("-f", "--file", required=True, help="a .jsonl file (sent as dataset_path) or a .json request")
     p.add_argument("--adapter", required=True, help="output adapter name (path-safe): config.output_name")
-    p.add_argument("--local", action="store_true", help="run in-process (not available yet for this kind)")
+    p.add_argument("--local", action="store_true", help="run in-process (GRPO only so far) instead of on a server")
+    p.add_argument("--model", help="--local: local Hugging Face model directory (default: the built-in tiny model)")
+    p.add_argument("--adapter-dir", help="--local: adapter registry directory (default: $KILN_HOME/adapters)")
     p.add_argument("--seed", help="effective seed (default: a fresh random 64-bit seed, printed)")
     p.add_argument("--lr", type=float, help="learning rate (default: the optimizer's)")
     p.add_argument("--optimizer", choices=OPTIMIZERS)
@@ -417,3 +419,98 @@ def cmd_create_tiny(args: argparse.Namespace) -> int:
         return 2
     print(f"✓ tiny model (seed {args.seed}) written to {path}")
     return 0
+
+
+def cmd_train_grpo_local(args: argparse.Namespace) -> int:
+    """``kiln train grpo --local``: admit, train (or dry-run) in this process, print where things are."""
+    from kiln._cli_jobs import _request
+    from kiln.config import config_value, configured_registry, load_config
+    from kiln.trainers.grpo import admit_grpo, run_grpo
+
+    path = Path(args.file)
+    if not path.is_file():
+        print(f"error: {path} is not a file", file=sys.stderr)
+        return 2
+    try:
+        request = _request(args, "grpo", path)
+        request["config"].pop("auto_load", None)  # nothing is served locally
+        settings = load_config()
+        job = admit_grpo(
+            adapter_name=args.adapter,
+            registry=configured_registry(args.adapter_dir, settings),
+            request=request,
+            model_path=args.model or config_value(settings, "model", "path"),
+        )
+    except KilnError as exc:
+        return _error(exc)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    groups = job.ingestion.groups
+    completions = sum(len(g.completions) for g in groups)
+    bar = None
+    if not args.json and not job.dry_run:
+        from tqdm import tqdm
+
+        print(
+            f"Training GRPO adapter '{args.adapter}' on {len(groups)} groups ({completions} completions), "
+            f"seed {job.config['seed']}"
+        )
+        bar = tqdm(total=len(groups), unit="group", dynamic_ncols=True, file=sys.stderr)
+
+    def progress(event: dict[str, Any]) -> None:
+        if bar is not None:
+            bar.set_postfix(loss=f"{event['loss']:.4f}")
+            bar.update(1)
+
+    cancel = _Cancellation(quiet=args.json)
+    try:
+        with cancel:
+            result = run_grpo(job, progress=progress, cancel=cancel.event)
+    finally:
+        if bar is not None:
+            bar.close()
+    receipt = result.receipt
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "status": result.status,
+                    "dry_run": job.dry_run,
+                    "adapter_dir": str(result.adapter_dir),
+                    "receipt": str(result.receipt_path),
+                    "manifest": str(result.manifest_path) if result.manifest_path else None,
+                    "effective_seed": str(job.config["seed"]),
+                    "failure_reason": receipt["failure_reason"],
+                    "failure_message": receipt.get("failure_message"),
+                    "groups_trained": receipt["data"]["groups_trained"],
+                },
+                indent=2,
+            )
+        )
+    elif result.status == "success" and job.dry_run:
+        data = receipt["data"]
+        print(
+            f"✓ dry run passed: {data['groups_read']} groups, {data['completions_read']} completions; "
+            f"{data['groups_read'] - data['groups_filtered']} would train (no forward pass ran)"
+        )
+        print(f"Receipt: {result.receipt_path}")
+    elif result.status == "success":
+        print(
+            f"✓ trained {receipt['data']['groups_trained']} groups in {receipt['runtime']['wall_clock_ms'] / 1000:.1f} s"
+            + (f", loss {result.losses[0]:.4f} -> {result.losses[-1]:.4f}" if result.losses else "")
+        )
+        print(f"Adapter:  {result.adapter_dir}")
+        print(f"Receipt:  {result.receipt_path}")
+        print(f"Manifest: {result.manifest_path}")
+        print(f"Effective seed: {job.config['seed']}")
+    else:
+        print(
+            f"✗ {'dry run' if job.dry_run else 'training'} failed ({receipt['failure_reason']}): "
+            f"{receipt.get('failure_message')}",
+            file=sys.stderr,
+        )
+        print(f"Receipt: {result.receipt_path}", file=sys.stderr)
+    if cancel.signum is not None and result.status != "success":
+        return 128 + cancel.signum
+    return 0 if result.status == "success" else 1

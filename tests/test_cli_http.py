@@ -240,26 +240,29 @@ def test_grpo_and_opd_requests_are_built_from_the_file_and_the_flags(tmp_path):
     assert body == {"prompts": OPD_PROMPTS, "teacher": "big", "config": {"epochs": 2, "output_name": "d"}}
 
 
-def test_grpo_and_opd_are_refused_cleanly_by_this_server(server, tmp_path, capsys):
+def test_grpo_trains_on_the_server_and_locally_and_opd_is_refused_cleanly(server, tmp_path, capsys):
     groups = tmp_path / "grpo.json"
     groups.write_text(json.dumps(GRPO_REQUEST), encoding="utf-8")
+    code, out, err = _run(capsys, "train", "grpo", "-f", groups, "--adapter", "g-http", "--wait", "--url", server.url)
+    assert code == 0, err
+    assert "GRPO training job submitted" in out
+    code, out, err = _run(capsys, "train", "grpo", "-f", groups, "--adapter", "g-local", "--local", "--seed", "3")
+    assert code == 0, err
+    assert "trained 1 groups" in out
     prompts = tmp_path / "prompts.json"
     prompts.write_text(json.dumps(OPD_PROMPTS), encoding="utf-8")
-    for argv in (
-        ["train", "grpo", "-f", groups, "--adapter", "g"],
-        ["train", "opd", "-f", prompts, "--adapter", "d", "--teacher", "big"],
-    ):
-        code, out, err = _run(capsys, *argv, "--url", server.url)
-        assert code == 1
-        assert out == ""
-        assert err.startswith("error [training_backend_unsupported]: this Kiln cannot run")
-        assert "\nhint: " in err
-        assert "Traceback" not in err
-        envelope = _json(capsys, "ErrorEnvelope", *argv, "--url", server.url, status=1)
-        assert envelope["error"]["code"] == "training_backend_unsupported"
-        code, _, err = _run(capsys, *argv, "--local")
-        assert code == 2
-        assert "not available yet" in err
+    argv = ["train", "opd", "-f", prompts, "--adapter", "d", "--teacher", "big"]
+    code, out, err = _run(capsys, *argv, "--url", server.url)
+    assert code == 1
+    assert out == ""
+    assert err.startswith("error [training_backend_unsupported]: this Kiln cannot run")
+    assert "\nhint: " in err
+    assert "Traceback" not in err
+    envelope = _json(capsys, "ErrorEnvelope", *argv, "--url", server.url, status=1)
+    assert envelope["error"]["code"] == "training_backend_unsupported"
+    code, _, err = _run(capsys, *argv, "--local")
+    assert code == 2
+    assert "not available yet" in err
 
 
 def test_server_submissions_refuse_local_only_options(tmp_path, capsys):

@@ -257,3 +257,34 @@ def test_a_dataset_changed_while_queued_fails_at_dequeue_naming_the_change(serve
         assert failed["error"].startswith("revalidation_failed:")
         assert "the training data" in failed["error"]
         assert not (server.home / "adapters" / "reval").exists()  # nothing was trained or written
+
+
+GRPO_GROUP = {
+    "messages": [{"role": "user", "content": "Is the sky blue?"}],
+    "completions": [{"text": "yes", "reward": 1.0}, {"text": "no", "reward": 0.0}],
+}
+
+
+def test_grpo_jobs_train_and_dry_run_over_http(server, tmp_path):
+    data = tmp_path / "groups.jsonl"
+    data.write_text((json.dumps(GRPO_GROUP) + "\n") * 3, encoding="utf-8")
+    with server.client() as http:
+        trained = http.post(
+            "/v1/train/grpo", json={"groups": [GRPO_GROUP] * 2, "config": {"seed": 9, "output_name": "rl-bot"}}
+        )
+        assert trained.status_code == 200, trained.text
+        done = _finished(http, _valid("TrainingResponse", trained.json())["job_id"])
+        assert done["state"] == "completed", done.get("error")
+        assert done["job_type"] == "grpo"
+        assert done["train_receipt"]["grpo"]["policy_audit"]["importance_sampling"]["ratio_scope"] == "token"
+        dry = http.post(
+            "/v1/train/grpo", json={"dataset_path": str(data), "dry_run": True, "config": {"output_name": "rl-dry"}}
+        )
+        assert dry.status_code == 200, dry.text
+        checked = _finished(http, dry.json()["job_id"])
+        assert checked["state"] == "completed", checked.get("error")
+        assert checked["train_receipt"]["training_data"]["source"] == "jsonl_grpo_groups_dry_run"
+        assert checked["adapter_path"] is None
+        refused = http.post("/v1/train/grpo", json={"groups": [GRPO_GROUP], "config": {"checkpoint_interval": 2}})
+        assert refused.status_code == 400
+        assert refused.json()["error"]["code"] == "training_backend_unsupported"

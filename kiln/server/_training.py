@@ -30,7 +30,7 @@ from kiln.server._jobs import Job, Outcome
 
 log = logging.getLogger("kiln.server.training")
 
-KIND_NAMES = {"grpo": "GRPO", "opd": "on-policy distillation (OPD)"}
+KIND_NAMES = {"opd": "on-policy distillation (OPD)"}
 REQUEST_TYPES = {"sft": "SftRequest", "grpo": "GrpoRequest", "opd": "OpdRequest"}
 
 
@@ -59,7 +59,7 @@ def refuse_unexecuted_kind(kind: str) -> None:
     raise RequestError(
         f"this Kiln cannot run {KIND_NAMES[kind]} jobs yet; the request is well formed but was not queued",
         code="training_backend_unsupported",
-        hint="submit supervised fine-tuning jobs (POST /v1/train/sft)",
+        hint="submit supervised fine-tuning (POST /v1/train/sft) or GRPO (POST /v1/train/grpo) jobs",
     )
 
 
@@ -141,9 +141,11 @@ def admit(engine: Engine, kind: str, body: Any, jobs: Any) -> dict[str, Any]:
     from kiln.trainers.sft import admit_sft
 
     check_request(kind, body)
-    if kind != "sft":
+    if kind == "opd":
         refuse_unexecuted_kind(kind)
     jobs.check_capacity()  # cheap, before the expensive part
+    if kind == "grpo":
+        return _admit_grpo(engine, body, jobs)
     examples, dataset_path = _sft_source(body)
     config = dict(body.get("config") or {})
     auto_load = bool(config.pop("auto_load", True))
@@ -152,15 +154,7 @@ def admit(engine: Engine, kind: str, body: Any, jobs: Any) -> dict[str, Any]:
     if config.get("checkpoint_interval") is None:
         config["checkpoint_interval"] = engine.settings.get("training", "checkpoint_interval")
     resume = config.get("resume_checkpoint")
-    writer = jobs.writer_of(adapter)
-    if writer is not None:
-        from kiln.errors import ConflictError
-
-        raise ConflictError(
-            f"job {writer.job_id} ({writer.state}) already writes adapter {adapter!r}",
-            code="adapter_exists",
-            hint="choose another config.output_name, or wait for that job to finish",
-        )
+    _writer_conflict(jobs, adapter)
     with engine.admission_lock:
         admitted = admit_sft(
             adapter_name=adapter,
@@ -212,6 +206,91 @@ def admit(engine: Engine, kind: str, body: Any, jobs: Any) -> dict[str, Any]:
     }
 
 
+def _writer_conflict(jobs: Any, adapter: str) -> None:
+    writer = jobs.writer_of(adapter)
+    if writer is not None:
+        from kiln.errors import ConflictError
+
+        raise ConflictError(
+            f"job {writer.job_id} ({writer.state}) already writes adapter {adapter!r}",
+            code="adapter_exists",
+            hint="choose another config.output_name, or wait for that job to finish",
+        )
+
+
+def _grpo_request(body: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+    path = body.get("dataset_path")
+    if path is not None and (not os.path.isabs(path) or ".." in Path(path).parts):
+        raise ContractError(
+            [Problem("unsafe_path", "/dataset_path", f"dataset_path {path!r} must be an absolute path without '..'")],
+            document="GrpoRequest",
+        )
+    return {**body, "config": config}
+
+
+def _admit_grpo(engine: Engine, body: dict[str, Any], jobs: Any) -> dict[str, Any]:
+    """GRPO admission: the trainer's own (request and config rules, pinned source, every group
+    tokenised with its masks, identity); the fingerprint is the source digest and the seed."""
+    from kiln.trainers.grpo import admit_grpo
+
+    config = dict(body.get("config") or {})
+    auto_load = bool(config.pop("auto_load", True))
+    adapter = config.get("output_name") or f"grpo-{uuid.uuid4().hex[:8]}"
+    config["output_name"] = adapter
+    _writer_conflict(jobs, adapter)
+    with engine.admission_lock:
+        admitted = admit_grpo(
+            adapter_name=adapter, registry=engine.registry, request=_grpo_request(body, config), loaded=engine.base
+        )
+    replay = {k: v for k, v in body.items() if k != "config"}
+    replay["config"] = {**admitted.config, "auto_load": auto_load}
+    return {
+        "job_type": "grpo",
+        "adapter_name": adapter,
+        "effective_seed": str(admitted.config["seed"]),
+        "request": replay,
+        "fingerprint": {"data_sha256": admitted.ingestion.source_sha256, "seed": str(admitted.config["seed"])},
+        "auto_load": auto_load and not admitted.dry_run,
+        "total_steps": max(1, len(admitted.ingestion.groups)),
+    }
+
+
+def _run_grpo(engine: Engine, job: Job, cancel: threading.Event, report: Callable[[dict[str, Any]], None]) -> Outcome:
+    from kiln.trainers.grpo import admit_grpo, run_grpo
+
+    config = dict(job.request["config"])
+    config.pop("auto_load", None)
+    with engine.admission_lock:
+        admitted = admit_grpo(
+            adapter_name=job.adapter_name,
+            registry=engine.registry,
+            request=_grpo_request(job.request, config),
+            loaded=engine.base,
+        )
+    now = {"data_sha256": admitted.ingestion.source_sha256, "seed": str(admitted.config["seed"])}
+    changed = _changed(job.fingerprint, now)
+    if changed:
+        return Outcome(
+            "failed",
+            "revalidation_failed: changed since the job was admitted: "
+            + "; ".join(changed)
+            + ". Nothing was trained; submit the job again",
+        )
+    if not admitted.dry_run:
+        admitted.loaded = dataclasses.replace(engine.base, model=copy.deepcopy(engine.base.model))
+    result = run_grpo(admitted, progress=report, cancel=cancel)
+    admitted.loaded = None
+    receipt = result.receipt
+    if result.status != "success":
+        error = f"{receipt['failure_reason']}: {receipt.get('failure_message') or 'no detail'}"
+        return Outcome("failed", error, str(result.receipt_path), None)
+    if job.auto_load and result.manifest_path is not None and engine.generator is not None:
+        _auto_load(engine, job.adapter_name)
+    return Outcome(
+        "completed", None, str(result.receipt_path), str(result.adapter_dir) if result.manifest_path else None
+    )
+
+
 def _changed(before: dict[str, Any], now: dict[str, Any]) -> list[str]:
     labels = {
         "data_sha256": "the training data",
@@ -227,6 +306,8 @@ def run(engine: Engine, job: Job, cancel: threading.Event, report: Callable[[dic
     """Revalidate the job at dequeue, train it on a private copy of the weights, then auto-load."""
     from kiln.trainers.sft import admit_sft, run_sft
 
+    if job.job_type == "grpo":
+        return _run_grpo(engine, job, cancel, report)
     body = job.request
     config = dict(body["config"])
     config.pop("auto_load", None)
