@@ -27,7 +27,16 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
-_DECODER = json.JSONDecoder(object_pairs_hook=_no_duplicates, parse_constant=_reject_constant)
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if value in (float("inf"), float("-inf")):
+        raise ValueError(f"{text} overflows to infinity (non-finite numbers are refused)")
+    return value
+
+
+_DECODER = json.JSONDecoder(
+    object_pairs_hook=_no_duplicates, parse_constant=_reject_constant, parse_float=_finite_float
+)
 
 
 def parse_json(data: bytes | str, *, source: str | None = None, limit: int = MAX_DOCUMENT_BYTES) -> Any:

@@ -136,7 +136,8 @@ def test_a_non_finite_reward_is_refused_inline_and_in_a_file(tokenizer, tmp_path
         assert message.startswith("group 2 is invalid: completion 2, reward: not a finite number"), message
     big = b'{"messages": [], "completions": [{"text": "a", "reward": 1e400}]}\n'
     message = _refusal(tokenizer, dataset_path=_jsonl(tmp_path, [big], name="big.jsonl"))
-    assert "completion 1, reward: not a finite number" in message
+    assert "line 1 (group 1)" in message  # the strict reader refuses 1e400 while parsing the line
+    assert "overflows to infinity" in message
     assert "too large" in _refusal(tokenizer, groups=[_group(_plain("a", reward=10**400))])
     line = b'{"messages": [], "completions": [{"text": "a", "reward": NaN}]}\n'
     message = _refusal(tokenizer, dataset_path=_jsonl(tmp_path, [GROUPS[0], line]))

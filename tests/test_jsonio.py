@@ -73,3 +73,14 @@ def test_a_failed_atomic_write_keeps_the_old_content(tmp_path, monkeypatch):
         _jsonio.atomic_write_bytes(target, b"new")
     assert target.read_bytes() == b"old"
     assert os.listdir(tmp_path) == ["doc.json"]
+
+
+def test_a_number_that_overflows_to_infinity_is_refused():
+    from kiln._jsonio import parse_json
+    from kiln.errors import DocumentReadError
+
+    with pytest.raises(DocumentReadError) as info:
+        parse_json('{"reward": 1e400}')
+    assert info.value.code == "invalid_json"
+    assert "infinity" in info.value.message
+    assert parse_json('{"reward": 1e300}')["reward"] == 1e300
