@@ -31,7 +31,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kiln import __version__, contracts
 from kiln._jsonio import parse_json
-from kiln.errors import AuthError, CapacityError, ContractError, KilnError, NotFoundError, RequestError
+from kiln.errors import AuthError, CapacityError, ContractError, KilnError, NotFoundError, Problem, RequestError
 from kiln.server import _training
 from kiln.server._jobs import JobManager, JobStore
 from kiln.server._settings import Settings, resolve_settings
@@ -71,7 +71,6 @@ class Server:
     model_name: str
     model_source: str
     started: float = field(default_factory=time.time)
-    requests: dict[str, int] = field(default_factory=dict)
     webhook_failures: int = 0
     adapter_cache: dict[str, Any] = field(default_factory=dict)  # registry entries by stat key
     adapter_lock: threading.Lock = field(default_factory=threading.Lock)  # one listing at a time
@@ -159,14 +158,8 @@ async def _body(request: Request, server: Server) -> Any:
         if len(data) > limit:
             raise CapacityError(f"request body exceeds {limit} bytes", code="payload_too_large")
     if not data.strip():
-        raise ContractError([contracts_problem("missing_field", "", "the request needs a JSON body")])
+        raise ContractError([Problem("missing_field", "", "the request needs a JSON body")])
     return parse_json(data, source="request body", limit=limit)
-
-
-def contracts_problem(code: str, pointer: str, message: str) -> Any:
-    from kiln.errors import Problem
-
-    return Problem(code, pointer, message)
 
 
 def _check(definition: str, body: Any) -> None:
@@ -191,9 +184,7 @@ def create_app(server: Server, *, own_lifecycle: bool = True) -> FastAPI:
 
     @app.middleware("http")
     async def guard(request: Request, call_next: Any) -> Response:
-        path = request.url.path
-        server.requests[path] = server.requests.get(path, 0) + 1
-        if api_key and path not in OPEN_ROUTES:
+        if api_key and request.url.path not in OPEN_ROUTES:
             given = request.headers.get("authorization", "")
             scheme, _, token = given.partition(" ")
             if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
@@ -574,7 +565,8 @@ def health_body(server: Server) -> dict[str, Any]:
     }
 
 
-def _quantiles(values: list[float]) -> tuple[float, float, int]:
+def _summary(values: list[float]) -> tuple[float, float, int]:
+    """(sum, max, count) of recent observations, for a Prometheus summary without quantiles."""
     return (sum(values), max(values) if values else 0.0, len(values))
 
 
@@ -599,7 +591,7 @@ def metrics_text(server: Server) -> str:
         ("kiln_step_seconds", "Wall time of recent optimizer steps (last 100).", jobs.step_seconds),
         ("kiln_checkpoint_publish_seconds", "Time to publish recent checkpoints (last 100).", jobs.checkpoint_seconds),
     ):
-        total, peak, count = _quantiles(list(values))
+        total, peak, count = _summary(list(values))
         lines += [
             f"# HELP {name} {help_text}",
             f"# TYPE {name} summary",
