@@ -511,6 +511,15 @@ def cmd_train_grpo_local(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         print(f"Receipt: {result.receipt_path}", file=sys.stderr)
+        if result.checkpoints:
+            newest = result.checkpoints[-1].name
+            print(f"Checkpoint: {result.checkpoints[-1]}", file=sys.stderr)
+            print(
+                f"Resume with:\n  kiln train grpo --local -f {shlex.quote(str(path))} --adapter {args.adapter} "
+                f"--resume-checkpoint {newest}"
+                + (f" --checkpoint-interval {args.checkpoint_interval}" if args.checkpoint_interval else ""),
+                file=sys.stderr,
+            )
     if cancel.signum is not None and result.status != "success":
         return 128 + cancel.signum
     return 0 if result.status == "success" else 1

@@ -10,7 +10,7 @@ import warnings
 import pytest
 
 from kiln import contracts
-from kiln.errors import ContractError, RequestError
+from kiln.errors import CheckpointError, ContractError, RequestError
 from kiln.trainers.grpo import admit_grpo, run_grpo
 
 PROMPT = [{"role": "user", "content": "Is the sky blue? Answer yes or no."}]
@@ -155,7 +155,6 @@ def test_bad_groups_and_unsupported_settings_are_refused_at_admission(tmp_path, 
     empty_text = {"messages": PROMPT, "completions": [{"text": "", "reward": 1.0, "trajectory": thinking_only}]}
     for request, needle in (
         ({"groups": [empty_text]}, "zero_action_tokens"),
-        ({"groups": [GROUP], "config": {"checkpoint_interval": 2}}, "checkpoint_interval"),
         ({"groups": [{"messages": PROMPT, "completions": []}]}, "/groups/0/completions"),
         ({"groups": [{"messages": PROMPT, "completions": [{"text": "x", "reward": 1, "trajectory": [
             {"role": "assistant", "content": "x", "kind": "thought"}]}]}]}, "kind"),
@@ -163,3 +162,66 @@ def test_bad_groups_and_unsupported_settings_are_refused_at_admission(tmp_path, 
         with pytest.raises((RequestError, ContractError)) as info:
             _admit(tmp_path, tiny_model_dir, request)
         assert needle in info.value.message
+
+
+@pytest.mark.parametrize(
+    ("streamed", "config"),
+    [
+        (False, {}),
+        (True, {}),
+        (False, {"kl_reference_policy": {"kind": "ema", "decay": 0.5, "refresh_every": 2}}),
+        (True, {"kl_reference_policy": {"kind": "ema", "decay": 0.9}, "loss_aggregation": "per_sample"}),
+    ],
+    ids=["inline", "streamed", "inline-ema", "streamed-ema-per-sample"],
+)
+def test_cancel_then_resume_equals_the_uninterrupted_run(tmp_path, tiny_model_dir, streamed, config):
+    import threading
+
+    data = tmp_path / "groups.jsonl"
+    data.write_text((json.dumps(GROUP) + "\n") * 5, encoding="utf-8")
+    source = {"dataset_path": str(data)} if streamed else {"groups": [GROUP] * 5}
+    cfg = {"seed": 3, "checkpoint_interval": 2, **config}
+    straight = run_grpo(_admit(tmp_path, tiny_model_dir, {**source, "config": dict(cfg)}, name="straight"))
+    assert straight.status == "success", straight.receipt.get("failure_message")
+
+    stop = threading.Event()
+    cut = run_grpo(
+        _admit(tmp_path, tiny_model_dir, {**source, "config": dict(cfg)}, name="cut"),
+        progress=lambda event: stop.set() if event["step"] == 3 else None,
+        cancel=stop,
+    )
+    assert cut.cancelled
+    assert cut.receipt["failure_reason"] == "cancelled"
+    newest = cut.checkpoints[-1]
+    assert contracts.validate_path(newest).valid
+    resumed = run_grpo(
+        _admit(tmp_path, tiny_model_dir, {**source, "config": {**cfg, "resume_checkpoint": newest.name}}, name="cut")
+    )
+    assert resumed.status == "success", resumed.receipt.get("failure_message")
+    assert resumed.losses == straight.losses
+    assert (resumed.adapter_dir / "adapter_model.safetensors").read_bytes() == (
+        straight.adapter_dir / "adapter_model.safetensors"
+    ).read_bytes()
+    assert resumed.receipt["grpo"]["policy_audit"] == straight.receipt["grpo"]["policy_audit"]
+
+
+def test_a_resume_with_a_changed_setting_is_refused_naming_it(tmp_path, tiny_model_dir):
+    import threading
+
+    stop = threading.Event()
+    cut = run_grpo(
+        _admit(tmp_path, tiny_model_dir, {"groups": [GROUP] * 4, "config": {"seed": 3, "checkpoint_interval": 1}}),
+        progress=lambda event: stop.set(),
+        cancel=stop,
+    )
+    with pytest.raises(CheckpointError) as info:
+        _admit(
+            tmp_path,
+            tiny_model_dir,
+            {
+                "groups": [GROUP] * 4,
+                "config": {"checkpoint_interval": 1, "kl_coeff": 0.5, "resume_checkpoint": cut.checkpoints[-1].name},
+            },
+        )
+    assert info.value.code == "checkpoint_incompatible"
+    assert "effective_config.kl_coeff" in info.value.message

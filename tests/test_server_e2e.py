@@ -285,6 +285,12 @@ def test_grpo_jobs_train_and_dry_run_over_http(server, tmp_path):
         assert checked["state"] == "completed", checked.get("error")
         assert checked["train_receipt"]["training_data"]["source"] == "jsonl_grpo_groups_dry_run"
         assert checked["adapter_path"] is None
-        refused = http.post("/v1/train/grpo", json={"groups": [GRPO_GROUP], "config": {"checkpoint_interval": 2}})
-        assert refused.status_code == 400
-        assert refused.json()["error"]["code"] == "training_backend_unsupported"
+        checkpointed = http.post(
+            "/v1/train/grpo",
+            json={"groups": [GRPO_GROUP] * 3, "config": {"checkpoint_interval": 1, "output_name": "rl-ckpt"}},
+        )
+        assert checkpointed.status_code == 200, checkpointed.text
+        detail = _finished(http, checkpointed.json()["job_id"])
+        assert detail["state"] == "completed", detail.get("error")
+        assert detail["latest_checkpoint"]["training_kind"] == "grpo"
+        assert detail["latest_checkpoint"]["global_step"] == 2

@@ -319,14 +319,22 @@ def check_loop_state(manifest: dict[str, Any], data: bytes, *, source: str) -> d
     if found:
         first = found[0]
         _fail("loop_state_invalid", f"{source}: {first}", problems=found, pointer=first.pointer)
-    progress = manifest["progress"]
-    for name in ("global_step", "epoch_index", "cursor_in_epoch"):
-        if value[name] != progress[name]:
+    progress, aux = manifest["progress"], manifest["auxiliary_state"]
+    for name in ("global_step", "epoch_index", "cursor_in_epoch"):  # the kinds that keep an epoch cursor
+        if name in value and value[name] != progress[name]:
             _fail(
                 "loop_state_mismatch",
                 f"{source}: {name} is {value[name]} but the manifest's progress.{name} is {progress[name]}",
                 pointer=f"/{name}",
             )
+    if manifest["training_kind"] == "grpo":  # grpo-loop.manifest-binding: the cursors agree with auxiliary_state
+        for name in ("route", "source_byte_offset", "source_lines_consumed", "ema_groups_since_refresh"):
+            if value.get(name) != aux.get(name):
+                _fail(
+                    "loop_state_mismatch",
+                    f"{source}: {name} is {value.get(name)!r} but auxiliary_state.{name} is {aux.get(name)!r}",
+                    pointer=f"/{name}",
+                )
     return value
 
 

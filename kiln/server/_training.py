@@ -228,6 +228,17 @@ def _grpo_request(body: dict[str, Any], config: dict[str, Any]) -> dict[str, Any
     return {**body, "config": config}
 
 
+def _grpo_fingerprint(admitted: Any) -> dict[str, Any]:
+    resume = admitted.resume
+    return {
+        "data_sha256": admitted.ingestion.source_sha256,
+        "seed": str(admitted.config["seed"]),
+        "checkpoint": None
+        if resume is None
+        else {"name": resume.path.name, "manifest_sha256": _file_sha256(resume.path / "checkpoint_manifest.json")},
+    }
+
+
 def _admit_grpo(engine: Engine, body: dict[str, Any], jobs: Any) -> dict[str, Any]:
     """GRPO admission: the trainer's own (request and config rules, pinned source, every group
     tokenised with its masks, identity); the fingerprint is the source digest and the seed."""
@@ -237,6 +248,8 @@ def _admit_grpo(engine: Engine, body: dict[str, Any], jobs: Any) -> dict[str, An
     auto_load = bool(config.pop("auto_load", True))
     adapter = config.get("output_name") or f"grpo-{uuid.uuid4().hex[:8]}"
     config["output_name"] = adapter
+    if config.get("checkpoint_interval") is None and not body.get("dry_run"):
+        config["checkpoint_interval"] = engine.settings.get("training", "checkpoint_interval")
     _writer_conflict(jobs, adapter)
     with engine.admission_lock:
         admitted = admit_grpo(
@@ -249,7 +262,7 @@ def _admit_grpo(engine: Engine, body: dict[str, Any], jobs: Any) -> dict[str, An
         "adapter_name": adapter,
         "effective_seed": str(admitted.config["seed"]),
         "request": replay,
-        "fingerprint": {"data_sha256": admitted.ingestion.source_sha256, "seed": str(admitted.config["seed"])},
+        "fingerprint": _grpo_fingerprint(admitted),
         "auto_load": auto_load and not admitted.dry_run,
         "total_steps": max(1, len(admitted.ingestion.groups)),
     }
@@ -267,8 +280,7 @@ def _run_grpo(engine: Engine, job: Job, cancel: threading.Event, report: Callabl
             request=_grpo_request(job.request, config),
             loaded=engine.base,
         )
-    now = {"data_sha256": admitted.ingestion.source_sha256, "seed": str(admitted.config["seed"])}
-    changed = _changed(job.fingerprint, now)
+    changed = _changed(job.fingerprint, _grpo_fingerprint(admitted))
     if changed:
         return Outcome(
             "failed",

@@ -18,11 +18,18 @@ loop (group filters, forwards, loss, steps, audits) and publication (adapter, re
 the ``grpo`` block and policy audit, manifest). A failure after admission writes a failed
 receipt with its category.
 
-Deliberate simplifications of this version: one pass over the groups in source order
-(``GrpoConfig`` has no epochs); one forward per completion with dense logits (fine for
-the vocabularies Kiln trains on CPU; the fused SFT route is not used here yet); no
-exact-resume checkpoints yet — ``checkpoint_interval`` and ``resume_checkpoint`` are
-refused with ``training_backend_unsupported``; no ``reward_filter_groups.json`` sidecar.
+Checkpoints (spec/30): every ``checkpoint_interval`` committed groups (never after the
+last group: the adapter is published instead) and on cancellation. A checkpoint binds the
+trainable group order, the streamed-source cursor (byte offset, lines consumed and their
+digest), the EMA reference tensors and cadence, the optimizer slots and the audit
+accumulators; resuming continues with the next trainable group and ends with exactly the
+bytes of an uninterrupted run.
+
+Deliberate simplifications: one pass over the groups in source order (``GrpoConfig`` has
+no epochs); the group filters are decided before training, so the trainable order is
+known up front; one forward per completion with dense logits (fine for the vocabularies
+Kiln trains on CPU; the fused SFT route is not used here yet); no
+``reward_filter_groups.json`` sidecar.
 """
 
 from __future__ import annotations
@@ -31,12 +38,26 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from kiln.errors import RequestError
+from kiln import contracts
+from kiln.artifacts.checkpoint_manifest import GRPO_SOURCE_KINDS
+from kiln.artifacts.loop_state import loop_state_file_name
+from kiln.checkpoints import (
+    checkpoint_id,
+    inspect_checkpoint,
+    load_checkpoint,
+    publish_checkpoint,
+    require_compatible,
+    resolve_checkpoint_path,
+)
+from kiln.digests import json_sha256, raw_hex
+from kiln.errors import CheckpointError, RequestError
 from kiln.publish import check_target, stage_adapter, write_adapter_manifest, write_train_receipt
 from kiln.trainers._grpo_config import check_grpo_request, effective_grpo_config
+from kiln.trainers.sft import _checkpoint_seed, _refuse_later_checkpoints
 from kiln.training import (
     TrainingFailedError,
     attach_lora,
@@ -47,8 +68,23 @@ from kiln.training import (
 )
 from kiln.training import _grpo_objective as obj
 from kiln.training._receipt import receipt_base
+from kiln.training._state import (
+    ADAPTER_FILE,
+    LORA_INIT_ALGORITHM,
+    OPTIMIZER_FILE,
+    adapter_tensors,
+    auxiliary_identity,
+    encode_tensors,
+    optimizer_tensors,
+    planning_identity,
+    restore_adapter,
+    restore_optimizer,
+)
 
 KIND = "grpo"
+LOOP_FILE = loop_state_file_name(KIND)
+REFERENCE_FILE = "reference.safetensors"
+PROGRESS_AUX = ("source_byte_offset", "source_lines_consumed", "consumed_lines_sha256", "ema_groups_since_refresh")
 Progress = Callable[[dict[str, Any]], None]
 
 
@@ -64,6 +100,7 @@ class AdmittedGrpo:
     precision: dict[str, Any]
     dry_run: bool = False
     pin: str | None = None
+    resume: Any = None  # kiln.checkpoints.LoadedCheckpoint when resuming
 
 
 @dataclass
@@ -74,6 +111,8 @@ class GrpoResult:
     manifest_path: Path | None
     receipt: dict[str, Any]
     losses: list[float] = field(default_factory=list)
+    checkpoints: list[Path] = field(default_factory=list)
+    cancelled: bool = False
 
 
 # ----------------------------------------------------------------------------- admission
@@ -93,15 +132,35 @@ def admit_grpo(
 
     check_grpo_request(request)
     config = dict(request.get("config") or {})
-    for key in ("checkpoint_interval", "resume_checkpoint"):
-        if config.get(key) is not None:
-            raise RequestError(
-                f"{key}: exact-resume checkpoints of GRPO runs are not available yet",
-                code="training_backend_unsupported",
-                hint=f"drop {key}; GRPO runs train in one pass",
+    resume_value = config.pop("resume_checkpoint", None)
+    checkpoint_path = None
+    if resume_value is not None:
+        check_target(registry, adapter_name)
+        checkpoint_path = resolve_checkpoint_path(registry, resume_value)
+        info = inspect_checkpoint(checkpoint_path)  # metadata only, before any model work
+        manifest = info.manifest
+        if manifest["training_kind"] != KIND:
+            raise CheckpointError(
+                f"{info.name} is a {manifest['training_kind']} checkpoint; a GRPO job resumes only GRPO checkpoints",
+                code="checkpoint_incompatible",
+                reason="training_kind",
+                pointer="/training_kind",
             )
+        if manifest["adapter_name"] != adapter_name:
+            raise CheckpointError(
+                f"{info.name} belongs to adapter {manifest['adapter_name']!r}, not {adapter_name!r}",
+                code="checkpoint_incompatible",
+                reason="adapter_name",
+                pointer="/adapter_name",
+            )
+        config["seed"] = _checkpoint_seed(config, manifest, info.name)
     cfg = effective_grpo_config(config, adapter_name)
     check_target(registry, adapter_name)
+    _refuse_later_checkpoints(
+        registry,
+        adapter_name,
+        inspect_checkpoint(checkpoint_path).manifest["progress"]["global_step"] if checkpoint_path else 0,
+    )
     if loaded is None:
         path, is_default = resolve_model_path(model_path)
         loaded = load_base_model(path, is_default=is_default)
@@ -129,7 +188,7 @@ def admit_grpo(
     torch.use_deterministic_algorithms(True)
     precision = training_precision(optimizer_kind=cfg["optimizer"]["kind"])
     identity = capture_identity(loaded.path, loaded.tokenizer, training_policy=precision)
-    return AdmittedGrpo(
+    job = AdmittedGrpo(
         adapter_name,
         registry,
         cfg,
@@ -141,6 +200,14 @@ def admit_grpo(
         bool(request.get("dry_run")),
         pin,
     )
+    if checkpoint_path is not None:
+        job.resume = load_checkpoint(checkpoint_path)  # every byte hashed, loop state checked
+        identity_now = identity_manifest(job)
+        for key in PROGRESS_AUX:  # cursors move with progress; the loop state binds them
+            if key in job.resume.manifest["auxiliary_state"]:
+                identity_now["auxiliary_state"][key] = job.resume.manifest["auxiliary_state"][key]
+        require_compatible(checkpoint_path.name, job.resume.manifest, identity_now)
+    return job
 
 
 class _NothingToTrainError(TrainingFailedError):
@@ -191,6 +258,205 @@ def _filter(job: AdmittedGrpo) -> tuple[list[Any], dict[str, int]]:
 def _equal(group: Any) -> bool:
     rewards = [c.reward for c in group.completions]
     return max(rewards) == min(rewards)
+
+
+def _plan(job: AdmittedGrpo) -> tuple[list[Any], dict[str, int]]:
+    """The trainable groups in order (empty when the filters leave nothing) and the filter counts."""
+    try:
+        return _filter(job)
+    except _NothingToTrainError as exc:
+        return [], exc.counts
+
+
+def _total_steps(job: AdmittedGrpo, kept: list[Any]) -> int:
+    if job.config["loss_aggregation"] == "per_sample":
+        return sum(len(g.completions) for g in kept)
+    return len(kept)
+
+
+def identity_manifest(job: AdmittedGrpo) -> dict[str, Any]:
+    """The manifest of this run without progress, files and time: what a resume must match."""
+    cfg = job.config
+    kept, _ = _plan(job)
+    optimizer = cfg["optimizer"]
+    stateful = optimizer["kind"] != "sgd"
+    ema = cfg["kl_reference_policy"]["kind"] == "ema"
+    state_files = {"adapter_parameters": ADAPTER_FILE, "loss_history": LOOP_FILE}
+    if stateful:
+        state_files["optimizer_state"] = OPTIMIZER_FILE
+    if ema:
+        state_files["reference_state"] = REFERENCE_FILE
+    planning = planning_identity(device="cpu")
+    aux: dict[str, Any] = {
+        "loop_state_type": "kiln.grpo-loop-state.v1",
+        **auxiliary_identity(job.identity, job.precision, planning),
+        "training_runtime_planning_identity": planning,
+        "route": job.ingestion.route,
+        "trainable_order_sha256": json_sha256([g.index for g in kept]),
+        "reference_policy": cfg["kl_reference_policy"]["kind"],
+    }
+    return {
+        "schema_version": 1,
+        "manifest_type": "kiln.training-checkpoint.v1",
+        "checkpoint_kind": "resumable",
+        "training_kind": KIND,
+        "adapter_name": job.adapter_name,
+        "effective_config": cfg,
+        "precision_policy": job.precision,
+        "progress": {"total_steps": _total_steps(job, kept)},
+        "data": {
+            "source_kind": GRPO_SOURCE_KINDS[job.ingestion.route],
+            "content_sha256": raw_hex(job.ingestion.source_sha256),
+            "item_count": len(kept),
+        },
+        "rng_states": {"lora-init": {"algorithm": LORA_INIT_ALGORITHM, "seed": cfg["seed"], "position": 0}},
+        "optimizer": {
+            "kind": optimizer["kind"],
+            "step": 0,
+            "hyperparameters": {
+                "learning_rate": cfg["learning_rate"],
+                **{k: v for k, v in optimizer.items() if k != "kind"},
+            },
+            **({"state_file": OPTIMIZER_FILE} if stateful else {}),
+        },
+        "scheduler": {"kind": "constant", "step": 0, "state": {"learning_rate": cfg["learning_rate"]}},
+        "state_files": state_files,
+        "auxiliary_state": aux,
+    }
+
+
+@dataclass
+class _Loop:
+    """The loop's committed state; ``as_document`` is ``grpo_loop_state.json``."""
+
+    route: str
+    groups_committed: int = 0  # trainable groups done (the cursor into the trainable order)
+    losses: list[float] = field(default_factory=list)
+    completions: int = 0
+    audits: dict[str, Any] = field(default_factory=dict)
+    timings: dict[str, float] = field(default_factory=dict)
+
+    def as_document(self, job: AdmittedGrpo, kept: list[Any], counts: dict[str, int], ema: Any) -> dict[str, Any]:
+        groups = job.ingestion.groups
+        consumed = kept[self.groups_committed - 1].index + 1 if self.groups_committed else 0
+        done = kept[: self.groups_committed]
+        filtered = consumed - self.groups_committed
+        dynamic = (
+            sum(1 for g in groups[:consumed] if g not in done and _equal(g)) if job.config["dynamic_sampling"] else 0
+        )
+        doc: dict[str, Any] = {
+            "schema_version": 1,
+            "state_type": "kiln.grpo-loop-state.v1",
+            "route": self.route,
+            "global_step": len(self.losses),
+            "processed_completions": self.completions,
+            "loss_history": list(self.losses),
+            "last_loss": self.losses[-1] if self.losses else None,
+            "data_stats": {
+                "groups_read": consumed,
+                "groups_filtered": filtered,
+                "groups_trained": self.groups_committed,
+                "completions_read": sum(len(g.completions) for g in groups[:consumed]),
+                "completions_trained": self.completions,
+            },
+            "token_counts": _token_counts(done),
+            "dynamic_groups_filtered": min(dynamic, filtered),
+            "echo_metrics": self.audits["echo"].loop_state(),
+            "lora_grad_norms": [],
+            "policy_audit": {
+                "importance_sampling": self.audits["is"].loop_state(),
+                "kl_reference": self.audits["kl"].loop_state(),
+                "recorded_provenance": {
+                    "completion_count": 0,
+                    "sampled_action_tokens": 0,
+                    "forced_action_tokens": 0,
+                    "behavior_sources": [],
+                },
+            },
+            "phase_timings": {
+                "tokenize_ms": job.tokenize_ms,
+                "mask_build_ms": 0.0,
+                **{
+                    k: self.timings.get(k, 0.0)
+                    for k in ("reference_forward_ms", "policy_forward_ms", "backward_ms", "optimizer_ms")
+                },
+            },
+            "writer_timings": {"gpu_writer_wait_ms": 0.0, "gpu_writer_held_ms": 0.0, "gpu_writer_acquisitions": 0},
+        }
+        doc.update(_cursor(job, consumed, ema, self.groups_committed, loop=True))
+        return doc
+
+
+def _token_counts(groups: list[Any]) -> dict[str, int]:
+    action = sum(c.action_tokens for g in groups for c in g.completions)
+    env = sum(c.observation_tokens for g in groups for c in g.completions)
+    warning = sum(c.warning_tokens for g in groups for c in g.completions)
+    total = sum(len(c.input_ids) for g in groups for c in g.completions)
+    return {
+        "action_tokens": action,
+        "env_tokens": env,
+        "env_tokens_before_warning_filter": env + warning,
+        "env_tokens_after_warning_filter": env,
+        "warning_tokens_filtered": warning,
+        "context_tokens": total - action - env,
+    }
+
+
+def _cursor(job: AdmittedGrpo, consumed: int, ema: Any, committed: int, *, loop: bool = False) -> dict[str, Any]:
+    """The progress-dependent members shared by the loop state and ``auxiliary_state``."""
+    out: dict[str, Any] = {}
+    if job.ingestion.route == "jsonl":
+        position = job.ingestion.positions[consumed - 1] if consumed else None
+        out["source_byte_offset"] = position.source_byte_offset if position else 0
+        out["source_lines_consumed"] = position.source_lines_consumed if position else 0
+        if not loop:
+            out["consumed_lines_sha256"] = position.consumed_lines_sha256 if position else json_sha256([])
+    if ema is not None:
+        out["ema_groups_since_refresh"] = ema.groups_since_refresh(committed)
+    return out
+
+
+def _publish(
+    job: AdmittedGrpo, loop: _Loop, kept: list[Any], counts: dict[str, int], params: Any, optimizer: Any, ema: Any
+) -> Any:
+    stateful = job.config["optimizer"]["kind"] != "sgd"
+
+    def capture() -> tuple[Any, Any, Any, dict[str, Any]]:
+        return (
+            adapter_tensors(params),
+            optimizer_tensors(optimizer, params) if stateful else None,
+            ema.state_dict() if ema is not None else None,
+            loop.as_document(job, kept, counts, ema),
+        )
+
+    def encode(snapshot: Any) -> tuple[dict[str, Any], dict[str, tuple[str, bytes]]]:
+        adapter, slots, reference, loop_doc = snapshot
+        manifest = identity_manifest(job)
+        step = loop_doc["global_step"]
+        manifest["checkpoint_id"] = checkpoint_id(KIND, step)
+        manifest["created_at"] = datetime.now(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+        manifest["progress"] = {
+            "global_step": step,
+            "total_steps": _total_steps(job, kept),
+            "epoch_index": 0,
+            "cursor_in_epoch": loop.groups_committed,
+            "data_order": list(range(len(kept))),
+        }
+        manifest["optimizer"]["step"] = step
+        manifest["scheduler"]["step"] = step
+        consumed = kept[loop.groups_committed - 1].index + 1 if loop.groups_committed else 0
+        manifest["auxiliary_state"].update(_cursor(job, consumed, ema, loop.groups_committed))
+        files = {
+            ADAPTER_FILE: ("adapter-parameters", encode_tensors(adapter)),
+            LOOP_FILE: ("loss-history", contracts.render("GrpoLoopState", loop_doc)),
+        }
+        if slots is not None:
+            files[OPTIMIZER_FILE] = ("optimizer-state", encode_tensors(slots))
+        if reference is not None:
+            files[REFERENCE_FILE] = ("reference-state", encode_tensors(reference))
+        return manifest, files
+
+    return publish_checkpoint(job.registry, capture, encode)
 
 
 # ----------------------------------------------------------------------------- dry run
@@ -249,6 +515,7 @@ def run_grpo(
         "echo": obj.EchoAccumulator(),
     }
     losses: list[float] = []
+    published: list[Path] = []
     kept: list[Any] = []
     counts = {"dynamic": 0, "variance": 0}
     delta_norms: list[dict[str, Any]] = []
@@ -272,6 +539,25 @@ def run_grpo(
             if reference["kind"] == "ema"
             else None
         )
+        loop = _Loop(job.ingestion.route, audits=audits, timings=timings, losses=losses)
+        if job.resume is not None:
+            from safetensors.torch import load as load_tensors
+
+            manifest, state = job.resume.manifest, job.resume.loop_state
+            restore_adapter(params, job.resume.blobs[manifest["state_files"]["adapter_parameters"]])
+            state_file = manifest["optimizer"].get("state_file")
+            restore_optimizer(optimizer, params, job.resume.blobs[state_file] if state_file else None)
+            if ema is not None:
+                ema.load_state_dict(load_tensors(job.resume.blobs[manifest["state_files"]["reference_state"]]))
+            losses.extend(state["loss_history"])
+            loop.completions = state["processed_completions"]
+            loop.groups_committed = manifest["progress"]["cursor_in_epoch"]
+            audits["is"] = obj.ImportanceSamplingAccumulator.from_loop_state(
+                state["policy_audit"]["importance_sampling"]
+            )
+            audits["kl"] = obj.KlReferenceAccumulator.from_loop_state(state["policy_audit"]["kl_reference"])
+            audits["echo"] = obj.EchoAccumulator.from_loop_state(state["echo_metrics"])
+        interval = cfg["checkpoint_interval"]
 
         def reference_logp(ids: Any) -> Any:
             t0 = time.perf_counter()
@@ -361,6 +647,8 @@ def run_grpo(
             return value
 
         for number, group in enumerate(kept, start=1):
+            if number <= loop.groups_committed:
+                continue  # resumed: committed before the checkpoint
             rewards = torch.tensor([c.reward for c in group.completions], dtype=torch.float64)
             adv = obj.advantages(rewards, cfg["advantage_mode"]).tolist()
             # reference log-probabilities first: an EMA reference is swapped into the LoRA tensors,
@@ -377,21 +665,34 @@ def run_grpo(
                     value = step([completion_terms(group, i, adv[i], refs[i])], c.action_tokens)
             if ema is not None:
                 ema.update(params, number)
+            loop.groups_committed = number
+            loop.completions += len(group.completions)
             if progress:
                 progress({"step": number, "total": len(kept), "loss": value, "tokens": group.prompt_tokens})
-            if cancel is not None and cancel.is_set() and number < len(kept):
+            if number >= len(kept):
+                break  # the final group publishes the adapter, not a checkpoint
+            just_published = None
+            if interval and number % interval == 0:
+                just_published = _publish(job, loop, kept, counts, params, optimizer, ema)
+                published.append(just_published.path)
+            if cancel is not None and cancel.is_set():
+                where = just_published or _publish(job, loop, kept, counts, params, optimizer, ema)
+                if where is not just_published:
+                    published.append(where.path)
                 raise TrainingFailedError(
-                    "cancelled", f"cancelled after group {number} of {len(kept)} (GRPO runs have no checkpoints yet)"
+                    "cancelled", f"cancelled after group {number} of {len(kept)}; resume from {where.path.name}"
                 )
         delta_norms = lora_delta_norms(model)
         if not kept:  # reward_filter_on_empty "skip": finish without an update
             receipt = _receipt(job, started, kept, counts, timings, delta_norms, audits, None)
-            return GrpoResult("success", adapter_dir, write_train_receipt(adapter_dir, receipt), None, receipt, losses)
+            return GrpoResult(
+                "success", adapter_dir, write_train_receipt(adapter_dir, receipt), None, receipt, losses, published
+            )
         adapter_dir = stage_adapter(model, job.registry, job.adapter_name)
         receipt = _receipt(job, started, kept, counts, timings, delta_norms, audits, adapter_dir)
         receipt_path = write_train_receipt(adapter_dir, receipt)
         manifest_path = write_adapter_manifest(adapter_dir, receipt)
-        return GrpoResult("success", adapter_dir, receipt_path, manifest_path, receipt, losses)
+        return GrpoResult("success", adapter_dir, receipt_path, manifest_path, receipt, losses, published)
     except BaseException as exc:
         reason, message = classify_failure(exc)
         counts = getattr(exc, "counts", counts)
@@ -399,7 +700,9 @@ def run_grpo(
         receipt_path = write_train_receipt(adapter_dir, receipt)
         if isinstance(exc, KeyboardInterrupt):
             raise
-        return GrpoResult("failed", adapter_dir, receipt_path, None, receipt, losses)
+        return GrpoResult(
+            "failed", adapter_dir, receipt_path, None, receipt, losses, published, cancelled=reason == "cancelled"
+        )
 
 
 # ----------------------------------------------------------------------------- the receipt
