@@ -51,13 +51,13 @@ from kiln.checkpoints import (
     load_checkpoint,
     publish_checkpoint,
     require_compatible,
-    resolve_checkpoint_path,
 )
 from kiln.digests import json_sha256, raw_hex
-from kiln.errors import CheckpointError, RequestError
+from kiln.errors import RequestError
 from kiln.publish import check_target, stage_adapter, write_adapter_manifest, write_train_receipt
 from kiln.trainers._grpo_config import check_grpo_request, effective_grpo_config
-from kiln.trainers.sft import _checkpoint_seed, _refuse_later_checkpoints
+from kiln.trainers._resume import optimizer_identity, resume_metadata
+from kiln.trainers.sft import _refuse_later_checkpoints
 from kiln.training import (
     TrainingFailedError,
     attach_lora,
@@ -132,28 +132,7 @@ def admit_grpo(
 
     check_grpo_request(request)
     config = dict(request.get("config") or {})
-    resume_value = config.pop("resume_checkpoint", None)
-    checkpoint_path = None
-    if resume_value is not None:
-        check_target(registry, adapter_name)
-        checkpoint_path = resolve_checkpoint_path(registry, resume_value)
-        info = inspect_checkpoint(checkpoint_path)  # metadata only, before any model work
-        manifest = info.manifest
-        if manifest["training_kind"] != KIND:
-            raise CheckpointError(
-                f"{info.name} is a {manifest['training_kind']} checkpoint; a GRPO job resumes only GRPO checkpoints",
-                code="checkpoint_incompatible",
-                reason="training_kind",
-                pointer="/training_kind",
-            )
-        if manifest["adapter_name"] != adapter_name:
-            raise CheckpointError(
-                f"{info.name} belongs to adapter {manifest['adapter_name']!r}, not {adapter_name!r}",
-                code="checkpoint_incompatible",
-                reason="adapter_name",
-                pointer="/adapter_name",
-            )
-        config["seed"] = _checkpoint_seed(config, manifest, info.name)
+    checkpoint_path = resume_metadata(registry, adapter_name, config, KIND)
     cfg = effective_grpo_config(config, adapter_name)
     check_target(registry, adapter_name)
     _refuse_later_checkpoints(
@@ -280,6 +259,7 @@ def identity_manifest(job: AdmittedGrpo) -> dict[str, Any]:
     kept, _ = _plan(job)
     optimizer = cfg["optimizer"]
     stateful = optimizer["kind"] != "sgd"
+    optimizer_block, scheduler_block = optimizer_identity(cfg)
     ema = cfg["kl_reference_policy"]["kind"] == "ema"
     state_files = {"adapter_parameters": ADAPTER_FILE, "loss_history": LOOP_FILE}
     if stateful:
@@ -310,16 +290,8 @@ def identity_manifest(job: AdmittedGrpo) -> dict[str, Any]:
             "item_count": len(kept),
         },
         "rng_states": {"lora-init": {"algorithm": LORA_INIT_ALGORITHM, "seed": cfg["seed"], "position": 0}},
-        "optimizer": {
-            "kind": optimizer["kind"],
-            "step": 0,
-            "hyperparameters": {
-                "learning_rate": cfg["learning_rate"],
-                **{k: v for k, v in optimizer.items() if k != "kind"},
-            },
-            **({"state_file": OPTIMIZER_FILE} if stateful else {}),
-        },
-        "scheduler": {"kind": "constant", "step": 0, "state": {"learning_rate": cfg["learning_rate"]}},
+        "optimizer": optimizer_block,
+        "scheduler": scheduler_block,
         "state_files": state_files,
         "auxiliary_state": aux,
     }

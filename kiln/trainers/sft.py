@@ -45,7 +45,6 @@ from kiln.checkpoints import (
     load_checkpoint,
     publish_checkpoint,
     require_compatible,
-    resolve_checkpoint_path,
 )
 from kiln.digests import json_sha256, raw_hex
 from kiln.epoch_order import ALGORITHM_ID, epoch_order
@@ -56,6 +55,7 @@ from kiln.publish import (
     write_adapter_manifest,
     write_train_receipt,
 )
+from kiln.trainers._resume import optimizer_identity, resume_metadata
 from kiln.training import (
     DEFAULT_LEARNING_RATES,
     TrainingFailedError,
@@ -252,29 +252,7 @@ def admit_sft(
     from kiln.model import capture_identity, load_base_model, resolve_model_path, training_precision
 
     config = dict(config)
-    resume_value = config.pop("resume_checkpoint", None)
-    checkpoint_path = None
-    if resume_value is not None:
-        check_target(registry, adapter_name)  # a path-safe name before it meets the file system
-        checkpoint_path = resolve_checkpoint_path(registry, resume_value)
-        info = inspect_checkpoint(checkpoint_path)  # metadata only: fail fast, before any model work
-        manifest = info.manifest
-        if manifest["training_kind"] != KIND:
-            raise CheckpointError(
-                f"{info.name} is a {manifest['training_kind']} checkpoint; an SFT job resumes only SFT checkpoints",
-                code="checkpoint_incompatible",
-                reason="training_kind",
-                pointer="/training_kind",
-            )
-        if manifest["adapter_name"] != adapter_name:
-            raise CheckpointError(
-                f"{info.name} belongs to adapter {manifest['adapter_name']!r}, not {adapter_name!r}",
-                code="checkpoint_incompatible",
-                reason="adapter_name",
-                pointer="/adapter_name",
-                hint=f"resume with --adapter {manifest['adapter_name']}",
-            )
-        config["seed"] = _checkpoint_seed(config, manifest, info.name)
+    checkpoint_path = resume_metadata(registry, adapter_name, config, KIND)
     cfg = effective_config(config, adapter_name)
     check_target(registry, adapter_name)
     _refuse_later_checkpoints(
@@ -322,6 +300,7 @@ def identity_manifest(job: AdmittedSft, *, lora_init_position: int = 0) -> dict[
     cfg, examples = job.config, job.ingestion.examples
     optimizer = cfg["optimizer"]
     stateful = optimizer["kind"] != "sgd"
+    optimizer_block, scheduler_block = optimizer_identity(cfg)
     record = {k: v for k, v in job.ingestion.record.items() if k != "source_locator"}
     state_files = {"adapter_parameters": ADAPTER_FILE, "loss_history": LOOP_FILE}
     if stateful:
@@ -344,16 +323,8 @@ def identity_manifest(job: AdmittedSft, *, lora_init_position: int = 0) -> dict[
             "epoch-order": {"algorithm": ALGORITHM_ID, "seed": cfg["seed"], "position": 0},
             "lora-init": {"algorithm": LORA_INIT_ALGORITHM, "seed": cfg["seed"], "position": lora_init_position},
         },
-        "optimizer": {
-            "kind": optimizer["kind"],
-            "step": 0,
-            "hyperparameters": {
-                "learning_rate": cfg["learning_rate"],
-                **{k: v for k, v in optimizer.items() if k != "kind"},
-            },
-            **({"state_file": OPTIMIZER_FILE} if stateful else {}),
-        },
-        "scheduler": {"kind": "constant", "step": 0, "state": {"learning_rate": cfg["learning_rate"]}},
+        "optimizer": optimizer_block,
+        "scheduler": scheduler_block,
         "state_files": state_files,
         "auxiliary_state": {
             "loop_state_type": "kiln.sft-loop-state.v1",
