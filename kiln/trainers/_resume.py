@@ -51,6 +51,15 @@ def resume_metadata(registry: Path, adapter_name: str, config: dict[str, Any], k
     return checkpoint_path
 
 
+def claim_target(registry: Path, adapter_name: str, checkpoint_path: Path | None) -> None:
+    """A free, path-safe adapter name, and no checkpoint of it past where this run starts."""
+    from kiln.trainers.sft import _refuse_later_checkpoints
+
+    check_target(registry, adapter_name)
+    start = inspect_checkpoint(checkpoint_path).manifest["progress"]["global_step"] if checkpoint_path else 0
+    _refuse_later_checkpoints(registry, adapter_name, start)
+
+
 def optimizer_identity(cfg: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """The manifest's ``optimizer`` and ``scheduler`` objects at step 0 (constant learning rate)."""
     optimizer = cfg["optimizer"]

@@ -47,17 +47,15 @@ from kiln.artifacts.checkpoint_manifest import GRPO_SOURCE_KINDS
 from kiln.artifacts.loop_state import loop_state_file_name
 from kiln.checkpoints import (
     checkpoint_id,
-    inspect_checkpoint,
     load_checkpoint,
     publish_checkpoint,
     require_compatible,
 )
 from kiln.digests import json_sha256, raw_hex
 from kiln.errors import RequestError
-from kiln.publish import check_target, stage_adapter, write_adapter_manifest, write_train_receipt
+from kiln.publish import stage_adapter, write_adapter_manifest, write_train_receipt
 from kiln.trainers._grpo_config import check_grpo_request, effective_grpo_config
-from kiln.trainers._resume import optimizer_identity, resume_metadata
-from kiln.trainers.sft import _refuse_later_checkpoints
+from kiln.trainers._resume import claim_target, optimizer_identity, resume_metadata
 from kiln.training import (
     TrainingFailedError,
     attach_lora,
@@ -134,12 +132,7 @@ def admit_grpo(
     config = dict(request.get("config") or {})
     checkpoint_path = resume_metadata(registry, adapter_name, config, KIND)
     cfg = effective_grpo_config(config, adapter_name)
-    check_target(registry, adapter_name)
-    _refuse_later_checkpoints(
-        registry,
-        adapter_name,
-        inspect_checkpoint(checkpoint_path).manifest["progress"]["global_step"] if checkpoint_path else 0,
-    )
+    claim_target(registry, adapter_name, checkpoint_path)
     if loaded is None:
         path, is_default = resolve_model_path(model_path)
         loaded = load_base_model(path, is_default=is_default)

@@ -40,7 +40,6 @@ from kiln.artifacts.loop_state import loop_state_file_name
 from kiln.checkpoints import (
     LoadedCheckpoint,
     checkpoint_id,
-    inspect_checkpoint,
     list_checkpoints,
     load_checkpoint,
     publish_checkpoint,
@@ -50,12 +49,11 @@ from kiln.digests import json_sha256, raw_hex
 from kiln.epoch_order import ALGORITHM_ID, epoch_order
 from kiln.errors import CheckpointError, Problem, RequestError
 from kiln.publish import (
-    check_target,
     stage_adapter,
     write_adapter_manifest,
     write_train_receipt,
 )
-from kiln.trainers._resume import optimizer_identity, resume_metadata
+from kiln.trainers._resume import claim_target, optimizer_identity, resume_metadata
 from kiln.training import (
     DEFAULT_LEARNING_RATES,
     TrainingFailedError,
@@ -254,12 +252,7 @@ def admit_sft(
     config = dict(config)
     checkpoint_path = resume_metadata(registry, adapter_name, config, KIND)
     cfg = effective_config(config, adapter_name)
-    check_target(registry, adapter_name)
-    _refuse_later_checkpoints(
-        registry,
-        adapter_name,
-        inspect_checkpoint(checkpoint_path).manifest["progress"]["global_step"] if checkpoint_path else 0,
-    )
+    claim_target(registry, adapter_name, checkpoint_path)
     if loaded is None:
         path, is_default = resolve_model_path(model_path)
         loaded = load_base_model(path, is_default=is_default)
