@@ -16,11 +16,11 @@ from importlib import resources
 from typing import Any
 
 SCHEMA_DIGESTS: dict[str, str] = {
-    "kiln-artifacts-v1.schema.json": "sha256:80caefd11f8e74fcddfc6197dac920cfc1824dfe7cde96d7cb4e53bbad134aaa",
+    "kiln-artifacts-v1.schema.json": "sha256:ee624a62c3e7a8d12d565d441c0c8f1cba57cdf07adf8c2b008d142ebb2538f3",
     "kiln-checkpoint-v1.schema.json": "sha256:74af4e1585bafc06ce891558189cb949a07ace144edf9c26034e0ea47545e6a3",
     "kiln-common-v1.schema.json": "sha256:578fb0867921ff18b61214d1e6a909abccdcc2532c6c6bd5a1c1aada83583c73",
     "kiln-config-v1.schema.json": "sha256:fe225dfed3f0b89e9f92aa718d8aa56c2473d29fb9b71d99ab178444d1ddb443",
-    "kiln-control-plane-v1.schema.json": "sha256:5e0fa71abefd6f13d34c4285030d78169b1d9e7eebc32b9a775b6a0dcef79e8e",
+    "kiln-control-plane-v1.schema.json": "sha256:ff82b0997b8d0e52de607cc98bc470c283a0807b8df8eef015cdfd6ffe831c67",
     "kiln-observability-v1.schema.json": "sha256:f2577529d90ec5b8426f93f2fe6f869a6a95ee86838974a450e002caeeacccbd"
 }
 
