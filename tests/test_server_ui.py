@@ -2,14 +2,19 @@
 
 Debian's ``/usr/bin/chromium`` is driven by the ``playwright`` package (never a downloaded
 browser). The page lists jobs and follows their progress, draws the loss curve of the
-selected job as SVG, cancels it and shows the cancelled error and the checkpoint to
-resume from, lists adapters with their manifest and canary state, and asks for the API
+selected job as SVG, shows its checkpoint, receipt and effective configuration, cancels it,
+prepares a resume request from it (clearing the inline data the checkpoint summary cannot
+rebuild), shows a refused resume as drift naming the field, submits the restored request
+and follows the resumed job to its adapter. It loads, unloads, views and deletes adapters
+(with confirmation), shows the server's identity, queue and memory, and asks for the API
 key when the server wants one. Screenshots land in ``tmp_path`` and, when
-``KILN_TEST_ARTIFACTS`` names a directory, are copied there too.
+``KILN_TEST_ARTIFACTS`` names a directory, are copied there too; ``KILN_UI_SCREENSHOT=PATH``
+also writes the README's screenshot of the resumed run to PATH.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -40,6 +45,8 @@ CHROMIUM_ARGS = [
 ]
 HOSTILE_NAME = "<img src=x onerror=\"document.title='pwned'\">"  # a registry directory whose name is markup
 TIMEOUT_MS = 30_000
+# chromium logs every non-2xx fetch as a console error; the refusals a test provokes on purpose are expected
+REFUSED = re.compile(r"^Failed to load resource: the server responded with a status of (400|404|409) ")
 
 
 @pytest.fixture(scope="module")
@@ -76,6 +83,9 @@ class Tab:
             shutil.copy2(path, Path(target) / path.name)
         return path
 
+    def unexpected_console_errors(self) -> list[str]:
+        return [text for text in self.console_errors if not REFUSED.match(text)]
+
     def close(self) -> None:
         self.context.close()
 
@@ -99,6 +109,14 @@ def _progress(row) -> float:
     return float(row.get_attribute("data-progress") or 0)
 
 
+def _edit_request(page, change) -> dict:
+    """Parse the prepared request in the textarea, apply ``change`` and type the result back."""
+    request = json.loads(page.locator("#resume-request").input_value())
+    change(request)
+    page.fill("#resume-request", json.dumps(request, indent=2))
+    return request
+
+
 def test_the_page_is_one_self_contained_file_that_never_parses_server_text_as_html():
     text = PAGE.read_text(encoding="utf-8")
     for sink in ("innerHTML", "outerHTML", "insertAdjacentHTML", "document.write", "eval(", "new Function"):
@@ -109,17 +127,13 @@ def test_the_page_is_one_self_contained_file_that_never_parses_server_text_as_ht
     assert 'rel="stylesheet"' not in text
 
 
-def test_the_dashboard_follows_a_job_from_progress_to_cancel_and_lists_the_next_jobs_adapter(
-    tab, tmp_path, tiny_model_dir
-):
+def test_the_dashboard_follows_a_job_cancels_it_and_resumes_it_from_a_prepared_request(tab, tmp_path, tiny_model_dir):
     home = tmp_path / "home"
-    (home / "adapters" / HOSTILE_NAME).mkdir(parents=True)
     page = tab.page
     with ServerProcess(home, tiny_model_dir) as server, server.client() as http:
-        long = _submit(
-            http, {"epochs": 1000, "seed": 5, "checkpoint_interval": 5, "output_name": "ui-job", "auto_load": False}
-        )
-        job_id = long["job_id"]
+        # 300 steps of ~30 ms: the page polls for ~3 s before it cancels, and the resumed rest takes seconds
+        config = {"epochs": 150, "seed": 5, "checkpoint_interval": 5, "output_name": "ui-job"}
+        job_id = _submit(http, config)["job_id"]
         page.goto(f"{server.url}/ui")
 
         expect(page.locator("#health")).to_have_attribute("data-status", "ok")
@@ -142,6 +156,7 @@ def test_the_dashboard_follows_a_job_from_progress_to_cancel_and_lists_the_next_
         expect(detail).to_have_attribute("data-job-id", job_id)
         expect(row).to_have_class(re.compile(r"\bselected\b"))
         expect(page.locator("#detail-seed")).to_have_text("5")
+        expect(page.locator("#detail-kind")).to_contain_text("sft")
         assert page.eval_on_selector("#loss-plot", "e => e.namespaceURI") == "http://www.w3.org/2000/svg"
         line = page.locator("#loss-plot polyline#loss-line")
         wait_for(lambda: line.count() and int(line.get_attribute("data-count") or 0) >= 5, timeout=30)
@@ -152,6 +167,15 @@ def test_the_dashboard_follows_a_job_from_progress_to_cancel_and_lists_the_next_
         expect(page.locator("#loss-plot-x-label")).to_have_text("progress of the run")
         expect(page.locator("#loss-plot-y-label")).to_have_text("loss")
         wait_for(lambda: page.locator("#job-checkpoint").get_attribute("data-checkpoint"), timeout=30)
+        # the effective configuration as admitted, and no receipt while the job runs
+        admitted = http.get(f"/v1/train/jobs/{job_id}").json()["replay_request"]["config"]
+        expect(page.locator('#config-table tr[data-key="learning_rate"] td').nth(1)).to_have_text(
+            str(admitted["learning_rate"])
+        )
+        expect(page.locator('#config-table tr[data-key="checkpoint_interval"] td').nth(1)).to_have_text("5")
+        expect(page.locator('#config-table tr[data-key="seed"] td').nth(1)).to_have_text("5")
+        expect(page.locator("#receipt-summary")).to_have_attribute("data-status", "none")
+        expect(page.locator("#prepare-resume")).to_be_hidden()
         cancel = page.locator("#cancel-job")
         expect(cancel).to_be_visible()
         tab.shot("job-running")
@@ -165,40 +189,202 @@ def test_the_dashboard_follows_a_job_from_progress_to_cancel_and_lists_the_next_
         served = http.get(f"/v1/train/jobs/{job_id}").json()
         checkpoint = served["latest_checkpoint"]
         assert served["error"].startswith("cancelled")
+        assert 0 < checkpoint["global_step"] < checkpoint["total_steps"] == 300, "the job ended before the cancel"
         expect(page.locator("#job-checkpoint")).to_have_attribute("data-checkpoint", checkpoint["resume_checkpoint"])
         assert checkpoint["resume_checkpoint"].startswith("ui-job-checkpoint-step-")
         expect(page.locator("#checkpoint-step")).to_contain_text(
             f"step {checkpoint['global_step']}/{checkpoint['total_steps']}"
         )
-        assert 0 < checkpoint["global_step"] < checkpoint["total_steps"] == 2000
+        expect(page.locator("#checkpoint-cursor")).to_contain_text(
+            f"epoch index {checkpoint['next_epoch_index']}, item {checkpoint['next_cursor_in_epoch']} of 2"
+        )
+        expect(page.locator("#checkpoint-created")).to_have_text(checkpoint["created_at"])
+        receipt = served["train_receipt"]
+        expect(page.locator("#receipt-summary")).to_have_attribute("data-status", "failed")
+        expect(page.locator("#receipt-failure")).to_have_attribute("data-reason", "cancelled")
+        expect(page.locator("#receipt-failure")).to_contain_text(receipt["failure_message"])
+        expect(page.locator("#receipt-digest")).to_have_attribute("data-sha256", receipt["training_data"]["sha256"])
+        expect(page.locator("#receipt-loss-route")).to_contain_text(receipt["runtime"]["sft_loss_route"])
+        expect(page.locator("#loss-plot-checkpoint")).to_have_count(1)
+        expect(page.locator("#detail-gate")).to_be_hidden()  # Kiln runs no evaluation gate
         tab.shot("job-cancelled")
 
-        short = _submit(http, {"epochs": 2, "seed": 7, "output_name": "ui-done"})  # auto_load: becomes active
-        expect(page.locator(f'#jobs tbody tr[data-job-id="{short["job_id"]}"]')).to_have_attribute(
-            "data-state", "completed", timeout=60_000
+        # prepare a resume: same kind, adapter and configuration, the checkpoint set, inline data cleared
+        page.click("#prepare-resume")
+        panel = page.locator("#resume")
+        expect(panel).to_be_visible()
+        expect(panel).to_have_attribute("data-source-job", job_id)
+        expect(page.locator("#resume-route")).to_have_text("POST /v1/train/sft")
+        expect(page.locator("#resume-checkpoint")).to_have_text(checkpoint["resume_checkpoint"])
+        prepared = json.loads(page.locator("#resume-request").input_value())
+        assert prepared["examples"] == []
+        assert prepared["config"] == {
+            **served["replay_request"]["config"],
+            "resume_checkpoint": checkpoint["resume_checkpoint"],
+        }
+        assert set(prepared) == {"examples", "config"}
+        notice = page.locator('#resume-notices li[data-field="examples"]')
+        expect(notice).to_be_visible()
+        expect(notice).to_contain_text("examples was cleared")
+        expect(notice).to_contain_text(checkpoint["data_content_sha256"])
+        tab.shot("resume-prepared")
+
+        # submitted without the data: the server's refusal is shown with its code and pointer
+        jobs_before = len(http.get("/v1/train/status").json())
+        page.click("#resume-submit")
+        error = page.locator("#resume-error")
+        expect(error).to_be_visible()
+        expect(error).to_have_attribute("data-pointer", "/examples")
+        expect(page.locator("#resume-drift")).to_be_hidden()
+
+        # the data restored but the learning rate changed: drift, naming the field
+        lr = prepared["config"]["learning_rate"]
+        _edit_request(
+            page, lambda r: (r.update(examples=ADAPTER_CONVERSATIONS), r["config"].update(learning_rate=lr * 2))
         )
-        adapter = page.locator('#adapters tbody tr[data-adapter="ui-done"]')
-        expect(adapter).to_have_attribute("data-active", "true")
+        page.click("#resume-submit")
+        drift = page.locator("#resume-drift")
+        expect(drift).to_be_visible()
+        expect(error).to_be_hidden()
+        expect(drift).to_have_attribute("data-code", "checkpoint_incompatible")
+        expect(drift).to_have_attribute("data-field", "effective_config.learning_rate")
+        expect(drift).to_have_attribute("data-pointer", "/effective_config/learning_rate")
+        expect(page.locator("#resume-drift-field")).to_have_text("effective_config.learning_rate")
+        expect(page.locator("#resume-drift-message")).to_contain_text("effective_config.learning_rate differs")
+        assert len(http.get("/v1/train/status").json()) == jobs_before  # nothing was queued
+        tab.shot("resume-drift")
+
+        # the identical source and settings: queued, resumed, completed, and its adapter appears
+        _edit_request(page, lambda r: r["config"].update(learning_rate=lr))
+        page.click("#resume-submit")
+        queued = page.locator("#resume-queued")
+        expect(queued).to_be_visible()
+        expect(drift).to_be_hidden()
+        resumed_id = queued.get_attribute("data-job-id")
+        assert resumed_id
+        assert resumed_id != job_id
+        expect(detail).to_have_attribute("data-job-id", resumed_id)  # the page follows the resumed job
+        resumed_row = page.locator(f'#jobs tbody tr[data-job-id="{resumed_id}"]')
+        expect(resumed_row).to_have_attribute("data-state", "completed", timeout=120_000)
+        expect(detail).to_have_attribute("data-state", "completed")
+        done = http.get(f"/v1/train/jobs/{resumed_id}").json()
+        assert done["replay_request"]["config"]["resume_checkpoint"] == checkpoint["resume_checkpoint"]
+        expect(page.locator("#receipt-summary")).to_have_attribute("data-status", "success")
+        expect(page.locator("#receipt-digest")).to_have_attribute("data-sha256", receipt["training_data"]["sha256"])
+        adapter = page.locator('#adapters tbody tr[data-adapter="ui-job"]')
         expect(adapter).to_have_attribute("data-manifest", "present")
-        expect(adapter).to_have_attribute("data-status", "loaded")
+        expect(adapter).to_have_attribute("data-active", "true")  # auto_load: the canary passed
+        expect(adapter).to_have_attribute("data-canary", "passed")
         expect(adapter.locator(".badge.active")).to_be_visible()
         listed = {a["name"]: a for a in http.get("/v1/adapters").json()["available"]}
-        rank, alpha = listed["ui-done"]["rank"], listed["ui-done"]["alpha"]
+        rank, alpha = listed["ui-job"]["rank"], listed["ui-job"]["alpha"]
         expect(adapter.locator("td").nth(2)).to_have_text(f"{rank} / {alpha:g}")
-        expect(page.locator("#health-adapter")).to_have_text("ui-done")
+        expect(page.locator("#health-adapter")).to_have_text("ui-job")
         expect(page.locator("#adapters tbody tr[data-active='true']")).to_have_count(1)
+        tab.shot("resumed-completed")
+        readme = os.environ.get("KILN_UI_SCREENSHOT")
+        if readme:
+            Path(readme).parent.mkdir(parents=True, exist_ok=True)
+            page.screenshot(path=readme, full_page=True)
 
         # a directory named like markup is shown as text, never run
+        (home / "adapters" / HOSTILE_NAME).mkdir()
         hostile = page.locator("#adapters tbody tr").filter(has_text=HOSTILE_NAME)
         expect(hostile).to_have_count(1)
         expect(hostile).to_have_attribute("data-status", "invalid")
         assert page.locator("#adapters img").count() == 0
         assert page.title() != "pwned"
-        tab.shot("adapter-active")
 
     assert tab.page_errors == []
-    assert tab.console_errors == []
+    assert tab.unexpected_console_errors() == []
     assert all(url.startswith((f"{server.url}/", "data:")) for url in tab.requests), tab.requests
+
+
+def test_the_dashboard_views_loads_unloads_and_deletes_an_adapter_and_shows_the_servers_identity(
+    tab, tmp_path, tiny_model_dir, trained_adapter
+):
+    home = tmp_path / "home"
+    shutil.copytree(trained_adapter, home / "adapters" / "bot")
+    page = tab.page
+    with ServerProcess(home, tiny_model_dir) as server, server.client() as http:
+        page.goto(f"{server.url}/ui")
+        health = http.get("/health").json()
+        identity, weights = health["execution_identity"], health["base_weight_identity"]
+        expect(page.locator("#health-backend")).to_have_text(identity["backend"])
+        expect(page.locator("#health-device")).to_have_text(identity["device"])
+        expect(page.locator("#health-provenance [data-sha256]")).to_have_attribute(
+            "data-sha256", identity["provenance_sha256"]
+        )
+        expect(page.locator("#health-base-digest [data-sha256]")).to_have_attribute(
+            "data-sha256", weights["aggregate_sha256"]
+        )
+        expect(page.locator("#health-shards")).to_have_text(str(weights["shard_count"]))
+        expect(page.locator("#health-queue-depth")).to_have_attribute("data-queued", "0")
+        expect(page.locator("#health-queue-depth")).to_have_text("0 of 32")
+        expect(page.locator("#health-memory-rss")).to_contain_text("MiB")
+        for check in health["checks"]:
+            expect(page.locator(f'#health-checks dd[data-check="{check["name"]}"]')).to_have_attribute(
+                "data-pass", "true"
+            )
+
+        row = page.locator('#adapters tbody tr[data-adapter="bot"]')
+        expect(row).to_have_attribute("data-manifest", "present")
+        expect(row).to_have_attribute("data-active", "false")
+        expect(row).to_have_attribute("data-canary", "unknown")
+        listed = {a["name"]: a for a in http.get("/v1/adapters").json()["available"]}["bot"]
+
+        row.locator('button[data-action="receipt"]').click()
+        view = page.locator("#adapter-view")
+        expect(view).to_have_attribute("data-kind", "receipt")
+        expect(view).to_have_attribute("data-loaded", "true")
+        expect(page.locator("#adapter-view-status")).to_have_text("success")
+        assert (
+            json.loads(page.locator("#adapter-view-json").text_content()) == http.get("/v1/adapters/bot/receipt").json()
+        )
+
+        row.locator('button[data-action="manifest"]').click()
+        expect(view).to_have_attribute("data-kind", "manifest")
+        expect(view).to_have_attribute("data-loaded", "true")
+        expect(page.locator("#adapter-view-safetensors")).to_have_attribute(
+            "data-sha256", listed["adapter_manifest"]["safetensors_hash"]
+        )
+        assert json.loads(page.locator("#adapter-view-json").text_content()) == listed["adapter_manifest"]
+        tab.shot("adapter-manifest")
+
+        row.locator('button[data-action="load"]').click()
+        expect(row).to_have_attribute("data-active", "true")
+        expect(page.locator("#adapter-message")).to_have_attribute("data-status", "ok")
+        expect(page.locator("#health-adapter")).to_have_text("bot")
+
+        # deleting the served adapter asks first, then shows the server's refusal
+        row.locator('button[data-action="delete"]').click()
+        expect(row.locator(".confirm")).to_have_text("Delete bot and its checkpoints?")
+        row.locator('button[data-action="confirm"]').click()
+        expect(page.locator("#adapter-message")).to_have_attribute("data-code", "adapter_active")
+        expect(row).to_be_visible()
+
+        row.locator('button[data-action="unload"]').click()
+        expect(row).to_have_attribute("data-active", "false")
+        expect(page.locator("#health-adapter")).to_have_text("none")
+
+        row.locator('button[data-action="delete"]').click()
+        expect(row.locator(".confirm")).to_be_visible()
+        row.locator('button[data-action="keep"]').click()  # changed my mind: nothing happens
+        expect(row.locator(".confirm")).to_be_hidden()
+        expect(row.locator('button[data-action="delete"]')).to_be_visible()
+        assert (home / "adapters" / "bot").is_dir()
+        tab.shot("adapter-confirm")
+
+        row.locator('button[data-action="delete"]').click()
+        row.locator('button[data-action="confirm"]').click()
+        expect(row).to_have_count(0)
+        expect(page.locator("#adapters-empty")).to_be_visible()
+        expect(page.locator("#adapter-message")).to_have_attribute("data-status", "ok")
+        expect(view).to_be_hidden()
+        assert not (home / "adapters" / "bot").exists()
+
+    assert tab.page_errors == []
+    assert tab.unexpected_console_errors() == []
 
 
 def test_the_dashboard_asks_for_the_api_key_and_then_lists_jobs_with_it(tab, tmp_path, tiny_model_dir):
