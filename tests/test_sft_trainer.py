@@ -96,6 +96,21 @@ def test_default_learning_rates_follow_the_optimizer(tmp_path, tiny_model_dir):
     assert adam.receipt["hyperparameters"]["learning_rate"] == 1e-4
 
 
+def test_integral_optimizer_numbers_give_the_same_effective_config_as_floats():
+    from kiln.trainers.sft import effective_config
+
+    as_ints = effective_config(
+        {"optimizer": {"kind": "adam_w", "weight_decay": 0, "eps": 1, "beta1": 0}, "seed": 1}, "a"
+    )
+    as_floats = effective_config(
+        {"optimizer": {"kind": "adam_w", "weight_decay": 0.0, "eps": 1.0, "beta1": 0.0}, "seed": 1}, "a"
+    )
+    assert as_ints == as_floats
+    assert isinstance(as_ints["optimizer"]["weight_decay"], float)
+    muon = effective_config({"optimizer": {"kind": "muon", "ns_iters": 3, "nesterov": False}, "seed": 1}, "a")
+    assert muon["optimizer"]["ns_iters"] == 3 and muon["optimizer"]["nesterov"] is False
+
+
 def test_a_non_finite_loss_writes_a_failed_receipt_and_no_adapter(tmp_path, tiny_model_dir, monkeypatch):
     import torch
 

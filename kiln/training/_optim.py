@@ -31,7 +31,11 @@ def effective_optimizer(spec: dict[str, Any] | None) -> dict[str, Any]:
     unknown = set(spec) - {"kind"} - set(_DEFAULTS[kind])
     if unknown:
         raise ValueError(f"optimizer {kind} does not take {sorted(unknown)}")
-    return {"kind": kind, **_DEFAULTS[kind], **{k: v for k, v in spec.items() if k != "kind"}}
+    given = {k: v for k, v in spec.items() if k != "kind"}
+    # one canonical number type per member, so ``0`` and ``0.0`` give the same effective config
+    # (JSON writers such as JavaScript's drop the ``.0``); the schema has already checked ranges
+    typed = {k: type(_DEFAULTS[kind][k])(v) if not isinstance(v, bool) else v for k, v in given.items()}
+    return {"kind": kind, **_DEFAULTS[kind], **typed}
 
 
 def build_optimizer(optimizer: dict[str, Any], params: list[Any], learning_rate: float) -> Any:
