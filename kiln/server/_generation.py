@@ -84,6 +84,10 @@ from kiln.artifacts.adapter_manifest import MANIFEST_FILE, load_adapter_manifest
 from kiln.data.sft import _match_skeleton, _template_errors
 from kiln.digests import prefixed
 from kiln.errors import AdapterError, ContractError, InternalError, KilnError, NotFoundError, Problem
+from kiln.model._sampling import max_positions as _max_positions
+from kiln.model._sampling import pick_token as _pick
+from kiln.model._sampling import special_tokens as _special_tokens
+from kiln.model._sampling import stop_token_ids as _stop_ids
 
 __all__ = ["CANARY_FILE", "Generator", "content_revision"]
 
@@ -99,7 +103,6 @@ CANARY_MAX_TOKENS = 16
 LATENCY_FACTOR = 10.0
 LATENCY_SLACK_S = 2.0
 # End-of-turn spellings of common chat templates; used only when the tokenizer has them as special tokens.
-END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<end_of_turn>", "<|end|>", "<|endoftext|>")
 # LoRA config features this engine does not apply; an adapter using any of them is refused, never half-applied.
 UNSUPPORTED_CONFIG = (
     "use_dora",
@@ -694,64 +697,11 @@ def _lora_hook(layer: _Lora) -> Any:
     return hook
 
 
-def _pick(logits: Any, temperature: float, top_p: float, generator: Any) -> int:
-    import torch
-
-    if temperature == 0:
-        return int(torch.argmax(logits))
-    probs = torch.softmax(logits / temperature, dim=-1)
-    if top_p < 1:
-        ordered, order = torch.sort(probs, descending=True, stable=True)
-        keep = (torch.cumsum(ordered, dim=-1) - ordered) < top_p  # always keeps the most likely token
-        probs = torch.zeros_like(probs).scatter(0, order, ordered * keep)
-    return int(torch.multinomial(probs, 1, generator=generator))
-
-
 def _until_stop(ids: list[int], stop_ids: frozenset[int]) -> list[int]:
     for i, token in enumerate(ids):
         if token in stop_ids:
             return ids[:i]
     return ids
-
-
-def _special_tokens(tokenizer: Any) -> tuple[str, ...]:
-    specials = {str(t) for t in getattr(tokenizer, "all_special_tokens", ())}
-    for token in getattr(tokenizer, "added_tokens_decoder", {}).values():
-        if getattr(token, "special", False):
-            specials.add(str(token.content))
-    return tuple(sorted(s for s in specials if s))
-
-
-def _stop_ids(model: Any, tokenizer: Any, specials: tuple[str, ...]) -> frozenset[int]:
-    found: set[int] = set()
-    for value in (
-        getattr(tokenizer, "eos_token_id", None),
-        getattr(getattr(model, "generation_config", None), "eos_token_id", None),
-        getattr(model.config, "eos_token_id", None),
-    ):
-        for item in value if isinstance(value, list | tuple) else [value]:
-            if isinstance(item, int) and not isinstance(item, bool):
-                found.add(item)
-    for token in END_OF_TURN_TOKENS:
-        if token in specials:
-            token_id = tokenizer.convert_tokens_to_ids(token)
-            if isinstance(token_id, int) and token_id >= 0:
-                found.add(token_id)
-    if not found:
-        raise InternalError("the served model's tokenizer declares no end-of-sequence token")
-    return frozenset(found)
-
-
-def _max_positions(model: Any, tokenizer: Any) -> int:
-    config = model.config
-    for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
-        value = getattr(config, key, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    value = getattr(tokenizer, "model_max_length", None)
-    if isinstance(value, int) and 0 < value < 10**7:
-        return value
-    raise InternalError("the served model declares no context length (max_position_embeddings)")
 
 
 def _read_file(directory: Path, file_name: str, limit: int | None) -> bytes:
