@@ -335,6 +335,27 @@ def check_loop_state(manifest: dict[str, Any], data: bytes, *, source: str) -> d
                     f"{source}: {name} is {value.get(name)!r} but auxiliary_state.{name} is {aux.get(name)!r}",
                     pointer=f"/{name}",
                 )
+    if manifest["training_kind"] == "opd":  # opd-loop.manifest-binding: candidate cursor, guardrail, teacher
+        expected = progress["epoch_index"] * manifest["data"]["item_count"] + progress["cursor_in_epoch"]
+        bound = {
+            "candidates_consumed": (expected, "progress.epoch_index x data.item_count + progress.cursor_in_epoch"),
+            **{
+                name: (aux.get(name), f"auxiliary_state.{name}")
+                for name in (
+                    "collapse_guardrail",
+                    "teacher_id",
+                    "teacher_identity_revision",
+                    "teacher_content_revision",
+                )
+            },
+        }
+        for name, (want, where) in bound.items():
+            if value.get(name) != want or (name == "candidates_consumed" and aux.get(name) != want):
+                _fail(
+                    "loop_state_mismatch",
+                    f"{source}: {name} is {value.get(name)!r} but {where} is {want!r}",
+                    pointer=f"/{name}",
+                )
     return value
 
 

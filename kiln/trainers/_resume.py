@@ -17,7 +17,11 @@ from kiln.errors import CheckpointError
 from kiln.publish import check_target
 from kiln.training._state import OPTIMIZER_FILE
 
-NAMES = {"sft": "an SFT job resumes only SFT checkpoints", "grpo": "a GRPO job resumes only GRPO checkpoints"}
+NAMES = {
+    "sft": "an SFT job resumes only SFT checkpoints",
+    "grpo": "a GRPO job resumes only GRPO checkpoints",
+    "opd": "an OPD job resumes only OPD checkpoints",
+}
 
 
 def resume_metadata(registry: Path, adapter_name: str, config: dict[str, Any], kind: str) -> Path | None:
