@@ -29,7 +29,7 @@ def test_top_k_reverse_kl_matches_the_hand_computed_value():
     # by hand: p = (0.7310586, 0.2689414), q = (0.8320184, 0.1679816);
     # 0.7310586 * ln(0.7310586 / 0.8320184) + 0.2689414 * ln(0.2689414 / 0.1679816) = 0.0320039
     assert expected == pytest.approx(0.0320039, abs=1e-6)
-    assert float(loss.detach()) == pytest.approx(expected, rel=1e-6)
+    assert float(loss.detach()) == pytest.approx(expected, rel=1e-5)  # float32
     assert per_position.shape == (1,)
     loss.backward()
     # only the teacher's K ids receive gradient; the rest of the vocabulary is outside the loss
