@@ -31,7 +31,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kiln import __version__, contracts
 from kiln._jsonio import parse_json
-from kiln.errors import AuthError, CapacityError, ContractError, KilnError, NotFoundError, Problem, RequestError
+from kiln.errors import AuthError, CapacityError, ContractError, InternalError, KilnError, NotFoundError, Problem
 from kiln.server import _training
 from kiln.server._jobs import JobManager, JobStore
 from kiln.server._settings import Settings, resolve_settings
@@ -74,10 +74,18 @@ class Server:
     webhook_failures: int = 0
     adapter_cache: dict[str, Any] = field(default_factory=dict)  # registry entries by stat key
     adapter_lock: threading.Lock = field(default_factory=threading.Lock)  # one listing at a time
+    teacher_protocol: Any = None  # kiln.server._teacher_protocol.TeacherProtocol (GET /v1/models, /v1/completions)
 
     @property
     def registry(self) -> Path:
         return self.settings.registry
+
+    @property
+    def teachers(self) -> Any:
+        """The teacher registry under the server's home (``kiln.teachers.TeacherRegistry``)."""
+        from kiln.teachers import TeacherRegistry, teachers_root
+
+        return TeacherRegistry(teachers_root(self.settings.home), adapter_registry=self.settings.registry)
 
 
 # ----------------------------------------------------------------------------- building the server
@@ -112,6 +120,7 @@ def build_server(settings: Settings) -> Server:
 
     from kiln.model import capture_identity, load_base_model, resolve_model_path
     from kiln.server._generation import Generator
+    from kiln.server._teacher_protocol import build_protocol
 
     path, is_default = resolve_model_path(settings.get("model", "path"))
     served = load_base_model(path, is_default=is_default)
@@ -123,6 +132,7 @@ def build_server(settings: Settings) -> Server:
     identity = capture_identity(path, served.tokenizer, server_config=settings.redacted())
     model_name = "kiln-tiny-default" if is_default else path.name
     generator = Generator(served, settings.registry, model_name)
+    protocol = build_protocol(generator, served, model_name, identity.base_weight_shard_manifest)
     engine = _training.Engine(settings=settings, base=base, generator=generator)
     ref: list[Server] = []
     jobs = JobManager(
@@ -139,6 +149,7 @@ def build_server(settings: Settings) -> Server:
         identity=identity,
         model_name=model_name,
         model_source="builtin_default" if is_default else "local_path",
+        teacher_protocol=protocol,
     )
     ref.append(server)
     return server
@@ -334,24 +345,41 @@ def create_app(server: Server, *, own_lifecycle: bool = True) -> FastAPI:
     def receipt(name: str) -> JSONResponse:
         return JSONResponse(adapter_receipt(server, name))
 
-    # ------------------------------------------------------------------ teachers (arrive with OPD)
+    # ------------------------------------------------------------------ teachers
 
     @app.get("/v1/teachers")
     def teachers() -> JSONResponse:
-        return JSONResponse({"teachers": []})
+        try:
+            listed = server.teachers.list()
+        except ContractError as exc:  # a record on the server's disk broke its contract: not the caller's fault
+            raise InternalError(f"the teacher registry holds an invalid record: {exc.message}") from None
+        return JSONResponse({"teachers": listed})
 
     @app.post("/v1/teachers")
     async def register_teacher(request: Request) -> JSONResponse:
         body = await _body(request, server)
         _check("RegisterTeacherRequest", body)
-        raise RequestError(
-            "teacher registration arrives with the on-policy distillation trainer; this Kiln has no teachers yet",
-            code="training_backend_unsupported",
-        )
+        return JSONResponse(await _threaded(server.teachers.add, body, student=server.engine.base))
 
     @app.delete("/v1/teachers/{alias}")
     def delete_teacher(alias: str) -> JSONResponse:
-        raise NotFoundError(f"no teacher {alias!r} is registered", code="teacher_not_found")
+        from kiln.errors import ConflictError
+
+        user = next(
+            (
+                job
+                for job in server.jobs.ordered()
+                if not job.terminal and job.job_type == "opd" and job.request.get("teacher") == alias
+            ),
+            None,
+        )
+        if user is not None:
+            raise ConflictError(
+                f"job {user.job_id} ({user.state}) distils from teacher {alias!r}",
+                code="teacher_conflict",
+                hint=f"wait for it or cancel it first: DELETE /v1/train/queue/{user.job_id}",
+            )
+        return JSONResponse(server.teachers.remove(alias))
 
     # ------------------------------------------------------------------ generation
 
@@ -363,6 +391,15 @@ def create_app(server: Server, *, own_lifecycle: bool = True) -> FastAPI:
             chunks = await _threaded(lambda: _first_then_rest(server.generator.stream(body)))
             return StreamingResponse(_sse(chunks), media_type="text/event-stream")
         return JSONResponse(await _threaded(server.generator.complete, body))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> JSONResponse:
+        body = await _body(request, server)
+        return JSONResponse(await _threaded(server.teacher_protocol.complete, body))
+
+    @app.get("/v1/models")
+    def models() -> JSONResponse:
+        return JSONResponse(server.teacher_protocol.models())
 
     # ------------------------------------------------------------------ observability
 
