@@ -56,6 +56,8 @@ def _request(args: argparse.Namespace, kind: str, path: Path) -> dict[str, Any]:
         request["dry_run"] = True
     if kind == "opd":
         request["teacher"] = args.teacher
+        if "dataset_path" in request:  # a .jsonl file is a pre-scored teacher file
+            config.setdefault("training_mode", "off_policy")
     return request
 
 
@@ -184,7 +186,11 @@ def cmd_train_grpo(args: argparse.Namespace) -> int:
 
 def cmd_train_opd(args: argparse.Namespace) -> int:
     if args.local:
-        print("error: local OPD training is not available yet; submit it to a server (drop --local)", file=sys.stderr)
+        from kiln._cli_train import cmd_train_opd_local
+
+        return cmd_train_opd_local(args)
+    if args.model or args.adapter_dir:
+        print("error: --model and --adapter-dir apply to --local runs", file=sys.stderr)
         return 2
     return submit(args, "opd")
 

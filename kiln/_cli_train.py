@@ -98,13 +98,16 @@ def add_train_parser(sub: Any) -> None:
 
     p = kinds.add_parser(
         "opd",
-        help="on-policy distillation from a registered teacher (server only)",
+        help="on-policy distillation from a registered teacher",
         description="Submit an OPD job: a .json file holding the request object or a bare array of prompts "
         "(sent as {'prompts': [...], 'teacher': ALIAS}); a .jsonl file is sent as its absolute dataset_path. "
-        "--adapter becomes config.output_name; the other flags override the file's config.",
+        "--adapter becomes config.output_name; the other flags override the file's config. With --local it runs "
+        "in-process against the local teacher registry (kiln teachers add); checkpoint_interval defaults to 25.",
     )
     _add_kind_options(p)
-    p.add_argument("--teacher", required=True, metavar="ALIAS", help="alias of a teacher registered on the server")
+    p.add_argument(
+        "--teacher", required=True, metavar="ALIAS", help="alias of a registered teacher (kiln teachers list)"
+    )
     p.add_argument("--epochs", type=int, help="passes over the prompt x sample candidates")
     p.set_defaults(func=cmd_train_opd)
 
@@ -146,7 +149,7 @@ def _add_kind_options(p: argparse.ArgumentParser) -> None:
     """The options of ``kiln train grpo`` and ``kiln train opd`` (defaults are the server's)."""
     p.add_argument("-f", "--file", required=True, help="a .jsonl file (sent as dataset_path) or a .json request")
     p.add_argument("--adapter", required=True, help="output adapter name (path-safe): config.output_name")
-    p.add_argument("--local", action="store_true", help="run in-process (GRPO only so far) instead of on a server")
+    p.add_argument("--local", action="store_true", help="run in-process instead of on a server")
     p.add_argument("--model", help="--local: local Hugging Face model directory (default: the built-in tiny model)")
     p.add_argument("--adapter-dir", help="--local: adapter registry directory (default: $KILN_HOME/adapters)")
     p.add_argument("--seed", help="effective seed (default: a fresh random 64-bit seed, printed)")
@@ -505,21 +508,114 @@ def cmd_train_grpo_local(args: argparse.Namespace) -> int:
         print(f"Manifest: {result.manifest_path}")
         print(f"Effective seed: {job.config['seed']}")
     else:
+        _print_failure("dry run" if job.dry_run else "training", "grpo", args, path, result)
+    return _exit_code(result, cancel)
+
+
+def _print_failure(what: str, kind: str, args: argparse.Namespace, path: Path, result: Any) -> None:
+    """A failed local run: the reason, the receipt, and the exact command that resumes it."""
+    receipt = result.receipt
+    print(f"✗ {what} failed ({receipt['failure_reason']}): {receipt.get('failure_message')}", file=sys.stderr)
+    print(f"Receipt: {result.receipt_path}", file=sys.stderr)
+    if result.checkpoints:
+        newest = result.checkpoints[-1].name
+        extra = f" --teacher {shlex.quote(args.teacher)}" if kind == "opd" else ""
+        print(f"Checkpoint: {result.checkpoints[-1]}", file=sys.stderr)
         print(
-            f"✗ {'dry run' if job.dry_run else 'training'} failed ({receipt['failure_reason']}): "
-            f"{receipt.get('failure_message')}",
+            f"Resume with:\n  kiln train {kind} --local -f {shlex.quote(str(path))} --adapter {args.adapter}{extra} "
+            f"--resume-checkpoint {newest}"
+            + (f" --checkpoint-interval {args.checkpoint_interval}" if args.checkpoint_interval else ""),
             file=sys.stderr,
         )
-        print(f"Receipt: {result.receipt_path}", file=sys.stderr)
-        if result.checkpoints:
-            newest = result.checkpoints[-1].name
-            print(f"Checkpoint: {result.checkpoints[-1]}", file=sys.stderr)
-            print(
-                f"Resume with:\n  kiln train grpo --local -f {shlex.quote(str(path))} --adapter {args.adapter} "
-                f"--resume-checkpoint {newest}"
-                + (f" --checkpoint-interval {args.checkpoint_interval}" if args.checkpoint_interval else ""),
-                file=sys.stderr,
-            )
+
+
+def _exit_code(result: Any, cancel: _Cancellation) -> int:
     if cancel.signum is not None and result.status != "success":
         return 128 + cancel.signum
     return 0 if result.status == "success" else 1
+
+
+def cmd_train_opd_local(args: argparse.Namespace) -> int:
+    """``kiln train opd --local``: admit against the local teacher registry, train in this process."""
+    from kiln._cli_jobs import _request
+    from kiln.config import config_value, configured_registry, load_config
+    from kiln.home import kiln_home
+    from kiln.teachers import teachers_root
+    from kiln.trainers.opd import admit_opd, run_opd
+
+    path = Path(args.file)
+    if not path.is_file():
+        print(f"error: {path} is not a file", file=sys.stderr)
+        return 2
+    try:
+        request = _request(args, "opd", path)
+        request["config"].pop("auto_load", None)  # nothing is served locally
+        settings = load_config()
+        job = admit_opd(
+            adapter_name=args.adapter,
+            registry=configured_registry(args.adapter_dir, settings),
+            request=request,
+            teachers_root=teachers_root(kiln_home()),
+            model_path=args.model or config_value(settings, "model", "path"),
+        )
+    except KilnError as exc:
+        return _error(exc)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    total = job.total_steps
+    bar = None
+    if not args.json:
+        from tqdm import tqdm
+
+        print(
+            f"Distilling teacher '{job.teacher.alias}' into adapter '{args.adapter}': {len(job.candidates)} "
+            f"candidates x {job.config['epochs']} epoch(s), top-K {job.config['top_k']}, seed {job.config['seed']}"
+        )
+        bar = tqdm(total=total, unit="candidate", dynamic_ncols=True, file=sys.stderr)
+
+    def progress(event: dict[str, Any]) -> None:
+        if bar is not None:
+            if event["loss"] is not None:
+                bar.set_postfix(kl=f"{event['loss']:.4f}")
+            bar.update(1)
+
+    cancel = _Cancellation(quiet=args.json)
+    try:
+        with cancel:
+            result = run_opd(job, progress=progress, cancel=cancel.event)
+    finally:
+        if bar is not None:
+            bar.close()
+    receipt = result.receipt
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "status": result.status,
+                    "adapter_dir": str(result.adapter_dir),
+                    "receipt": str(result.receipt_path),
+                    "manifest": str(result.manifest_path) if result.manifest_path else None,
+                    "effective_seed": str(job.config["seed"]),
+                    "failure_reason": receipt["failure_reason"],
+                    "failure_message": receipt.get("failure_message"),
+                    "optimizer_steps": len(result.losses),
+                    "checkpoints": [str(c) for c in result.checkpoints],
+                },
+                indent=2,
+            )
+        )
+    elif result.status == "success":
+        opd = receipt["opd"]
+        print(
+            f"✓ {len(result.losses)} optimizer steps over {total} candidates in "
+            f"{receipt['runtime']['wall_clock_ms'] / 1000:.1f} s, reverse KL "
+            f"{opd['initial_opd_loss']:.4f} -> {opd['final_opd_loss']:.4f}"
+        )
+        print(f"Adapter:  {result.adapter_dir}")
+        print(f"Receipt:  {result.receipt_path}")
+        print(f"Manifest: {result.manifest_path}")
+        print(f"Effective seed: {job.config['seed']}")
+    else:
+        _print_failure("training", "opd", args, path, result)
+    return _exit_code(result, cancel)

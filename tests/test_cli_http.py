@@ -240,7 +240,7 @@ def test_grpo_and_opd_requests_are_built_from_the_file_and_the_flags(tmp_path):
     assert body == {"prompts": OPD_PROMPTS, "teacher": "big", "config": {"epochs": 2, "output_name": "d"}}
 
 
-def test_grpo_trains_on_the_server_and_locally_and_opd_is_refused_cleanly(server, tmp_path, capsys):
+def test_grpo_and_opd_train_on_the_server_and_locally(server, tmp_path, capsys, tiny_model_dir):
     groups = tmp_path / "grpo.json"
     groups.write_text(json.dumps(GRPO_REQUEST), encoding="utf-8")
     code, out, err = _run(capsys, "train", "grpo", "-f", groups, "--adapter", "g-http", "--wait", "--url", server.url)
@@ -250,19 +250,27 @@ def test_grpo_trains_on_the_server_and_locally_and_opd_is_refused_cleanly(server
     assert code == 0, err
     assert "trained 1 groups" in out
     prompts = tmp_path / "prompts.json"
-    prompts.write_text(json.dumps(OPD_PROMPTS), encoding="utf-8")
+    prompts.write_text(
+        json.dumps({"prompts": OPD_PROMPTS, "config": {"max_tokens": 6, "samples_per_prompt": 2}}), encoding="utf-8"
+    )
     argv = ["train", "opd", "-f", prompts, "--adapter", "d", "--teacher", "big"]
     code, out, err = _run(capsys, *argv, "--url", server.url)
     assert code == 1
     assert out == ""
-    assert err.startswith("error [training_backend_unsupported]: this Kiln cannot run")
-    assert "\nhint: " in err
+    assert err.startswith("error [teacher_not_found]:")
     assert "Traceback" not in err
     envelope = _json(capsys, "ErrorEnvelope", *argv, "--url", server.url, status=1)
-    assert envelope["error"]["code"] == "training_backend_unsupported"
+    assert envelope["error"]["code"] == "teacher_not_found"
+    # locally, against the local teacher registry
+    code, out, err = _run(capsys, "teachers", "add", "big", "--kind", "local", "--model", tiny_model_dir, "--local")
+    assert code == 0, err
+    code, out, err = _run(capsys, *argv, "--local", "--seed", "4", "--model", tiny_model_dir)
+    assert code == 0, err
+    assert "optimizer steps over 2 candidates" in out
+    assert "reverse KL" in out
     code, _, err = _run(capsys, *argv, "--local")
-    assert code == 2
-    assert "not available yet" in err
+    assert code == 2  # the adapter exists now: refused before any model work
+    assert "error [adapter_exists]" in err
 
 
 def test_server_submissions_refuse_local_only_options(tmp_path, capsys):

@@ -108,7 +108,8 @@ def test_integral_optimizer_numbers_give_the_same_effective_config_as_floats():
     assert as_ints == as_floats
     assert isinstance(as_ints["optimizer"]["weight_decay"], float)
     muon = effective_config({"optimizer": {"kind": "muon", "ns_iters": 3, "nesterov": False}, "seed": 1}, "a")
-    assert muon["optimizer"]["ns_iters"] == 3 and muon["optimizer"]["nesterov"] is False
+    assert muon["optimizer"]["ns_iters"] == 3
+    assert muon["optimizer"]["nesterov"] is False
 
 
 def test_a_non_finite_loss_writes_a_failed_receipt_and_no_adapter(tmp_path, tiny_model_dir, monkeypatch):

@@ -30,7 +30,6 @@ from kiln.server._jobs import Job, Outcome
 
 log = logging.getLogger("kiln.server.training")
 
-KIND_NAMES = {"opd": "on-policy distillation (OPD)"}
 REQUEST_TYPES = {"sft": "SftRequest", "grpo": "GrpoRequest", "opd": "OpdRequest"}
 
 
@@ -53,14 +52,6 @@ def check_request(kind: str, body: Any) -> None:
     found = contracts.problems(REQUEST_TYPES[kind], body)
     if found:
         raise ContractError(found, document=REQUEST_TYPES[kind])
-
-
-def refuse_unexecuted_kind(kind: str) -> None:
-    raise RequestError(
-        f"this Kiln cannot run {KIND_NAMES[kind]} jobs yet; the request is well formed but was not queued",
-        code="training_backend_unsupported",
-        hint="submit supervised fine-tuning (POST /v1/train/sft) or GRPO (POST /v1/train/grpo) jobs",
-    )
 
 
 def _sft_source(body: dict[str, Any]) -> tuple[list[Any] | None, str | None]:
@@ -141,11 +132,11 @@ def admit(engine: Engine, kind: str, body: Any, jobs: Any) -> dict[str, Any]:
     from kiln.trainers.sft import admit_sft
 
     check_request(kind, body)
-    if kind == "opd":
-        refuse_unexecuted_kind(kind)
     jobs.check_capacity()  # cheap, before the expensive part
     if kind == "grpo":
         return _admit_grpo(engine, body, jobs)
+    if kind == "opd":
+        return _admit_opd(engine, body, jobs)
     examples, dataset_path = _sft_source(body)
     config = dict(body.get("config") or {})
     auto_load = bool(config.pop("auto_load", True))
@@ -303,9 +294,106 @@ def _run_grpo(engine: Engine, job: Job, cancel: threading.Event, report: Callabl
     )
 
 
+def _opd_request(body: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+    path = body.get("dataset_path")
+    if path is not None and (not os.path.isabs(path) or ".." in Path(path).parts):
+        raise ContractError(
+            [Problem("unsafe_path", "/dataset_path", f"dataset_path {path!r} must be an absolute path without '..'")],
+            document="OpdRequest",
+        )
+    return {**body, "config": config}
+
+
+def _opd_fingerprint(admitted: Any) -> dict[str, Any]:
+    resume = admitted.resume
+    source = admitted.source
+    return {
+        "data_sha256": source.source_sha256 if admitted.route == "prompts" else source.sha256,
+        "seed": str(admitted.config["seed"]),
+        "teacher": f"{admitted.teacher.alias} identity {admitted.teacher_identity_revision} "
+        f"content {admitted.teacher_content_revision}",
+        "checkpoint": None
+        if resume is None
+        else {"name": resume.path.name, "manifest_sha256": _file_sha256(resume.path / "checkpoint_manifest.json")},
+    }
+
+
+def _admit_opd_with(engine: Engine, adapter: str, body: dict[str, Any], config: dict[str, Any]) -> Any:
+    from kiln.teachers import teachers_root
+    from kiln.trainers.opd import admit_opd
+
+    with engine.admission_lock:
+        return admit_opd(
+            adapter_name=adapter,
+            registry=engine.registry,
+            request=_opd_request(body, config),
+            teachers_root=teachers_root(engine.settings.home),
+            loaded=engine.base,
+            server_checkpoint_interval=engine.settings.get("training", "checkpoint_interval"),
+        )
+
+
+def _admit_opd(engine: Engine, body: dict[str, Any], jobs: Any) -> dict[str, Any]:
+    """OPD admission: the trainer's own (request and config rules, the teacher looked up and
+    re-probed, vocabulary agreement, prompts or the pre-scored file, identity, resume); the
+    fingerprint adds the teacher's pinned revisions to the source digest and seed."""
+    config = dict(body.get("config") or {})
+    auto_load = bool(config.pop("auto_load", True))
+    adapter = config.get("output_name") or f"opd-{uuid.uuid4().hex[:8]}"
+    config["output_name"] = adapter
+    _writer_conflict(jobs, adapter)
+    admitted = _admit_opd_with(engine, adapter, body, config)
+    replay = {k: v for k, v in body.items() if k != "config"}
+    replay["config"] = {**admitted.config, "auto_load": auto_load}
+    if config.get("resume_checkpoint") is not None:
+        replay["config"]["resume_checkpoint"] = config["resume_checkpoint"]
+    return {
+        "job_type": "opd",
+        "adapter_name": adapter,
+        "effective_seed": str(admitted.config["seed"]),
+        "request": replay,
+        "fingerprint": _opd_fingerprint(admitted),
+        "auto_load": auto_load,
+        "total_steps": admitted.total_steps,
+    }
+
+
+def _run_opd(engine: Engine, job: Job, cancel: threading.Event, report: Callable[[dict[str, Any]], None]) -> Outcome:
+    """Re-admit at dequeue (which re-probes the teacher), train on a private copy, then auto-load."""
+    from kiln.trainers.opd import run_opd
+
+    config = dict(job.request["config"])
+    config.pop("auto_load", None)
+    admitted = _admit_opd_with(engine, job.adapter_name, job.request, config)
+    changed = _changed(job.fingerprint, _opd_fingerprint(admitted))
+    if changed:
+        return Outcome(
+            "failed",
+            "revalidation_failed: changed since the job was admitted: "
+            + "; ".join(changed)
+            + ". Nothing was trained; submit the job again",
+        )
+    admitted.loaded = dataclasses.replace(engine.base, model=copy.deepcopy(engine.base.model))
+
+    def progress(event: dict[str, Any]) -> None:
+        if event.get("loss") is not None:  # an empty rollout settles its candidate without a loss
+            report(event)
+
+    result = run_opd(admitted, progress=progress, cancel=cancel)
+    admitted.loaded = None
+    receipt = result.receipt
+    if result.status != "success":
+        error = f"{receipt['failure_reason']}: {receipt.get('failure_message') or 'no detail'}"
+        return Outcome("failed", error, str(result.receipt_path), None)
+    if job.auto_load and engine.generator is not None:
+        _auto_load(engine, job.adapter_name)
+    return Outcome("completed", None, str(result.receipt_path), str(result.adapter_dir))
+
+
 def _changed(before: dict[str, Any], now: dict[str, Any]) -> list[str]:
     labels = {
         "data_sha256": "the training data",
+        "teacher": "the teacher",
         "seed": "the effective seed",
         "loss_route": "the loss route",
         "loss_chunk_size": "the loss chunk size",
@@ -320,6 +408,8 @@ def run(engine: Engine, job: Job, cancel: threading.Event, report: Callable[[dic
 
     if job.job_type == "grpo":
         return _run_grpo(engine, job, cancel, report)
+    if job.job_type == "opd":
+        return _run_opd(engine, job, cancel, report)
     body = job.request
     config = dict(body["config"])
     config.pop("auto_load", None)

@@ -154,8 +154,8 @@ def admit_opd(
     mode = check_opd_request(request)
     config = dict(request.get("config") or {})
     checkpoint_path = resume_metadata(registry, adapter_name, config, KIND)
-    teacher = TeacherRegistry(teachers_root).get(request["teacher"])  # teacher_not_found
-    reprobe(teacher)  # teacher_identity_mismatch when the teacher changed since registration
+    teacher = TeacherRegistry(teachers_root, adapter_registry=registry).get(request["teacher"])  # teacher_not_found
+    reprobe(teacher, registry_dir=registry)  # teacher_identity_mismatch when the teacher changed since registration
     if mode == "on_policy" and teacher.kind == "fixture":
         raise RequestError(
             f"teacher {teacher.alias!r} is a fixture (pre-scored file) and cannot score new rollouts",
