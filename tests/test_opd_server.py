@@ -1,7 +1,7 @@
 """OPD end to end over HTTP: one Kiln server is the remote teacher of another (the vLLM
 prompt-logprobs protocol over loopback). The distilled adapter is byte-identical to one
 distilled in-process from a local teacher of the same weights, the job and its artifacts
-validate, and a teacher that changed before dequeue fails the job naming the change."""
+validate, and bad submissions are refused before queueing."""
 
 from __future__ import annotations
 
