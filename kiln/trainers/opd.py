@@ -611,7 +611,8 @@ def run_opd(job: AdmittedOpd, *, progress: Progress | None = None, cancel: threa
         delta_norms = lora_delta_norms(model)
         if not loop.losses:
             raise TrainingFailedError(
-                "zero_action_tokens", "every rollout was empty: no optimizer step ran, so there is no adapter to publish"
+                "zero_action_tokens",
+                "every rollout was empty: no optimizer step ran, so there is no adapter to publish",
             )
         adapter_dir = stage_adapter(model, job.registry, job.adapter_name)
         receipt = _receipt(job, started, loop, delta_norms, adapter_dir)
