@@ -11,10 +11,11 @@ what to do, an optional ``hint`` and, for documents, the JSON pointer of the bad
     │   └── IntegrityError       a recomputed digest does not match (fail fast)
     ├── CheckpointError          checkpoint_invalid / _incompatible / _not_resumable / _exists
     ├── RequestError             training_invalid_request, config_invalid, training_backend_unsupported
-    ├── NotFoundError            not_found, adapter_not_found, teacher_not_found
+    ├── NotFoundError            not_found, adapter_not_found, teacher_not_found, eval_suite_not_found
     ├── AdapterError             adapter_invalid
     ├── ConflictError            adapter_active, adapter_exists, adapter_revision_conflict,
-    │                            teacher_conflict, teacher_identity_mismatch, job_not_terminal
+    │                            teacher_conflict, teacher_identity_mismatch, job_not_terminal,
+    │                            eval_suite_conflict
     ├── CapacityError            queue_full, memory_budget_exceeded, payload_too_large
     ├── AuthError                unauthorized
     └── InternalError            internal_error
@@ -179,7 +180,7 @@ class RequestError(KilnError):
 
 
 class NotFoundError(KilnError):
-    codes = ("not_found", "adapter_not_found", "teacher_not_found")
+    codes = ("not_found", "adapter_not_found", "teacher_not_found", "eval_suite_not_found")
     default_code = "not_found"
 
 
@@ -198,6 +199,7 @@ class ConflictError(KilnError):
         "teacher_conflict",
         "teacher_identity_mismatch",
         "job_not_terminal",
+        "eval_suite_conflict",
     )
     default_code = "adapter_active"
 
