@@ -74,6 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     from kiln._cli_adapters import add_adapters_parser
     from kiln._cli_checkpoints import add_checkpoints_parser
+    from kiln._cli_evals import add_eval_parser
     from kiln._cli_server import add_health_parser, add_serve_parser
     from kiln._cli_teachers import add_teachers_parser
     from kiln._cli_train import add_models_parser, add_train_parser  # argparse only; torch loads on use
@@ -85,6 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_parser(sub)
     add_health_parser(sub)
     add_teachers_parser(sub)
+    add_eval_parser(sub)
     return parser
 
 

@@ -20,7 +20,7 @@ SCHEMA_DIGESTS: dict[str, str] = {
     "kiln-checkpoint-v1.schema.json": "sha256:74af4e1585bafc06ce891558189cb949a07ace144edf9c26034e0ea47545e6a3",
     "kiln-common-v1.schema.json": "sha256:578fb0867921ff18b61214d1e6a909abccdcc2532c6c6bd5a1c1aada83583c73",
     "kiln-config-v1.schema.json": "sha256:fe225dfed3f0b89e9f92aa718d8aa56c2473d29fb9b71d99ab178444d1ddb443",
-    "kiln-control-plane-v1.schema.json": "sha256:51e34ff4baf9abe60bc39f629ec9f9f845a3d9367f9d0f34fdea2f11d7300566",
+    "kiln-control-plane-v1.schema.json": "sha256:d1a9a27bde7fd86fbbb46e3f10b86c1e4a5115d37b1b03b66e6677434026ea62",
     "kiln-observability-v1.schema.json": "sha256:f2577529d90ec5b8426f93f2fe6f869a6a95ee86838974a450e002caeeacccbd"
 }
 
