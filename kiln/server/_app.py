@@ -32,7 +32,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from kiln import __version__, contracts
 from kiln._jsonio import parse_json
 from kiln.errors import AuthError, CapacityError, ContractError, InternalError, KilnError, NotFoundError, Problem
-from kiln.server import _training
+from kiln.server import _evals, _training
 from kiln.server._jobs import JobManager, JobStore
 from kiln.server._settings import Settings, resolve_settings
 
@@ -133,7 +133,12 @@ def build_server(settings: Settings) -> Server:
     model_name = "kiln-tiny-default" if is_default else path.name
     generator = Generator(served, settings.registry, model_name)
     protocol = build_protocol(generator, served, model_name, identity.base_weight_shard_manifest)
-    engine = _training.Engine(settings=settings, base=base, generator=generator)
+    engine = _training.Engine(
+        settings=settings,
+        base=base,
+        generator=generator,
+        base_sha256=identity.base_weight_shard_manifest["aggregate_sha256"],
+    )
     ref: list[Server] = []
     jobs = JobManager(
         JobStore(settings.job_store),
@@ -141,6 +146,7 @@ def build_server(settings: Settings) -> Server:
         runner=lambda job, cancel, report: _training.run(engine, job, cancel, report),
         on_terminal=_notify(settings, ref),
     )
+    engine.jobs = jobs
     server = Server(
         settings=settings,
         engine=engine,
@@ -254,7 +260,7 @@ def create_app(server: Server, *, own_lifecycle: bool = True) -> FastAPI:
 
     @app.get("/v1/train/status")
     def list_status() -> JSONResponse:
-        return JSONResponse([job.status() for job in server.jobs.ordered()])
+        return JSONResponse([job.status() for job in server.jobs.ordered(evaluation=False)])
 
     @app.get("/v1/train/jobs/{job_id}")
     def job_detail(job_id: str) -> JSONResponse:
@@ -268,9 +274,9 @@ def create_app(server: Server, *, own_lifecycle: bool = True) -> FastAPI:
                 "running": running.status() if running else None,
                 "queued": [
                     {"job_id": j.job_id, "job_type": j.job_type, "adapter_name": j.adapter_name, "position": i}
-                    for i, j in enumerate(server.jobs.queued(), start=1)
+                    for i, j in enumerate((j for j in server.jobs.queued() if j.job_type != "eval"), start=1)
                 ],
-                "completed": [j.status() for j in server.jobs.ordered() if j.terminal],
+                "completed": [j.status() for j in server.jobs.ordered(evaluation=False) if j.terminal],
             }
         )
 
@@ -344,6 +350,49 @@ def create_app(server: Server, *, own_lifecycle: bool = True) -> FastAPI:
     @app.get("/v1/adapters/{name}/receipt")
     def receipt(name: str) -> JSONResponse:
         return JSONResponse(adapter_receipt(server, name))
+
+    # ------------------------------------------------------------------ evaluation
+
+    @app.get("/v1/eval/suites")
+    def eval_suites() -> JSONResponse:
+        return JSONResponse({"suites": _evals.registry(server.settings).list()})
+
+    @app.post("/v1/eval/suites")
+    async def register_eval_suite(request: Request) -> JSONResponse:
+        body = await _body(request, server)
+        return JSONResponse(await _threaded(_evals.registry(server.settings).register, body))
+
+    @app.delete("/v1/eval/suites/{name}")
+    def delete_eval_suite(name: str) -> JSONResponse:
+        return JSONResponse(_evals.delete_suite(server, name))
+
+    @app.post("/v1/eval/jobs")
+    async def submit_eval(request: Request) -> JSONResponse:
+        body = await _body(request, server)
+        return JSONResponse(await _threaded(_evals.submit, server, body))
+
+    @app.get("/v1/eval/jobs")
+    def eval_jobs() -> JSONResponse:
+        return JSONResponse([_evals.eval_detail(job) for job in server.jobs.ordered(evaluation=True)])
+
+    @app.get("/v1/eval/jobs/{job_id}")
+    def eval_job(job_id: str) -> JSONResponse:
+        return JSONResponse(_evals.eval_detail(server.jobs.get(job_id, evaluation=True)))
+
+    @app.delete("/v1/eval/jobs/{job_id}")
+    def cancel_eval(job_id: str) -> JSONResponse:
+        job = server.jobs.get(job_id, evaluation=True)
+        if job.role not in (None, "standalone"):
+            from kiln.errors import ConflictError
+
+            raise ConflictError(
+                f"evaluation {job_id} belongs to the gate of training job {job.linked_training_job_id}",
+                code="job_not_terminal",
+                hint=f"cancel the training job instead: DELETE /v1/train/queue/{job.linked_training_job_id}",
+            )
+        if not job.terminal:
+            server.jobs.cancel(job_id, evaluation=True)
+        return JSONResponse(_evals.eval_detail(job))
 
     # ------------------------------------------------------------------ teachers
 
@@ -480,7 +529,7 @@ def detail(server: Server, job_id: str) -> dict[str, Any]:
             "adapter_path": job.adapter_path
             or (str(adapter_dir) if (adapter_dir / "adapter_config.json").is_file() else None),
             "auto_load": job.auto_load,
-            "linked_eval_job_ids": [],
+            "linked_eval_job_ids": list(job.linked_eval_job_ids),
             "loss_history": list(job.loss_history),
             "train_receipt": receipt,
             "replay_request": job.request,
@@ -489,6 +538,9 @@ def detail(server: Server, job_id: str) -> dict[str, Any]:
             "metadata_error": metadata_error,
         }
     )
+    if job.gate is not None:
+        out["post_eval_verdict"] = job.gate
+        out["gate_outcome"] = job.gate["outcome"]
     return out
 
 

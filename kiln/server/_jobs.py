@@ -70,6 +70,12 @@ class Job:
     loss_history: list[dict[str, Any]] = field(default_factory=list)
     cancel_requested: bool = False
     tokens: int = 0
+    # evaluation jobs (job_type "eval") and the gate of a training job
+    role: str | None = None  # eval: standalone | baseline | candidate
+    linked_training_job_id: str | None = None
+    result: dict[str, Any] | None = None  # eval: the EvalResult
+    linked_eval_job_ids: list[str] = field(default_factory=list)  # training: the gate's evaluations
+    gate: dict[str, Any] | None = None  # training: the GateVerdict
 
     @property
     def terminal(self) -> bool:
@@ -263,10 +269,10 @@ class JobManager:
                 )
 
     def writer_of(self, adapter_name: str) -> Job | None:
-        """The queued or running job that will write ``adapter_name``, if any."""
+        """The queued or running job that will write ``adapter_name``, if any (evaluations write none)."""
         with self._cond:
             for job in self.jobs.values():
-                if not job.terminal and job.adapter_name == adapter_name:
+                if not job.terminal and job.job_type != "eval" and job.adapter_name == adapter_name:
                     return job
         return None
 
@@ -274,8 +280,17 @@ class JobManager:
         """Queue an admitted job (raises ``queue_full`` or ``adapter_exists`` without queueing)."""
         with self._cond:
             self.check_capacity()
-            clash = next(
-                (j for j in self.jobs.values() if not j.terminal and j.adapter_name == fields["adapter_name"]), None
+            clash = (
+                None
+                if fields["job_type"] == "eval"
+                else next(
+                    (
+                        j
+                        for j in self.jobs.values()
+                        if not j.terminal and j.job_type != "eval" and j.adapter_name == fields["adapter_name"]
+                    ),
+                    None,
+                )
             )
             if clash is not None:
                 raise ConflictError(
@@ -284,25 +299,57 @@ class JobManager:
                     hint="choose another config.output_name, or wait for that job to finish",
                 )
             self._seq += 1
-            job = Job(job_id=f"job-{uuid.uuid4().hex[:12]}", seq=self._seq, **fields)
+            prefix = "eval" if fields["job_type"] == "eval" else "job"
+            job = Job(job_id=f"{prefix}-{uuid.uuid4().hex[:12]}", seq=self._seq, **fields)
             self.store.save(job)
             self.jobs[job.job_id] = job
             self.queue.append(job.job_id)
             self._cond.notify_all()
             return job
 
-    def get(self, job_id: str) -> Job:
-        job = self.jobs.get(job_id)
-        if job is None:
-            raise NotFoundError(
-                f"no training job {job_id!r}", code="not_found", hint="list jobs with GET /v1/train/status"
+    def record_eval(self, training: Job, *, role: str, suite: str, adapter: str | None, entry: dict[str, Any]) -> Job:
+        """A running evaluation job of ``training``'s gate (run by the worker in that job's slot, not queued)."""
+        with self._cond:
+            self._seq += 1
+            job = Job(
+                job_id=f"eval-{uuid.uuid4().hex[:12]}",
+                seq=self._seq,
+                job_type="eval",
+                adapter_name=adapter or "",
+                effective_seed="0",
+                request={"suite": suite, **({"adapter": adapter} if adapter else {})},
+                fingerprint={"suite_sha256": entry["suite_sha256"]},
+                auto_load=False,
+                total_steps=entry["example_count"],
+                state="running",
+                role=role,
+                linked_training_job_id=training.job_id,
             )
+            job.started_ms = job.submitted_ms
+            self.jobs[job.job_id] = job
+            self.store.save(job)
+            return job
+
+    def finish_eval(self, job: Job, result: dict[str, Any] | None, error: str | None) -> None:
+        with self._cond:
+            job.result, job.error = result, error
+            job.state = "completed" if error is None else "failed"
+            job.progress = 1.0 if error is None else job.progress
+            job.finished_ms = _now_ms()
+            self.store.save(job)
+
+    def get(self, job_id: str, *, evaluation: bool = False) -> Job:
+        """A training job (or, with ``evaluation``, an evaluation job); the other kind is not found here."""
+        job = self.jobs.get(job_id)
+        if job is None or (job.job_type == "eval") != evaluation:
+            what, where = ("evaluation", "/v1/eval/jobs") if evaluation else ("training", "/v1/train/status")
+            raise NotFoundError(f"no {what} job {job_id!r}", code="not_found", hint=f"list jobs with GET {where}")
         return job
 
-    def cancel(self, job_id: str) -> str:
+    def cancel(self, job_id: str, *, evaluation: bool = False) -> str:
         """``cancelled`` for a queued job (removed now) or ``cancelling`` for the running one."""
         with self._cond:
-            job = self.get(job_id)
+            job = self.get(job_id, evaluation=evaluation)
             if job.state == "queued":
                 self.queue.remove(job_id)
                 job.state, job.finished_ms = "failed", _now_ms()
@@ -334,9 +381,11 @@ class JobManager:
             del self.jobs[job_id]
             return self.store.delete(job_id)
 
-    def ordered(self) -> list[Job]:
+    def ordered(self, *, evaluation: bool | None = None) -> list[Job]:
+        """Jobs in submission order: all, training only (``evaluation=False``) or evaluations only."""
         with self._cond:
-            return sorted(self.jobs.values(), key=lambda j: j.seq)
+            jobs = sorted(self.jobs.values(), key=lambda j: j.seq)
+        return jobs if evaluation is None else [j for j in jobs if (j.job_type == "eval") == evaluation]
 
     def queued(self) -> list[Job]:
         with self._cond:

@@ -39,8 +39,10 @@ class Engine:
 
     settings: Any  # kiln.server._settings.Settings
     base: Any  # kiln.model.LoadedModel: pristine weights and a tokenizer of their own, never served
-    generator: Any = None  # kiln.server._generation.Generator (auto_load and canaries)
+    generator: Any = None  # kiln.server._generation.Generator (auto_load, canaries, evaluations)
     admission_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+    base_sha256: str = ""  # the base-weight content aggregate (evaluation targets)
+    jobs: Any = None  # kiln.server._jobs.JobManager (the gate records its evaluation jobs there)
 
     @property
     def registry(self) -> Path:
@@ -60,10 +62,6 @@ def _sft_source(body: dict[str, Any]) -> tuple[list[Any] | None, str | None]:
             "named datasets (dataset, dataset_split) are not supported: Kiln has no dataset registry",
             code="training_backend_unsupported",
             hint="send the rows inline as examples, or a server-local JSONL file as dataset_path",
-        )
-    if body.get("post_eval") is not None:
-        raise RequestError(
-            "post_eval: evaluation gates are not supported by this Kiln", code="training_backend_unsupported"
         )
     path = body.get("dataset_path")
     if path is None:
@@ -128,15 +126,30 @@ def estimate_memory(model: Any, admitted: Any) -> int:
 
 
 def admit(engine: Engine, kind: str, body: Any, jobs: Any) -> dict[str, Any]:
-    """Admit a submission; returns the fields of the ``Job`` to queue. Raises ``KilnError``."""
-    from kiln.trainers.sft import admit_sft
+    """Admit a submission; returns the fields of the ``Job`` to queue. Raises ``KilnError``.
+
+    A ``post_eval`` gate is checked here (suite registered, held out from the training data)
+    and kept in the replay request; the trainers never see it."""
+    from kiln.server import _evals
 
     check_request(kind, body)
     jobs.check_capacity()  # cheap, before the expensive part
-    if kind == "grpo":
-        return _admit_grpo(engine, body, jobs)
-    if kind == "opd":
-        return _admit_opd(engine, body, jobs)
+    if kind == "sft":
+        _sft_source(body)  # named datasets are refused before the suite is read
+    post, suite_sha256 = _evals.check_post_eval(engine, kind, body)
+    trainer_body = _evals.without_gate(body)
+    admit_kind = {"sft": _admit_sft, "grpo": _admit_grpo, "opd": _admit_opd}[kind]
+    fields = admit_kind(engine, trainer_body, jobs)
+    if post is not None:
+        fields["request"]["post_eval"] = post
+        fields["fingerprint"]["suite_sha256"] = suite_sha256
+    return fields
+
+
+def _admit_sft(engine: Engine, body: dict[str, Any], jobs: Any) -> dict[str, Any]:
+    from kiln.trainers.sft import admit_sft
+
+    kind = "sft"
     examples, dataset_path = _sft_source(body)
     config = dict(body.get("config") or {})
     auto_load = bool(config.pop("auto_load", True))
@@ -268,7 +281,7 @@ def _run_grpo(engine: Engine, job: Job, cancel: threading.Event, report: Callabl
         admitted = admit_grpo(
             adapter_name=job.adapter_name,
             registry=engine.registry,
-            request=_grpo_request(job.request, config),
+            request=_grpo_request(without_gate(job.request), config),
             loaded=engine.base,
         )
     changed = _changed(job.fingerprint, _grpo_fingerprint(admitted))
@@ -287,8 +300,8 @@ def _run_grpo(engine: Engine, job: Job, cancel: threading.Event, report: Callabl
     if result.status != "success":
         error = f"{receipt['failure_reason']}: {receipt.get('failure_message') or 'no detail'}"
         return Outcome("failed", error, str(result.receipt_path), None)
-    if job.auto_load and result.manifest_path is not None and engine.generator is not None:
-        _auto_load(engine, job.adapter_name)
+    if result.manifest_path is not None:
+        _activate(engine, job, cancel)
     return Outcome(
         "completed", None, str(result.receipt_path), str(result.adapter_dir) if result.manifest_path else None
     )
@@ -364,7 +377,7 @@ def _run_opd(engine: Engine, job: Job, cancel: threading.Event, report: Callable
 
     config = dict(job.request["config"])
     config.pop("auto_load", None)
-    admitted = _admit_opd_with(engine, job.adapter_name, job.request, config)
+    admitted = _admit_opd_with(engine, job.adapter_name, without_gate(job.request), config)
     changed = _changed(job.fingerprint, _opd_fingerprint(admitted))
     if changed:
         return Outcome(
@@ -385,8 +398,7 @@ def _run_opd(engine: Engine, job: Job, cancel: threading.Event, report: Callable
     if result.status != "success":
         error = f"{receipt['failure_reason']}: {receipt.get('failure_message') or 'no detail'}"
         return Outcome("failed", error, str(result.receipt_path), None)
-    if job.auto_load and engine.generator is not None:
-        _auto_load(engine, job.adapter_name)
+    _activate(engine, job, cancel)
     return Outcome("completed", None, str(result.receipt_path), str(result.adapter_dir))
 
 
@@ -404,13 +416,18 @@ def _changed(before: dict[str, Any], now: dict[str, Any]) -> list[str]:
 
 def run(engine: Engine, job: Job, cancel: threading.Event, report: Callable[[dict[str, Any]], None]) -> Outcome:
     """Revalidate the job at dequeue, train it on a private copy of the weights, then auto-load."""
+    from kiln.server import _evals
     from kiln.trainers.sft import admit_sft, run_sft
 
+    if job.job_type == "eval":
+        return _evals.run_job(engine, job, cancel)
+    active = engine.generator.active() if engine.generator is not None else None
+    job.active_before = active["name"] if active else None
     if job.job_type == "grpo":
         return _run_grpo(engine, job, cancel, report)
     if job.job_type == "opd":
         return _run_opd(engine, job, cancel, report)
-    body = job.request
+    body = _evals.without_gate(job.request)
     config = dict(body["config"])
     config.pop("auto_load", None)
     with engine.admission_lock:
@@ -442,9 +459,30 @@ def run(engine: Engine, job: Job, cancel: threading.Event, report: Callable[[dic
     if result.status != "success":
         error = f"{receipt['failure_reason']}: {receipt.get('failure_message') or 'no detail'}"
         return Outcome("failed", error, str(result.receipt_path), None)
-    if job.auto_load and engine.generator is not None:
-        _auto_load(engine, job.adapter_name)
+    _activate(engine, job, cancel)
     return Outcome("completed", None, str(result.receipt_path), str(result.adapter_dir))
+
+
+def without_gate(body: dict[str, Any]) -> dict[str, Any]:
+    from kiln.server._evals import without_gate as strip
+
+    return strip(body)
+
+
+def _activate(engine: Engine, job: Job, cancel: threading.Event) -> None:
+    """After a successful run: the gate decides when the request has one, else ``auto_load``."""
+    if engine.generator is None:
+        return
+    if job.request.get("post_eval") is not None:
+        from kiln.server._evals import run_gate
+
+        try:
+            job.gate = run_gate(engine, job, cancel, getattr(job, "active_before", None))
+        except Exception:  # the training job succeeded; a broken gate must not fail it
+            log.exception("the gate of job %s failed", job.job_id)
+        return
+    if job.auto_load:
+        _auto_load(engine, job.adapter_name)
 
 
 def _auto_load(engine: Engine, name: str) -> None:

@@ -158,7 +158,12 @@ def check_grpo_request(body: dict[str, Any]) -> None:
             code="training_backend_unsupported",
         )
     if body.get("post_eval") is not None:
-        raise RequestError("post_eval: evaluation gates are not supported", code="training_backend_unsupported")
+        raise RequestError(
+            "post_eval: the evaluation gate runs on the server, which owns what is served; a local run has "
+            "nothing to promote into",
+            code="training_backend_unsupported",
+            hint="submit the request to `kiln serve` (drop --local), or evaluate afterwards with `kiln eval run`",
+        )
     sources = [key for key in ("groups", "agentic_groups") if key in body]
     if len(sources) > 1:
         raise RequestError("send groups or its alias agentic_groups, not both", code="training_invalid_request")

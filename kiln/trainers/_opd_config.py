@@ -142,7 +142,12 @@ def check_opd_request(body: dict[str, Any]) -> str:
 
         raise ContractError(found, document="OpdRequest")
     if body.get("post_eval") is not None:
-        raise RequestError("post_eval: evaluation gates are not supported", code="training_backend_unsupported")
+        raise RequestError(
+            "post_eval: the evaluation gate runs on the server, which owns what is served; a local run has "
+            "nothing to promote into",
+            code="training_backend_unsupported",
+            hint="submit the request to `kiln serve` (drop --local), or evaluate afterwards with `kiln eval run`",
+        )
     mode = (body.get("config") or {}).get("training_mode", "on_policy")
     if mode == "on_policy" and "prompts" not in body:
         raise RequestError(
