@@ -235,6 +235,12 @@ def cmd_train_status(args: argparse.Namespace) -> int:
         print(f"Effective seed: {detail.get('effective_seed') or '-'}")
         if detail.get("error"):
             print(f"Error: {detail['error']}")
+        verdict = detail.get("post_eval_verdict")
+        if verdict is not None:
+            print(f"Gate: {verdict['outcome']} -- {verdict['reason']}")
+            print(f"Evaluations: {', '.join(detail['linked_eval_job_ids']) or '-'} (kiln eval status --job-id ID)")
+        elif (detail.get("replay_request") or {}).get("post_eval") and detail["state"] in ("queued", "running"):
+            print("Gate: pending (the adapter goes live only if the evaluation gate promotes it)")
         checkpoint = detail["latest_checkpoint"]
         if checkpoint is not None and detail["state"] != "completed":
             print(_checkpoint_line(checkpoint))

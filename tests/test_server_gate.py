@@ -215,3 +215,42 @@ def test_a_standalone_evaluation_job_reports_accuracy_and_its_wilson_interval(se
         in_use = client.delete("/v1/eval/suites/small")
         assert in_use.status_code == 200
         assert client.post("/v1/eval/jobs", json={"suite": "small"}).status_code == 404
+
+
+def test_the_readme_gate_walkthrough(server, capsys, tmp_path, monkeypatch):
+    """The README's promotion-gate commands, against the live server: register the example suite,
+    submit the example gated request, read the outcome, compare the two sides, run one evaluation."""
+    import json
+    from pathlib import Path
+
+    from kiln.cli import main
+
+    root = Path(__file__).resolve().parent.parent
+    monkeypatch.setenv("KILN_URL", server.url)
+    assert main(["eval", "suites", "add", str(root / "examples" / "eval_suite.json")]) == 0
+    assert main(["eval", "suites", "add", str(root / "examples" / "eval_suite.json")]) == 0  # a no-op
+    capsys.readouterr()
+    with server.client() as client:
+        body = json.loads((root / "examples" / "gated_sft_request.json").read_text(encoding="utf-8"))
+        submitted = client.post("/v1/train/sft", json=body)
+        assert submitted.status_code == 200, submitted.text
+        job_id = submitted.json()["job_id"]
+        detail = wait_for(
+            lambda: (d := client.get(f"/v1/train/jobs/{job_id}").json()).get("post_eval_verdict") and d, timeout=600
+        )
+    assert detail["state"] == "completed"
+    # seven examples: fewer than 20 pairs, so the gate cannot promote (or the floor demotes)
+    assert detail["gate_outcome"] in ("inconclusive", "demoted")
+    assert main(["train", "status", "--job-id", job_id]) == 0
+    out = capsys.readouterr().out
+    assert f"Gate: {detail['gate_outcome']} -- " in out
+    baseline, candidate = detail["linked_eval_job_ids"]
+    assert main(["eval", "status", "--job-id", candidate]) == 0
+    assert "Wilson" in capsys.readouterr().out
+    assert main(["eval", "compare", baseline, candidate]) == 0
+    assert "p" in capsys.readouterr().out
+    assert main(["eval", "run", "--suite", "acme-support-heldout", "--wait", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)["result"]
+    path = tmp_path / "result.json"
+    path.write_text(json.dumps(result), encoding="utf-8")
+    assert contracts.validate_path(path).valid
