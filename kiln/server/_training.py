@@ -93,9 +93,7 @@ def _fingerprint(admitted: Any) -> dict[str, Any]:
         "seed": str(admitted.config["seed"]),
         "loss_route": admitted.loss_route.route,
         "loss_chunk_size": admitted.loss_route.chunk_size,
-        "checkpoint": None
-        if resume is None
-        else {"name": resume.path.name, "manifest_sha256": _file_sha256(resume.path / "checkpoint_manifest.json")},
+        "checkpoint": _checkpoint_fingerprint(resume),
     }
 
 
@@ -222,14 +220,25 @@ def _writer_conflict(jobs: Any, adapter: str) -> None:
         )
 
 
-def _grpo_request(body: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+def _with_config(body: dict[str, Any], config: dict[str, Any], document: str) -> dict[str, Any]:
+    """The request a GRPO or OPD trainer admits: a path-safe ``dataset_path`` and the given config."""
     path = body.get("dataset_path")
     if path is not None and (not os.path.isabs(path) or ".." in Path(path).parts):
         raise ContractError(
             [Problem("unsafe_path", "/dataset_path", f"dataset_path {path!r} must be an absolute path without '..'")],
-            document="GrpoRequest",
+            document=document,
         )
     return {**body, "config": config}
+
+
+def _grpo_request(body: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+    return _with_config(body, config, "GrpoRequest")
+
+
+def _checkpoint_fingerprint(resume: Any) -> dict[str, Any] | None:
+    if resume is None:
+        return None
+    return {"name": resume.path.name, "manifest_sha256": _file_sha256(resume.path / "checkpoint_manifest.json")}
 
 
 def _grpo_fingerprint(admitted: Any) -> dict[str, Any]:
@@ -237,9 +246,7 @@ def _grpo_fingerprint(admitted: Any) -> dict[str, Any]:
     return {
         "data_sha256": admitted.ingestion.source_sha256,
         "seed": str(admitted.config["seed"]),
-        "checkpoint": None
-        if resume is None
-        else {"name": resume.path.name, "manifest_sha256": _file_sha256(resume.path / "checkpoint_manifest.json")},
+        "checkpoint": _checkpoint_fingerprint(resume),
     }
 
 
@@ -286,20 +293,13 @@ def _run_grpo(engine: Engine, job: Job, cancel: threading.Event, report: Callabl
         )
     changed = _changed(job.fingerprint, _grpo_fingerprint(admitted))
     if changed:
-        return Outcome(
-            "failed",
-            "revalidation_failed: changed since the job was admitted: "
-            + "; ".join(changed)
-            + ". Nothing was trained; submit the job again",
-        )
+        return _revalidation_failed(changed)
     if not admitted.dry_run:
         admitted.loaded = dataclasses.replace(engine.base, model=copy.deepcopy(engine.base.model))
     result = run_grpo(admitted, progress=report, cancel=cancel)
     admitted.loaded = None
-    receipt = result.receipt
     if result.status != "success":
-        error = f"{receipt['failure_reason']}: {receipt.get('failure_message') or 'no detail'}"
-        return Outcome("failed", error, str(result.receipt_path), None)
+        return _run_failed(result)
     if result.manifest_path is not None:
         _activate(engine, job, cancel)
     return Outcome(
@@ -308,13 +308,7 @@ def _run_grpo(engine: Engine, job: Job, cancel: threading.Event, report: Callabl
 
 
 def _opd_request(body: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
-    path = body.get("dataset_path")
-    if path is not None and (not os.path.isabs(path) or ".." in Path(path).parts):
-        raise ContractError(
-            [Problem("unsafe_path", "/dataset_path", f"dataset_path {path!r} must be an absolute path without '..'")],
-            document="OpdRequest",
-        )
-    return {**body, "config": config}
+    return _with_config(body, config, "OpdRequest")
 
 
 def _opd_fingerprint(admitted: Any) -> dict[str, Any]:
@@ -325,9 +319,7 @@ def _opd_fingerprint(admitted: Any) -> dict[str, Any]:
         "seed": str(admitted.config["seed"]),
         "teacher": f"{admitted.teacher.alias} identity {admitted.teacher_identity_revision} "
         f"content {admitted.teacher_content_revision}",
-        "checkpoint": None
-        if resume is None
-        else {"name": resume.path.name, "manifest_sha256": _file_sha256(resume.path / "checkpoint_manifest.json")},
+        "checkpoint": _checkpoint_fingerprint(resume),
     }
 
 
@@ -380,12 +372,7 @@ def _run_opd(engine: Engine, job: Job, cancel: threading.Event, report: Callable
     admitted = _admit_opd_with(engine, job.adapter_name, without_gate(job.request), config)
     changed = _changed(job.fingerprint, _opd_fingerprint(admitted))
     if changed:
-        return Outcome(
-            "failed",
-            "revalidation_failed: changed since the job was admitted: "
-            + "; ".join(changed)
-            + ". Nothing was trained; submit the job again",
-        )
+        return _revalidation_failed(changed)
     admitted.loaded = dataclasses.replace(engine.base, model=copy.deepcopy(engine.base.model))
 
     def progress(event: dict[str, Any]) -> None:
@@ -394,12 +381,26 @@ def _run_opd(engine: Engine, job: Job, cancel: threading.Event, report: Callable
 
     result = run_opd(admitted, progress=progress, cancel=cancel)
     admitted.loaded = None
-    receipt = result.receipt
     if result.status != "success":
-        error = f"{receipt['failure_reason']}: {receipt.get('failure_message') or 'no detail'}"
-        return Outcome("failed", error, str(result.receipt_path), None)
+        return _run_failed(result)
     _activate(engine, job, cancel)
     return Outcome("completed", None, str(result.receipt_path), str(result.adapter_dir))
+
+
+def _revalidation_failed(changed: list[str]) -> Outcome:
+    return Outcome(
+        "failed",
+        "revalidation_failed: changed since the job was admitted: "
+        + "; ".join(changed)
+        + ". Nothing was trained; submit the job again",
+    )
+
+
+def _run_failed(result: Any) -> Outcome:
+    """A trainer's failed result as the job's outcome: reason and message, the failed receipt."""
+    receipt = result.receipt
+    error = f"{receipt['failure_reason']}: {receipt.get('failure_message') or 'no detail'}"
+    return Outcome("failed", error, str(result.receipt_path), None)
 
 
 def _changed(before: dict[str, Any], now: dict[str, Any]) -> list[str]:
@@ -441,12 +442,7 @@ def run(engine: Engine, job: Job, cancel: threading.Event, report: Callable[[dic
         )
     changed = _changed(job.fingerprint, _fingerprint(admitted))
     if changed:
-        return Outcome(
-            "failed",
-            "revalidation_failed: changed since the job was admitted: "
-            + "; ".join(changed)
-            + ". Nothing was trained; submit the job again",
-        )
+        return _revalidation_failed(changed)
     admitted.loaded = dataclasses.replace(engine.base, model=copy.deepcopy(engine.base.model))
 
     def checkpoint_landed(published: Any) -> None:
@@ -455,10 +451,8 @@ def run(engine: Engine, job: Job, cancel: threading.Event, report: Callable[[dic
 
     result = run_sft(admitted, progress=report, cancel=cancel, on_checkpoint=checkpoint_landed)
     admitted.loaded = None  # drop the private weights now, not when the job record goes
-    receipt = result.receipt
     if result.status != "success":
-        error = f"{receipt['failure_reason']}: {receipt.get('failure_message') or 'no detail'}"
-        return Outcome("failed", error, str(result.receipt_path), None)
+        return _run_failed(result)
     _activate(engine, job, cancel)
     return Outcome("completed", None, str(result.receipt_path), str(result.adapter_dir))
 

@@ -73,19 +73,9 @@ def _loss(config: dict[str, Any]) -> dict[str, Any]:
     return {"echo": echo, "no_policy_loss": no_policy_loss}
 
 
-def effective_grpo_config(config: dict[str, Any], adapter_name: str) -> dict[str, Any]:
-    """Validate ``GrpoConfig``, fill defaults, resolve seed and learning rate; raise ``RequestError``."""
-    found = contracts.problems("GrpoConfig", config)
-    if found:
-        detail = "; ".join(f"{p.pointer or '/'}: {p.message}" for p in found)
-        raise RequestError(f"invalid GRPO config: {detail}", code="training_invalid_request", pointer=found[0].pointer)
-    if config.get("allow_adapter_shape_conversion"):
-        _refuse(
-            "allow_adapter_shape_conversion", "Kiln never converts adapter shapes", code="training_backend_unsupported"
-        )
-    for flag in ("adapter_smoke_test", "adapter_smoke_prompts", "detect_anomaly"):
-        if config.get(flag):
-            _refuse(flag, "not available for GRPO in this Kiln", code="training_backend_unsupported")
+def optimizer_seed_lora(config: dict[str, Any]) -> tuple[dict[str, Any], int, int, float]:
+    """What GRPO and OPD resolve alike: the optimizer with its defaults, the effective seed, and the
+    LoRA rank and alpha under the scale guardrail (alpha / rank at most 2 unless allowed)."""
     try:
         optimizer = effective_optimizer(config.get("optimizer"))
         seed = resolve_seed(config.get("seed"))
@@ -99,6 +89,23 @@ def effective_grpo_config(config: dict[str, Any], adapter_name: str) -> dict[str
             f"unsafe_lora_scale: lora_alpha / lora_rank = {alpha / rank:g} exceeds {MAX_ALPHA_OVER_RANK:g}",
             hint="lower lora_alpha, raise lora_rank, or set allow_high_lora_scale",
         )
+    return optimizer, seed, rank, alpha
+
+
+def effective_grpo_config(config: dict[str, Any], adapter_name: str) -> dict[str, Any]:
+    """Validate ``GrpoConfig``, fill defaults, resolve seed and learning rate; raise ``RequestError``."""
+    found = contracts.problems("GrpoConfig", config)
+    if found:
+        detail = "; ".join(f"{p.pointer or '/'}: {p.message}" for p in found)
+        raise RequestError(f"invalid GRPO config: {detail}", code="training_invalid_request", pointer=found[0].pointer)
+    if config.get("allow_adapter_shape_conversion"):
+        _refuse(
+            "allow_adapter_shape_conversion", "Kiln never converts adapter shapes", code="training_backend_unsupported"
+        )
+    for flag in ("adapter_smoke_test", "adapter_smoke_prompts", "detect_anomaly"):
+        if config.get(flag):
+            _refuse(flag, "not available for GRPO in this Kiln", code="training_backend_unsupported")
+    optimizer, seed, rank, alpha = optimizer_seed_lora(config)
     reference = _reference(config)
     kl_coeff = float(config.get("kl_coeff", 0.1))
     estimator = config.get("kl_estimator", "k1")

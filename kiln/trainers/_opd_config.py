@@ -23,8 +23,8 @@ from typing import Any
 
 from kiln import contracts
 from kiln.errors import RequestError
-from kiln.trainers._grpo_config import ECHO_DEFAULTS, MAX_ALPHA_OVER_RANK
-from kiln.training import DEFAULT_LEARNING_RATES, effective_optimizer, resolve_seed
+from kiln.trainers._grpo_config import ECHO_DEFAULTS, optimizer_seed_lora
+from kiln.training import DEFAULT_LEARNING_RATES
 
 EXECUTABLE_TOP_K = (16, 32)
 DEFAULT_CHECKPOINT_INTERVAL = 25
@@ -78,19 +78,7 @@ def effective_opd_config(
     requested_k = int(config.get("top_k", 32))
     if requested_k not in EXECUTABLE_TOP_K:
         _refuse("top_k", f"{requested_k}: Kiln executes top_k 16 or 32", code="training_backend_unsupported")
-    try:
-        optimizer = effective_optimizer(config.get("optimizer"))
-        seed = resolve_seed(config.get("seed"))
-    except ValueError as exc:
-        raise RequestError(str(exc), code="training_invalid_request") from None
-    rank = int(config.get("lora_rank", 16))
-    alpha = float(config.get("lora_alpha", 32.0))
-    if alpha / rank > MAX_ALPHA_OVER_RANK and not config.get("allow_high_lora_scale", False):
-        _refuse(
-            "lora_alpha",
-            f"unsafe_lora_scale: lora_alpha / lora_rank = {alpha / rank:g} exceeds {MAX_ALPHA_OVER_RANK:g}",
-            hint="lower lora_alpha, raise lora_rank, or set allow_high_lora_scale",
-        )
+    optimizer, seed, rank, alpha = optimizer_seed_lora(config)
     max_tokens = int(config.get("max_tokens", model_max_len))
     if max_tokens > model_max_len:
         _refuse("max_tokens", f"{max_tokens} exceeds the student's context length {model_max_len}")
