@@ -424,31 +424,40 @@ def cmd_create_tiny(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_train_grpo_local(args: argparse.Namespace) -> int:
-    """``kiln train grpo --local``: admit, train (or dry-run) in this process, print where things are."""
+def _admit_local(args: argparse.Namespace, kind: str, path: Path, admit: Any, **extra: Any) -> Any:
+    """The admitted job of a ``--local`` GRPO/OPD run, or the exit status when admission refused it."""
     from kiln._cli_jobs import _request
     from kiln.config import config_value, configured_registry, load_config
-    from kiln.trainers.grpo import admit_grpo, run_grpo
 
-    path = Path(args.file)
     if not path.is_file():
         print(f"error: {path} is not a file", file=sys.stderr)
         return 2
     try:
-        request = _request(args, "grpo", path)
+        request = _request(args, kind, path)
         request["config"].pop("auto_load", None)  # nothing is served locally
         settings = load_config()
-        job = admit_grpo(
+        return admit(
             adapter_name=args.adapter,
             registry=configured_registry(args.adapter_dir, settings),
             request=request,
             model_path=args.model or config_value(settings, "model", "path"),
+            **extra,
         )
     except KilnError as exc:
         return _error(exc)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+
+
+def cmd_train_grpo_local(args: argparse.Namespace) -> int:
+    """``kiln train grpo --local``: admit, train (or dry-run) in this process, print where things are."""
+    from kiln.trainers.grpo import admit_grpo, run_grpo
+
+    path = Path(args.file)
+    job = _admit_local(args, "grpo", path, admit_grpo)
+    if isinstance(job, int):
+        return job
     groups = job.ingestion.groups
     completions = sum(len(g.completions) for g in groups)
     bar = None
@@ -537,32 +546,14 @@ def _exit_code(result: Any, cancel: _Cancellation) -> int:
 
 def cmd_train_opd_local(args: argparse.Namespace) -> int:
     """``kiln train opd --local``: admit against the local teacher registry, train in this process."""
-    from kiln._cli_jobs import _request
-    from kiln.config import config_value, configured_registry, load_config
     from kiln.home import kiln_home
     from kiln.teachers import teachers_root
     from kiln.trainers.opd import admit_opd, run_opd
 
     path = Path(args.file)
-    if not path.is_file():
-        print(f"error: {path} is not a file", file=sys.stderr)
-        return 2
-    try:
-        request = _request(args, "opd", path)
-        request["config"].pop("auto_load", None)  # nothing is served locally
-        settings = load_config()
-        job = admit_opd(
-            adapter_name=args.adapter,
-            registry=configured_registry(args.adapter_dir, settings),
-            request=request,
-            teachers_root=teachers_root(kiln_home()),
-            model_path=args.model or config_value(settings, "model", "path"),
-        )
-    except KilnError as exc:
-        return _error(exc)
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    job = _admit_local(args, "opd", path, admit_opd, teachers_root=teachers_root(kiln_home()))
+    if isinstance(job, int):
+        return job
     total = job.total_steps
     bar = None
     if not args.json:
