@@ -479,3 +479,21 @@ def test_a_remote_teacher_pins_the_published_identity_and_sends_its_credential(
     with pytest.raises(ConflictError, match="cannot reach") as caught:
         reprobe(unreachable)
     assert caught.value.code == "teacher_identity_mismatch"
+
+
+def test_stable_top_k_equals_the_first_k_of_a_full_stable_sort_ties_included():
+    import torch
+
+    from kiln.teachers._scoring import stable_top_k
+
+    generator = torch.Generator().manual_seed(0)
+    for trial in range(40):
+        vocab = int(torch.randint(2, 3000, (1,), generator=generator))
+        rows = torch.randn(int(torch.randint(1, 12, (1,), generator=generator)), vocab, generator=generator)
+        if trial % 2:
+            rows = torch.round(rows * 2) / 2  # many ties, also at the k-th place
+        k = int(torch.randint(0, min(vocab, 40) + 1, (1,), generator=generator))
+        values, order = torch.sort(rows, dim=-1, descending=True, stable=True)
+        ids, top = stable_top_k(rows, k)
+        assert torch.equal(ids, order[:, :k]), trial
+        assert torch.equal(top, values[:, :k]), trial

@@ -35,7 +35,6 @@ __all__ = [
 
 SCORE_TIMEOUT_S = 300.0
 CONNECT_TIMEOUT_S = 10.0
-_SORT_ROWS = 256  # rows sorted at a time (bounds the [rows, V] index tensor)
 
 
 class TeacherScorer(Protocol):
@@ -64,17 +63,25 @@ def log_probabilities(model: Any, ids: list[int]) -> Any:
 
 
 def stable_top_k(rows: Any, k: int) -> tuple[Any, Any]:
-    """Top-``k`` (ids, log-probabilities) of each row: descending, ties by ascending id."""
+    """Top-``k`` (ids, log-probabilities) of each row: descending, ties by ascending id.
+
+    Exactly the first ``k`` of a stable descending sort of the row, without sorting the
+    vocabulary: ``topk`` finds each row's k-th largest value, and only the ids at or above it
+    (the top k plus any ties at the boundary, already in ascending id order) are stably sorted.
+    """
     import torch
 
+    if rows.shape[0] == 0 or k == 0:
+        return torch.empty((rows.shape[0], k), dtype=torch.long), torch.empty((rows.shape[0], k), dtype=rows.dtype)
+    threshold = torch.topk(rows, k, dim=-1).values[:, -1:]
     ids, values = [], []
-    for chunk in torch.split(rows, _SORT_ROWS):
-        sorted_values, order = torch.sort(chunk, dim=-1, descending=True, stable=True)
-        ids.append(order[:, :k])
-        values.append(sorted_values[:, :k])
-    if not ids:
-        return torch.empty((0, k), dtype=torch.long), torch.empty((0, k), dtype=torch.float32)
-    return torch.cat(ids).contiguous(), torch.cat(values).contiguous()
+    for row, floor in zip(rows, threshold, strict=True):
+        candidates = torch.nonzero(row >= floor, as_tuple=True)[0]
+        scores = row[candidates]
+        order = torch.sort(scores, descending=True, stable=True).indices[:k]
+        ids.append(candidates[order])
+        values.append(scores[order])
+    return torch.stack(ids).contiguous(), torch.stack(values).contiguous()
 
 
 def ranks_of(rows: Any, targets: Any) -> Any:
