@@ -1,10 +1,17 @@
-"""Machine facts and /proc readings shared by the benchmarks (Linux; imported as a sibling module)."""
+"""Machine facts, /proc readings and helpers shared by the benchmarks (Linux; imported as a sibling
+module): ``reset_peak`` (trim the heap, reset VmHWM) and ``kiln_lora_init`` (Kiln's seeded LoRA
+initialisation written out, so reference and TRL sides start from the same weights)."""
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import gc
+import math
 import os
 import platform
 from pathlib import Path
+from typing import Any
 
 
 def filesystem_of(path: Path) -> str:
@@ -47,3 +54,32 @@ def available_bytes() -> int:
     with open("/proc/meminfo") as f:
         fields = dict(line.split(":", 1) for line in f)
     return int(fields["MemAvailable"].split()[0]) * 1024
+
+
+def reset_peak() -> int:
+    """Hand freed heap back, reset VmHWM, return VmRSS (the baseline)."""
+    gc.collect()
+    with contextlib.suppress(OSError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return memory_status("VmRSS")
+
+
+def kiln_lora_init(peft_model: Any, seed: int) -> None:
+    """The same initial LoRA tensors as ``kiln.training.attach_lora`` (written out, not imported)."""
+    import torch
+
+    params = {
+        n: p
+        for n, p in sorted(peft_model.named_parameters())
+        if (".lora_A." in n or ".lora_B." in n) and p.requires_grad
+    }
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in params.items():
+            if ".lora_A." in name:
+                bound = math.sqrt(1.0 / param.shape[1])
+                param.copy_(torch.rand(param.shape, generator=generator, dtype=torch.float32) * (2 * bound) - bound)
+            else:
+                param.zero_()

@@ -63,11 +63,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
-import gc
 import itertools
 import json
-import math
 import os
 import platform
 import statistics
@@ -78,7 +75,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _machine import cpu_model, memory_status
+from _machine import cpu_model, kiln_lora_init, memory_status, reset_peak
 
 REPO = Path(__file__).resolve().parent.parent
 TRL_PYTHON = "/tmp/trlvenv/bin/python"  # noqa: S108 - the bench venv with trl, not a temp file
@@ -146,35 +143,6 @@ def make_groups(tokenizer_dir: Path, group_size: int, count: int) -> list[dict[s
 
 
 # ----------------------------------------------------------------------------- worker helpers
-
-
-def reset_peak() -> int:
-    """Hand freed heap back, reset VmHWM, return VmRSS (the baseline)."""
-    gc.collect()
-    with contextlib.suppress(OSError):
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    return memory_status("VmRSS")
-
-
-def kiln_lora_init(peft_model: Any, seed: int) -> None:
-    """The same initial LoRA tensors as ``kiln.training.attach_lora`` (written out, not imported)."""
-    import torch
-
-    params = {
-        n: p
-        for n, p in sorted(peft_model.named_parameters())
-        if (".lora_A." in n or ".lora_B." in n) and p.requires_grad
-    }
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in params.items():
-            if ".lora_A." in name:
-                bound = math.sqrt(1.0 / param.shape[1])
-                param.copy_(torch.rand(param.shape, generator=generator, dtype=torch.float32) * (2 * bound) - bound)
-            else:
-                param.zero_()
 
 
 def load_inputs(model_dir: str, groups_file: str) -> tuple[Any, Any, Any]:
