@@ -470,36 +470,10 @@ def cmd_train_grpo_local(args: argparse.Namespace) -> int:
         )
         bar = tqdm(total=len(groups), unit="group", dynamic_ncols=True, file=sys.stderr)
 
-    def progress(event: dict[str, Any]) -> None:
-        if bar is not None:
-            bar.set_postfix(loss=f"{event['loss']:.4f}")
-            bar.update(1)
-
-    cancel = _Cancellation(quiet=args.json)
-    try:
-        with cancel:
-            result = run_grpo(job, progress=progress, cancel=cancel.event)
-    finally:
-        if bar is not None:
-            bar.close()
+    result, cancel = _run_with_bar(args, run_grpo, job, bar, "loss")
     receipt = result.receipt
     if args.json:
-        print(
-            json.dumps(
-                {
-                    "status": result.status,
-                    "dry_run": job.dry_run,
-                    "adapter_dir": str(result.adapter_dir),
-                    "receipt": str(result.receipt_path),
-                    "manifest": str(result.manifest_path) if result.manifest_path else None,
-                    "effective_seed": str(job.config["seed"]),
-                    "failure_reason": receipt["failure_reason"],
-                    "failure_message": receipt.get("failure_message"),
-                    "groups_trained": receipt["data"]["groups_trained"],
-                },
-                indent=2,
-            )
-        )
+        _print_summary(result, job, dry_run=job.dry_run, groups_trained=receipt["data"]["groups_trained"])
     elif result.status == "success" and job.dry_run:
         data = receipt["data"]
         print(
@@ -519,6 +493,41 @@ def cmd_train_grpo_local(args: argparse.Namespace) -> int:
     else:
         _print_failure("dry run" if job.dry_run else "training", "grpo", args, path, result)
     return _exit_code(result, cancel)
+
+
+def _run_with_bar(args: argparse.Namespace, run: Any, job: Any, bar: Any, label: str) -> tuple[Any, _Cancellation]:
+    """Run an admitted job under SIGINT/SIGTERM cancellation, one bar tick per progress event."""
+
+    def progress(event: dict[str, Any]) -> None:
+        if bar is not None:
+            if event["loss"] is not None:  # an OPD candidate with an empty rollout has none
+                bar.set_postfix({label: f"{event['loss']:.4f}"})
+            bar.update(1)
+
+    cancel = _Cancellation(quiet=args.json)
+    try:
+        with cancel:
+            result = run(job, progress=progress, cancel=cancel.event)
+    finally:
+        if bar is not None:
+            bar.close()
+    return result, cancel
+
+
+def _print_summary(result: Any, job: Any, **extra: Any) -> None:
+    """``--json``: where the artifacts are and how the run ended."""
+    receipt = result.receipt
+    summary = {
+        "status": result.status,
+        "adapter_dir": str(result.adapter_dir),
+        "receipt": str(result.receipt_path),
+        "manifest": str(result.manifest_path) if result.manifest_path else None,
+        "effective_seed": str(job.config["seed"]),
+        "failure_reason": receipt["failure_reason"],
+        "failure_message": receipt.get("failure_message"),
+        **extra,
+    }
+    print(json.dumps(summary, indent=2))
 
 
 def _print_failure(what: str, kind: str, args: argparse.Namespace, path: Path, result: Any) -> None:
@@ -565,36 +574,11 @@ def cmd_train_opd_local(args: argparse.Namespace) -> int:
         )
         bar = tqdm(total=total, unit="candidate", dynamic_ncols=True, file=sys.stderr)
 
-    def progress(event: dict[str, Any]) -> None:
-        if bar is not None:
-            if event["loss"] is not None:
-                bar.set_postfix(kl=f"{event['loss']:.4f}")
-            bar.update(1)
-
-    cancel = _Cancellation(quiet=args.json)
-    try:
-        with cancel:
-            result = run_opd(job, progress=progress, cancel=cancel.event)
-    finally:
-        if bar is not None:
-            bar.close()
+    result, cancel = _run_with_bar(args, run_opd, job, bar, "kl")
     receipt = result.receipt
     if args.json:
-        print(
-            json.dumps(
-                {
-                    "status": result.status,
-                    "adapter_dir": str(result.adapter_dir),
-                    "receipt": str(result.receipt_path),
-                    "manifest": str(result.manifest_path) if result.manifest_path else None,
-                    "effective_seed": str(job.config["seed"]),
-                    "failure_reason": receipt["failure_reason"],
-                    "failure_message": receipt.get("failure_message"),
-                    "optimizer_steps": len(result.losses),
-                    "checkpoints": [str(c) for c in result.checkpoints],
-                },
-                indent=2,
-            )
+        _print_summary(
+            result, job, optimizer_steps=len(result.losses), checkpoints=[str(c) for c in result.checkpoints]
         )
     elif result.status == "success":
         opd = receipt["opd"]
