@@ -83,3 +83,25 @@ def kiln_lora_init(peft_model: Any, seed: int) -> None:
                 param.copy_(torch.rand(param.shape, generator=generator, dtype=torch.float32) * (2 * bound) - bound)
             else:
                 param.zero_()
+
+
+def make_wide(path: Path, tokenizer_dir: Path, seed: int = 0) -> None:
+    """The benches' wider random Qwen2 (hidden 512, 8 layers, 23.2 M parameters) on the tiny tokenizer."""
+    import torch
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+    from kiln.model._tiny import _init_weights, tiny_config
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    fields = tiny_config(len(tok)).to_dict()
+    for key in ("layer_types", "architectures", "transformers_version", "model_type"):
+        fields.pop(key, None)
+    fields.update(hidden_size=512, intermediate_size=1408, num_hidden_layers=8, num_attention_heads=8,
+                  num_key_value_heads=2, head_dim=64)  # fmt: skip
+    config = Qwen2Config(**fields)
+    with torch.device("cpu"):
+        model = Qwen2ForCausalLM(config)
+    _init_weights(model, seed)
+    model.generation_config.do_sample = False
+    model.save_pretrained(path, safe_serialization=True)
+    tok.save_pretrained(path)

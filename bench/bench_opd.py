@@ -73,7 +73,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _machine import cpu_model, kiln_lora_init, memory_status, reset_peak
+from _machine import cpu_model, kiln_lora_init, make_wide, memory_status, reset_peak
 
 REPO = Path(__file__).resolve().parent.parent
 TRL_PYTHON = "/tmp/trlvenv/bin/python"  # noqa: S108 - the bench venv with trl, not a temp file
@@ -87,27 +87,6 @@ TEACHER = "teacher"
 
 
 # ----------------------------------------------------------------------------- set-up (parent)
-
-
-def make_wide(path: Path, tokenizer_dir: Path, seed: int) -> None:
-    import torch
-    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
-
-    from kiln.model._tiny import _init_weights, tiny_config
-
-    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
-    fields = tiny_config(len(tok)).to_dict()
-    for key in ("layer_types", "architectures", "transformers_version", "model_type"):
-        fields.pop(key, None)
-    fields.update(hidden_size=512, intermediate_size=1408, num_hidden_layers=8, num_attention_heads=8,
-                  num_key_value_heads=2, head_dim=64)  # fmt: skip
-    config = Qwen2Config(**fields)
-    with torch.device("cpu"):
-        model = Qwen2ForCausalLM(config)
-    _init_weights(model, seed)
-    model.generation_config.do_sample = False
-    model.save_pretrained(path, safe_serialization=True)
-    tok.save_pretrained(path)
 
 
 def make_prompts(count: int) -> list[dict[str, Any]]:

@@ -512,8 +512,10 @@ def run_opd(job: AdmittedOpd, *, progress: Progress | None = None, cancel: threa
             published_steps.add(loop.global_step)
             return where
 
+        order_epoch, order = -1, []
         while loop.consumed < total:
-            order = epoch_order(cfg["seed"], loop.epoch_index, len(job.candidates))
+            if order_epoch != loop.epoch_index:  # the order is drawn once per epoch, not per candidate
+                order_epoch, order = loop.epoch_index, epoch_order(cfg["seed"], loop.epoch_index, len(job.candidates))
             prompt_index, _sample = job.candidates[order[loop.cursor]]
             t0 = time.perf_counter()
             if job.route == "prompts":
