@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import re
 from functools import cache
 from typing import Any
 
@@ -100,6 +101,59 @@ def _pointer(parts: Any) -> str:
     return "".join("/" + str(p).replace("~", "~0").replace("/", "~1") for p in parts)
 
 
+_INDEX_LIKE = re.compile(r"\+?[0-9]+")
+
+
+def _same_json(a: Any, b: Any) -> bool:
+    return json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
+
+
+def _key_paths(node: Any, segments: list[Any], target: Any) -> list[list[Any]]:
+    """Every concrete path below ``node`` that ``segments`` may stand for, ending at a value equal to ``target``.
+
+    jsonschema-rs reports an object key that parses as an unsigned integer (``"007"``, ``"+7"``, ``"7"``) as the
+    integer ``7``, so its path alone cannot tell such keys apart; the instance itself can.
+    """
+    if not segments:
+        return [[]] if _same_json(node, target) else []
+    head, rest = segments[0], segments[1:]
+    if isinstance(node, list):
+        if isinstance(head, int) and 0 <= head < len(node):
+            return [[head, *tail] for tail in _key_paths(node[head], rest, target)]
+        return []
+    if isinstance(node, dict):
+        if isinstance(head, str):
+            keys = [head] if head in node else []
+        else:
+            keys = [k for k in node if _INDEX_LIKE.fullmatch(k) and int(k) == head]
+        return [[key, *tail] for key in keys for tail in _key_paths(node[key], rest, target)]
+    return []
+
+
+class _PathResolver:
+    """Turns a validator's instance path back into the instance's own keys (keys are keys, whatever they look like)."""
+
+    def __init__(self, root: Any):
+        self._root = root
+        self._claimed: dict[str, int] = {}
+
+    def __call__(self, error: Any) -> list[Any]:
+        path = list(error.instance_path)
+        if not any(isinstance(p, int) for p in path):
+            return path
+        candidates = _key_paths(self._root, path, error.instance)
+        if not candidates:
+            return path
+        if len(candidates) == 1:
+            return candidates[0]
+        # Several keys hold equal values where this error points (say "7" and "007"): each such error of the
+        # validator takes the next one in key order.
+        claim = f"{path!r}|{type(error.kind).__name__}|{error.message}"
+        n = self._claimed.get(claim, 0)
+        self._claimed[claim] = n + 1
+        return candidates[min(n, len(candidates) - 1)]
+
+
 def _branch_score(errors: list[Any]) -> tuple[int, int]:
     constant_misses = sum(1 for e in errors if type(e.kind).__name__ == "Constant")
     return (constant_misses, len(errors))
@@ -112,9 +166,9 @@ def _is_null_branch(errors: list[Any], path: list[Any]) -> bool:
     return list(errors[0].instance_path) == path and list(errors[0].kind.types) == ["null"]
 
 
-def _map_error(error: Any, out: list[Problem]) -> None:
+def _map_error(error: Any, out: list[Problem], resolve: _PathResolver) -> None:
     kind = type(error.kind).__name__
-    path = list(error.instance_path)
+    path = resolve(error)
     pointer = _pointer(path)
     instance = error.instance
     if kind == "AdditionalProperties":
@@ -155,13 +209,13 @@ def _map_error(error: Any, out: list[Problem]) -> None:
         out.append(Problem("invalid_length", pointer, error.message))
     elif kind in ("AnyOf", "OneOfNotValid"):
         branches = [list(b) for b in error.kind.context]
-        non_null = [b for b in branches if not _is_null_branch(b, path)]
+        non_null = [b for b in branches if not _is_null_branch(b, list(error.instance_path))]
         if instance is None and len(non_null) == len(branches):
             out.append(Problem("null_not_allowed", pointer, "null is not allowed here"))
         elif non_null:
             before = len(out)
             for sub in min(non_null, key=_branch_score):
-                _map_error(sub, out)
+                _map_error(sub, out, resolve)
             if len(out) == before:
                 out.append(Problem("schema_violation", pointer, error.message))
         else:
@@ -176,8 +230,9 @@ def schema_problems(name: str, instance: Any, *, reader: bool = False) -> list[P
     if v.is_valid(instance):
         return []
     problems: list[Problem] = []
+    resolve = _PathResolver(instance)
     for error in v.iter_errors(instance):
-        _map_error(error, problems)
+        _map_error(error, problems, resolve)
     unique = list(dict.fromkeys(problems))
     unique.sort(key=lambda p: (p.code not in ENVELOPE_CODES, p.pointer))
     return unique
