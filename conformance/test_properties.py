@@ -11,8 +11,8 @@ For every instance generated from an entry point's strict schema:
   that the schema implies -- and nothing else escapes.
 
 ``KILN_CONFORMANCE_EXAMPLES`` sets the number of instances per entry point (default 200; 1,000 under the
-``explore`` Hypothesis profile). The draws are derandomized unless that profile is chosen (see ``conftest.py`` at
-the repository root): every run checks the same instances, and exploration's finds become committed cases.
+``explore`` Hypothesis profile). The draws are derandomized unless that profile is chosen (see
+``conformance/_hypothesis_profiles.py``): every run checks the same instances, and exploration's finds become committed cases.
 """
 
 from __future__ import annotations

@@ -136,18 +136,19 @@ def _print_listing(args: argparse.Namespace, listing: dict[str, Any]) -> int:
         return 0
     if listing["active_adapter"] is not None:
         print(f"active: {listing['active_adapter']}")
-    print(f"{'NAME':28} {'STATUS':12} {'RANK':>4} {'ALPHA':>6} {'SIZE':>10}  MANIFEST")
+    print(f"{'NAME':28} {'STATUS':12} {'RANK':>4} {'ALPHA':>6} {'SIZE':>10}  {'WEIGHTS':21}  MANIFEST")
     for e in listing["available"]:
         rank = "-" if e["rank"] is None else str(e["rank"])
         alpha = "-" if e["alpha"] is None else f"{e['alpha']:g}"
         size = f"{e['size_bytes'] / 1e6:.1f} MB"
+        weights = "sha256:" + e["adapter_model_sha256"][:12] + "…" if e["adapter_model_sha256"] else "-"
         if e["adapter_manifest"]:
-            manifest = "ok (" + e["adapter_manifest"]["safetensors_hash"][:19] + "…)"
+            manifest = f"ok ({len(e['adapter_manifest']['files'])} files bound)"
         elif e["adapter_manifest_error"]:
             manifest = "INVALID: " + e["adapter_manifest_error"]
         else:
             manifest = "none"
-        print(f"{e['name']:28} {e['status']:12} {rank:>4} {alpha:>6} {size:>10}  {manifest}")
+        print(f"{e['name']:28} {e['status']:12} {rank:>4} {alpha:>6} {size:>10}  {weights:21}  {manifest}")
         if e["error"]:
             print(f"  {e['error']}")
     return 0

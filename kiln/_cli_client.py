@@ -13,7 +13,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -23,6 +25,7 @@ TIMEOUT_S = 300.0  # admission ingests the whole dataset and generation runs on 
 
 __all__ = [
     "DEFAULT_URL",
+    "Interrupt",
     "add_client_options",
     "api_error",
     "api_key",
@@ -58,6 +61,35 @@ def connect(args: argparse.Namespace) -> Iterator[Any]:
 
     with KilnClient(server_url(args), api_key=api_key(args), timeout=TIMEOUT_S) as client:
         yield client
+
+
+class Interrupt:
+    """Ctrl-C while a command watches something: the first one sets ``event``, a second one aborts.
+
+    Python raises ``KeyboardInterrupt`` wherever the main thread is when it checks for signals -- and inside a
+    finalizer (``__del__``, run by garbage collection at arbitrary allocations) that exception is printed as
+    "Exception ignored" and lost, so a loop that waits for ``KeyboardInterrupt`` may never see it. Here the handler
+    only sets an event, which the loop checks and waits on (``event.wait(poll_s)`` instead of ``time.sleep``).
+    A request already in flight finishes first (the client's timeout bounds it).
+    """
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self._previous: Any = None
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.event.is_set():
+            raise KeyboardInterrupt
+        self.event.set()
+
+    def __enter__(self) -> Interrupt:
+        if threading.current_thread() is threading.main_thread():  # signals reach only the main thread
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
 
 
 def body(value: Any) -> Any:

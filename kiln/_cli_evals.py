@@ -20,11 +20,10 @@ from __future__ import annotations
 import argparse
 import shlex
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
-from kiln._cli_client import add_client_options, body, print_json, run, server_url
+from kiln._cli_client import Interrupt, add_client_options, body, print_json, run, server_url
 
 TERMINAL = ("completed", "failed")
 POLL_S = 0.5  # how often --wait asks for the job detail
@@ -215,17 +214,15 @@ def _outcome(args: argparse.Namespace, detail: dict[str, Any]) -> int:
 
 def _follow(client: Any, args: argparse.Namespace, job_id: str) -> int:
     """Poll until the job ends; Ctrl-C stops watching, not the job."""
-    try:
-        while True:
+    with Interrupt() as interrupt:
+        while not interrupt.event.is_set():
             detail = body(client.get_eval_job(job_id))
             if detail["state"] in TERMINAL:
-                break
-            time.sleep(POLL_S)
-    except KeyboardInterrupt:
-        print(f"\nstopped watching; evaluation {job_id} keeps running on the server", file=sys.stderr)
-        print(f"cancel it with: kiln eval cancel {job_id}{_url_flag(args)}", file=sys.stderr)
-        return 130
-    return _outcome(args, detail)
+                return _outcome(args, detail)
+            interrupt.event.wait(POLL_S)
+    print(f"\nstopped watching; evaluation {job_id} keeps running on the server", file=sys.stderr)
+    print(f"cancel it with: kiln eval cancel {job_id}{_url_flag(args)}", file=sys.stderr)
+    return 130
 
 
 def cmd_run(args: argparse.Namespace) -> int:

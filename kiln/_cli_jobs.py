@@ -11,11 +11,10 @@ from __future__ import annotations
 import argparse
 import shlex
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
-from kiln._cli_client import body, print_json, run, server_url
+from kiln._cli_client import Interrupt, body, print_json, run, server_url
 from kiln._cli_train import _config, _error, _read_examples, _resume_command
 from kiln.errors import KilnError
 
@@ -110,37 +109,36 @@ def _url_flag(args: argparse.Namespace) -> str:
 def _follow(client: Any, args: argparse.Namespace, job_id: str, kind: str) -> int:
     """Poll the job until it ends (progress bar on stderr); Ctrl-C stops watching, not the job."""
     bar = None
-    try:
-        if not args.json:
-            from tqdm import tqdm
+    detail: dict[str, Any] = {"state": None}
+    with Interrupt() as interrupt:
+        try:
+            if not args.json:
+                from tqdm import tqdm
 
-            bar = tqdm(
-                total=BAR_STEPS,
-                desc=job_id,
-                file=sys.stderr,
-                dynamic_ncols=True,
-                bar_format="{desc}: {percentage:3.0f}%|{bar}| [{elapsed}{postfix}]",
-            )
-        while True:
-            detail = body(client.get_training_job(job_id))
+                bar = tqdm(
+                    total=BAR_STEPS,
+                    desc=job_id,
+                    file=sys.stderr,
+                    dynamic_ncols=True,
+                    bar_format="{desc}: {percentage:3.0f}%|{bar}| [{elapsed}{postfix}]",
+                )
+            while not interrupt.event.is_set():
+                detail = body(client.get_training_job(job_id))
+                if bar is not None:
+                    bar.n = round(detail["progress"] * BAR_STEPS)
+                    loss = detail["current_loss"]
+                    bar.set_postfix_str(detail["state"] + (f", loss {loss:.4f}" if loss is not None else ""))
+                if detail["state"] in TERMINAL:
+                    break
+                interrupt.event.wait(POLL_S)
+        finally:
             if bar is not None:
-                bar.n = round(detail["progress"] * BAR_STEPS)
-                loss = detail["current_loss"]
-                bar.set_postfix_str(detail["state"] + (f", loss {loss:.4f}" if loss is not None else ""))
-            if detail["state"] in TERMINAL:
-                break
-            time.sleep(POLL_S)
-    except KeyboardInterrupt:
-        if bar is not None:
-            bar.close()
-            bar = None
-        print(f"\nstopped watching; job {job_id} keeps running on the server", file=sys.stderr)
-        print(f"cancel it with: kiln train cancel --job-id {job_id}{_url_flag(args)}", file=sys.stderr)
-        return 130
-    finally:
-        if bar is not None:
-            bar.close()
-    return _outcome(args, detail, kind)
+                bar.close()
+    if detail["state"] in TERMINAL:
+        return _outcome(args, detail, kind)
+    print(f"\nstopped watching; job {job_id} keeps running on the server", file=sys.stderr)
+    print(f"cancel it with: kiln train cancel --job-id {job_id}{_url_flag(args)}", file=sys.stderr)
+    return 130
 
 
 def _checkpoint_line(checkpoint: dict[str, Any]) -> str:

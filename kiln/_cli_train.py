@@ -402,7 +402,7 @@ def cmd_train_sft(args: argparse.Namespace) -> int:
         if result.checkpoints:
             print(f"Checkpoints: {len(result.checkpoints)} published (newest {result.checkpoints[-1].name})")
     else:
-        print(f"✗ training failed ({receipt['failure_reason']}): {receipt.get('failure_message')}", file=sys.stderr)
+        print(_failure_line("training", receipt), file=sys.stderr)
         print(f"Receipt: {result.receipt_path}", file=sys.stderr)
         if latest is not None:
             print(f"Checkpoint: {latest}", file=sys.stderr)
@@ -530,10 +530,17 @@ def _print_summary(result: Any, job: Any, **extra: Any) -> None:
     print(json.dumps(summary, indent=2))
 
 
+def _failure_line(what: str, receipt: dict[str, Any]) -> str:
+    """How a local run that did not succeed ended, in the receipt's own terms."""
+    if receipt["failure_reason"] == "cancelled":
+        return f"✗ {what} cancelled: its receipt records status failed, failure_reason cancelled"
+    return f"✗ {what} failed ({receipt['failure_reason']}): {receipt.get('failure_message')}"
+
+
 def _print_failure(what: str, kind: str, args: argparse.Namespace, path: Path, result: Any) -> None:
     """A failed local run: the reason, the receipt, and the exact command that resumes it."""
     receipt = result.receipt
-    print(f"✗ {what} failed ({receipt['failure_reason']}): {receipt.get('failure_message')}", file=sys.stderr)
+    print(_failure_line(what, receipt), file=sys.stderr)
     print(f"Receipt: {result.receipt_path}", file=sys.stderr)
     if result.checkpoints:
         newest = result.checkpoints[-1].name

@@ -15,7 +15,8 @@ import kiln_contracts
 from pydantic import BaseModel, ValidationError
 
 from kiln import _contract
-from kiln._jsonio import atomic_write_bytes, canonical_json, parse_json, read_json_file
+from kiln._fs import atomic_write_bytes
+from kiln._jsonio import canonical_json, parse_json, read_json_file
 from kiln._rules import RULES, ptr
 from kiln.errors import ContractError, IntegrityError, Problem, UnknownDocumentTypeError
 

@@ -1,11 +1,9 @@
-"""Strict JSON in, canonical JSON out, crash-atomic writes."""
+"""Strict JSON in, canonical JSON out (crash-atomic writes live in ``kiln._fs``)."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -80,31 +78,3 @@ def read_json_file(path: str | os.PathLike[str], *, limit: int = MAX_DOCUMENT_BY
 def canonical_json(value: Any) -> bytes:
     """The canonical form of spec/20: sorted keys, no spaces, UTF-8, no NaN."""
     return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode("utf-8")
-
-
-def fsync_dir(path: str | os.PathLike[str]) -> None:
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
-    """Write ``data`` so that ``path`` holds either the old content or all of the new.
-
-    Temp file in the same directory, fsync, rename over the target, fsync the directory.
-    """
-    target = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-    fsync_dir(target.parent)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -96,7 +97,16 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
-    return int(args.func(args))
+    try:
+        code = int(args.func(args))
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # The reader went away (`kiln types | head`): stop quietly with the status SIGPIPE would give, and point
+        # stdout at /dev/null so the interpreter's final flush has nowhere to fail.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 128 + 13
+    return code
 
 
 if __name__ == "__main__":

@@ -12,12 +12,13 @@
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from kiln import contracts
+from kiln._fs import file_mode, fsync_dir, staging_dir
 from kiln.digests import file_sha256, prefixed
 from kiln.errors import ConflictError, RequestError
 
@@ -43,7 +44,11 @@ def check_target(registry: Path, name: str) -> Path:
         raise ConflictError(
             f"adapter {name!r} already exists in {registry}",
             code="adapter_exists",
-            hint=f"choose another --adapter name, or delete it first: kiln adapters delete {name}",
+            hint=(
+                f"choose another adapter name, or delete it first: on this machine "
+                f"`kiln adapters delete {shlex.quote(name)} --adapter-dir {shlex.quote(str(registry))}`, "
+                f"through a server `kiln adapters delete {shlex.quote(name)}` (both also delete its checkpoints)"
+            ),
         )
     return target
 
@@ -52,13 +57,14 @@ def stage_adapter(peft_model: Any, registry: Path, name: str) -> Path:
     """Save the adapter files and move them into place as ``<registry>/<name>``."""
     registry.mkdir(parents=True, exist_ok=True)
     target = check_target(registry, name)
-    staging = Path(tempfile.mkdtemp(prefix=f".{name}.incomplete-", dir=registry))
+    staging = staging_dir(registry, name)
     try:
         peft_model.save_pretrained(staging, safe_serialization=True)
         for extra in staging.iterdir():  # peft adds a model card; the adapter is exactly its two files
             if extra.name not in ADAPTER_FILES:
                 extra.unlink()
-        for file_name in ADAPTER_FILES:
+        for file_name in ADAPTER_FILES:  # safetensors writes 0600: give the files the mode open() would
+            os.chmod(staging / file_name, file_mode())
             with open(staging / file_name, "rb") as fh:
                 os.fsync(fh.fileno())
         if target.exists():  # a directory left by an earlier failed run holds only its receipt
@@ -67,16 +73,8 @@ def stage_adapter(peft_model: Any, registry: Path, name: str) -> Path:
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    _fsync_dir(registry)
+    fsync_dir(registry)
     return target
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def adapter_file_receipt(adapter_dir: Path | None) -> dict[str, Any]:

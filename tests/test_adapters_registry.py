@@ -140,8 +140,12 @@ def test_delete_removes_the_adapter_and_its_checkpoints_only(registry):
 def test_cli_list_and_delete(registry, capsys):
     assert main(["adapters", "list", "--adapter-dir", str(registry)]) == 0
     out = capsys.readouterr().out
-    assert "bot" in out
-    assert "available" in out
+    header, row = out.splitlines()[:2]
+    assert header.split() == ["NAME", "STATUS", "RANK", "ALPHA", "SIZE", "WEIGHTS", "MANIFEST"]
+    weights = list_adapters(registry)["available"][0]["adapter_model_sha256"]
+    assert row.split()[:2] == ["bot", "available"]
+    assert f"sha256:{weights[:12]}…" in row  # the weights digest, in its own column
+    assert row.endswith("ok (3 files bound)")  # the manifest's state, not a digest
     assert main(["adapters", "list", "--adapter-dir", str(registry), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["available"][0]["name"] == "bot"
     assert main(["adapters", "delete", "bot", "--adapter-dir", str(registry)]) == 0
@@ -199,3 +203,25 @@ def test_a_listing_cache_reuses_unchanged_entries_and_sees_every_change(tmp_path
     shutil.rmtree(registry / "a")
     assert [e["name"] for e in list_adapters(registry, cache=cache)["available"]] == ["b"]
     assert set(cache) == {"b"}
+
+
+def test_the_adapter_exists_hint_is_a_command_that_works_on_this_machine(registry, tmp_path, tiny_model_dir, capsys):
+    import re
+    import shlex
+
+    from kiln.errors import ConflictError
+
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in ROWS), encoding="utf-8")
+    with pytest.raises(ConflictError) as info:
+        admit_sft(adapter_name="bot", registry=registry, config={"epochs": 1}, dataset_path=data,
+                  model_path=str(tiny_model_dir))  # fmt: skip
+    assert info.value.code == "adapter_exists"
+    command = re.search(r"on this machine `([^`]+)`", info.value.hint)[1]
+    argv = shlex.split(command)
+    assert argv[0] == "kiln"
+    assert main(argv[1:]) == 0, capsys.readouterr().err
+    assert not (registry / "bot").exists()
+    admit_sft(
+        adapter_name="bot", registry=registry, config={"epochs": 1}, dataset_path=data, model_path=str(tiny_model_dir)
+    )  # fmt: skip  (admitted now)

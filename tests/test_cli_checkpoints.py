@@ -201,18 +201,17 @@ def test_a_signal_publishes_a_checkpoint_and_prints_a_working_resume_command(
         return ["--local", "-f", str(data), "--model", str(tiny_model_dir), "--adapter-dir", str(adapters),
                 "--epochs", "8", "--seed", "11", "--optimizer", "adam_w", "--adapter", "bot"]  # fmt: skip
 
-    proc = _kiln("train", "sft", *options(registry), env=env)
-    seen, pump = _wait_for_progress(proc, b"/48")
-    time.sleep(0.05)
-    proc.send_signal(signum)
-    out = proc.stdout.read().decode()
-    assert proc.wait(timeout=120) == exit_code
-    pump.join(timeout=10)
-    proc.stdout.close()
-    proc.stderr.close()
+    with _kiln("train", "sft", *options(registry), env=env) as proc:  # pipes closed even when a check fails
+        seen, pump = _wait_for_progress(proc, b"/48")
+        time.sleep(0.05)
+        proc.send_signal(signum)
+        out = proc.stdout.read().decode()
+        assert proc.wait(timeout=120) == exit_code
+        pump.join()  # the pipe reached end of file: the process is gone
     err = seen.decode(errors="replace")
 
     assert "cancelling after the current step" in err
+    assert "✗ training cancelled: its receipt records status failed, failure_reason cancelled" in err
     checkpoints = sorted(p.name for p in registry.glob("bot-checkpoint-step-*.kiln-checkpoint"))
     assert len(checkpoints) == 1, (out, err)
     receipt = json.loads((registry / "bot" / "train_receipt.json").read_text(encoding="utf-8"))

@@ -187,20 +187,19 @@ def test_ctrl_c_during_wait_stops_watching_and_leaves_the_job_running(server, tm
     env.update(KILN_HOME=str(tmp_path / "home"), PYTHONUNBUFFERED="1")
     argv = ["train", "sft", "-f", str(data), "--adapter", "watched", "--epochs", "2000", "--no-auto-load",
             "--wait", "--url", server.url]  # fmt: skip
-    proc = subprocess.Popen(
+    with subprocess.Popen(  # pipes closed even when a check fails (else a later test sees them collected)
         [sys.executable, "-m", "kiln.cli", *argv], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE
-    )
-    seen = bytearray()
-    while not re.search(rb"%\|.*, (queued|running)", seen):  # the bar, updated from the job's detail
-        chunk = proc.stderr.read1(4096)
-        assert chunk, seen.decode(errors="replace")
-        seen.extend(chunk)
-    proc.send_signal(signal.SIGINT)
-    out = proc.stdout.read().decode()
-    seen.extend(proc.stderr.read())
-    assert proc.wait(60) == 130
-    proc.stdout.close()
-    proc.stderr.close()
+    ) as proc:
+        seen = bytearray()
+        while not re.search(rb"%\|.*, (queued|running)", seen):  # the bar, updated from the job's detail
+            chunk = proc.stderr.read1(4096)
+            assert chunk, seen.decode(errors="replace")
+            seen.extend(chunk)
+        proc.send_signal(signal.SIGINT)
+        out, rest = proc.communicate(timeout=120)
+        seen.extend(rest)
+        assert proc.returncode == 130, seen.decode(errors="replace")
+    out = out.decode()
     err = seen.decode(errors="replace")
     job_id = re.search(r"Job ID: (job-\w+)", out)[1]
     assert f"stopped watching; job {job_id} keeps running on the server" in err
@@ -290,7 +289,7 @@ def test_adapters_list_load_unload_delete_round_trip(server, tmp_path, capsys):
     assert code == 0, err
     code, out, _ = _run(capsys, "adapters", "list", *url)
     assert code == 0
-    assert re.search(r"^cycle\s+available\s+16\s+32 .* ok \(sha256:", out, re.MULTILINE), out
+    assert re.search(r"^cycle\s+available\s+16\s+32 .* sha256:[0-9a-f]{12}…\s+ok \(3 files bound\)$", out, re.M), out
 
     code, out, err = _run(capsys, "adapters", "load", "cycle", *url)
     assert code == 0, err
@@ -416,3 +415,52 @@ def test_a_server_with_an_api_key_refuses_without_it_and_works_with_it(
         assert "[adapter_not_found]" in server_load(*url, "--api-key", "s3cret")  # admitted, but it has no bot
         monkeypatch.setenv("KILN_API_KEY", "s3cret")
         _json(capsys, "AdaptersResponse", "adapters", "list", *url)
+
+
+class _DetailAfterSigint:
+    """A client whose job detail, on the second poll, delivers SIGINT while Python runs a finalizer.
+
+    Python raises ``KeyboardInterrupt`` wherever the main thread happens to be when it checks for signals; inside a
+    ``__del__`` (garbage collection runs them at arbitrary allocations) the exception is printed as "Exception
+    ignored" and swallowed. A follow loop that relies on catching ``KeyboardInterrupt`` then never stops watching.
+    """
+
+    def __init__(self, finished_state):
+        self.polls = 0
+        self.finished_state = finished_state
+
+    def _detail(self, job_id):
+        self.polls += 1
+
+        class Finalized:
+            def __del__(self):
+                signal.raise_signal(signal.SIGINT)
+
+        if self.polls == 2:
+            Finalized()  # its __del__ runs here and receives the signal
+        state = self.finished_state if self.polls >= 4 else "running"
+        return {"job_id": job_id, "state": state, "progress": min(1.0, self.polls / 4), "current_loss": None,
+                "result": None, "error": None, "adapter_name": "a", "adapter_path": None, "latest_checkpoint": None,
+                "suite": "s", "adapter": None}  # fmt: skip
+
+    get_training_job = _detail
+    get_eval_job = _detail
+
+
+@pytest.mark.parametrize("command", ["train", "eval"])
+def test_ctrl_c_stops_watching_even_when_it_lands_inside_a_finalizer(command, capsys, monkeypatch):
+    from kiln import _cli_evals, _cli_jobs
+
+    monkeypatch.setattr(_cli_jobs, "POLL_S", 0.01)
+    monkeypatch.setattr(_cli_evals, "POLL_S", 0.01)
+    client = _DetailAfterSigint("completed")
+    args = build_parser().parse_args(["train", "status", "--url", "http://127.0.0.1:9"])
+    args.json = False
+    if command == "train":
+        code = _cli_jobs._follow(client, args, "job-x", "sft")
+    else:
+        code = _cli_evals._follow(client, args, "eval-x")
+    err = capsys.readouterr().err
+    assert code == 130, err
+    assert client.polls == 2, "the loop went on polling after Ctrl-C"
+    assert "keeps running on the server" in err

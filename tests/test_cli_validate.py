@@ -103,3 +103,15 @@ def test_validate_and_help_do_not_import_torch(tmp_path):
     subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
     out = subprocess.run([sys.executable, "-m", "kiln.cli", "--help"], check=True, capture_output=True, text=True)
     assert "validate" in out.stdout
+
+
+def test_a_reader_that_goes_away_ends_the_command_quietly():
+    """``kiln types | head``: the pipe closes before everything is written; no traceback, SIGPIPE's status."""
+    with subprocess.Popen(
+        [sys.executable, "-m", "kiln.cli", "types"], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    ) as proc:
+        proc.stdout.close()  # the reader is gone before the first line
+        err = proc.stderr.read().decode()
+        assert proc.wait(60) == 141, err
+    assert "Traceback" not in err
+    assert "BrokenPipeError" not in err

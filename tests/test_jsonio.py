@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from kiln import _jsonio
+from kiln import _fs, _jsonio
 from kiln.errors import DocumentReadError
 
 
@@ -56,7 +56,7 @@ def test_nested_duplicate_keys_are_refused():
 def test_atomic_write_replaces_content_and_leaves_no_temporary_files(tmp_path):
     target = tmp_path / "doc.json"
     target.write_bytes(b"old")
-    _jsonio.atomic_write_bytes(target, b"new")
+    _fs.atomic_write_bytes(target, b"new")
     assert target.read_bytes() == b"new"
     assert os.listdir(tmp_path) == ["doc.json"]
 
@@ -68,9 +68,9 @@ def test_a_failed_atomic_write_keeps_the_old_content(tmp_path, monkeypatch):
     def broken_replace(src, dst):
         raise OSError("disk full")
 
-    monkeypatch.setattr(_jsonio.os, "replace", broken_replace)
+    monkeypatch.setattr(_fs.os, "replace", broken_replace)
     with pytest.raises(OSError):
-        _jsonio.atomic_write_bytes(target, b"new")
+        _fs.atomic_write_bytes(target, b"new")
     assert target.read_bytes() == b"old"
     assert os.listdir(tmp_path) == ["doc.json"]
 
@@ -84,3 +84,35 @@ def test_a_number_that_overflows_to_infinity_is_refused():
     assert info.value.code == "invalid_json"
     assert "infinity" in info.value.message
     assert parse_json('{"reward": 1e300}')["reward"] == 1e300
+
+
+def test_crash_atomic_writes_and_staging_directories_follow_the_umask(tmp_path):
+    import stat
+
+    from kiln._fs import atomic_write_bytes, create_exclusive, staging_dir
+
+    previous = os.umask(0o027)
+    try:
+        atomic_write_bytes(tmp_path / "a.json", b"{}")
+        assert create_exclusive(tmp_path / "b.json", b"{}")
+        assert not create_exclusive(tmp_path / "b.json", b"[]")
+        staged = staging_dir(tmp_path, "name")
+    finally:
+        os.umask(previous)
+    assert stat.S_IMODE((tmp_path / "a.json").stat().st_mode) == 0o640
+    assert stat.S_IMODE((tmp_path / "b.json").stat().st_mode) == 0o640
+    assert (tmp_path / "b.json").read_bytes() == b"{}"
+    assert stat.S_IMODE(staged.stat().st_mode) == 0o750
+    assert staged.name.startswith(".name.incomplete-")
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["a.json", "b.json", staged.name])  # no temp left
+
+
+def test_a_published_adapter_and_a_tiny_model_are_readable_as_the_umask_allows(trained_adapter, tiny_model_dir):
+    import stat
+
+    from kiln._fs import dir_mode, file_mode
+
+    for directory in (trained_adapter, tiny_model_dir):
+        assert stat.S_IMODE(directory.stat().st_mode) == dir_mode(), directory
+        for path in directory.iterdir():
+            assert stat.S_IMODE(path.stat().st_mode) == file_mode(), path

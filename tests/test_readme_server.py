@@ -1,4 +1,4 @@
-"""The README's server walk-through runs verbatim against a live ``kiln serve``.
+"""The README's server walk-through, and its SDK example, run verbatim against a live ``kiln serve``.
 
 The commands of the block after the ``server-walkthrough`` marker run one by one with
 bash from the repository root; only ``localhost:8420`` is pointed at the test server's
@@ -8,32 +8,23 @@ port (and ``KILN_URL`` with it). ``kiln serve`` itself is the test's server.
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from _readme import ROOT, block, commands, run_bash
 from _server import ServerProcess
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parent.parent
-
 
 def _walkthrough() -> list[str]:
-    text = (ROOT / "README.md").read_text(encoding="utf-8")
-    block = text.split("<!-- server-walkthrough", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
-    commands, pending = [], ""
-    for line in block.splitlines():
-        if line.endswith("\\"):
-            pending += line[:-1] + " "
-            continue
-        command = re.sub(r"\s+#[^'\"]*$", "", pending + line).strip()  # trailing comments are prose
-        pending = ""
-        if command and not command.startswith("#"):
-            commands.append(command)
-    return commands
+    return commands("server-walkthrough")
+
+
+def _sdk_snippet() -> str:
+    return block("sdk-snippet", "python")
 
 
 def test_the_walkthrough_parses_into_commands():
@@ -53,15 +44,15 @@ def test_the_readme_server_walkthrough_runs_verbatim(tmp_path, tiny_model_dir):
         }
         for command in _walkthrough()[1:]:
             command = command.replace("localhost:8420", f"127.0.0.1:{proc.port}")
-            run = subprocess.run(
-                ["bash", "-c", command],
-                cwd=ROOT,
-                env=env,
-                capture_output=True,
-                text=True,
-                timeout=300,
-                check=False,
-            )
+            run = run_bash(command, env, timeout=300)
             assert run.returncode == 0, f"{command}\n{run.stdout}\n{run.stderr}"
             assert '"error"' not in run.stdout, f"{command}\n{run.stdout}"
             assert run.stdout.strip(), command
+        snippet = _sdk_snippet().replace("http://127.0.0.1:8420", proc.url)
+        run = subprocess.run(
+            [sys.executable, "-c", snippet], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False
+        )
+        assert run.returncode == 0, f"{snippet}\n{run.stdout}\n{run.stderr}"
+        job_id, state = run.stdout.split()
+        assert job_id.startswith("job-")
+        assert state in ("queued", "running", "completed")

@@ -24,7 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from kiln import contracts
-from kiln._jsonio import fsync_dir, read_json_file
+from kiln._fs import fsync_dir
+from kiln._jsonio import read_json_file
 from kiln.digests import raw_hex
 from kiln.errors import KilnError, NotFoundError, RequestError
 
@@ -84,6 +85,24 @@ def _read_canary(path: Path) -> dict[str, Any]:
     }
 
 
+def _receipt_only(directory: Path) -> str:
+    """Why a directory holds a receipt but no serving files, as its receipt tells it (read, never trusted)."""
+    try:
+        receipt = read_json_file(directory / "train_receipt.json")
+    except KilnError:
+        return " (its train_receipt.json is unreadable)"
+    if not isinstance(receipt, dict):
+        return ""
+    source = (
+        (receipt.get("training_data") or {}).get("source") if isinstance(receipt.get("training_data"), dict) else None
+    )
+    if receipt.get("status") == "success" and isinstance(source, str) and source.endswith("_dry_run"):
+        return " (a dry run: its receipt only, no weights by design)"
+    if receipt.get("status") == "failed":
+        return f" (a failed run, {receipt.get('failure_reason')}: only its receipt is kept)"
+    return " (only a receipt is here)"
+
+
 def adapter_entry(directory: Path, *, loaded: bool = False) -> dict[str, Any]:
     """One registry directory as ``AdapterDiskEntry`` (validated)."""
     files: list[str] = []
@@ -98,9 +117,7 @@ def adapter_entry(directory: Path, *, loaded: bool = False) -> dict[str, Any]:
     error = None
     if not has_config or not has_weights:
         missing = " and ".join(f for f, ok in ((CONFIG, has_config), (WEIGHTS, has_weights)) if not ok)
-        error = f"missing {missing}" + (
-            " (a failed run keeps only its receipt)" if "train_receipt.json" in files else ""
-        )
+        error = f"missing {missing}" + (_receipt_only(directory) if "train_receipt.json" in files else "")
     config: dict[str, Any] = {}
     if has_config:
         config, config_error = _config_facts(directory / CONFIG)

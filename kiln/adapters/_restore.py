@@ -45,12 +45,12 @@ import os
 import shutil
 import stat
 import struct
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from kiln import contracts
-from kiln._jsonio import MAX_DOCUMENT_BYTES, fsync_dir, parse_json, read_json_file
+from kiln._fs import fsync_dir, staging_dir
+from kiln._jsonio import MAX_DOCUMENT_BYTES, parse_json, read_json_file
 from kiln.artifacts.adapter_manifest import MANIFEST_FILE
 from kiln.digests import prefixed
 from kiln.errors import AdapterError, ConflictError, ContractError, InternalError, RequestError
@@ -112,7 +112,7 @@ def restore_adapter(
     }
 
     registry_dir.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target_name[:64]}.restore-", dir=registry_dir))
+    staging = staging_dir(registry_dir, target_name[:64], "restore")
     try:
         for role, canonical, field, key in _ROLES:
             if role not in sources:
@@ -309,7 +309,7 @@ def _move_into_place(staging: Path, target: Path, registry: Path, *, overwrite: 
     if target.is_symlink() or target.exists():
         if not overwrite:  # appeared while copying
             _refuse_existing(target)
-        old = Path(tempfile.mkdtemp(prefix=f".{target.name[:64]}.replaced-", dir=registry)) / "old"
+        old = staging_dir(registry, target.name[:64], "replaced") / "old"
         os.rename(target, old)
     try:
         os.rename(staging, target)

@@ -28,7 +28,6 @@ import hashlib
 import logging
 import os
 import shutil
-import tempfile
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor, wait
@@ -37,7 +36,8 @@ from pathlib import Path
 from typing import Any
 
 from kiln import _documents
-from kiln._jsonio import canonical_json, fsync_dir
+from kiln._fs import fsync_dir, staging_dir
+from kiln._jsonio import canonical_json
 from kiln.artifacts.checkpoint_manifest import DOC, INCOMPLETE_SENTINEL, MANIFEST_FILE
 from kiln.checkpoints._names import checkpoint_name
 from kiln.checkpoints._read import MAX_FILES, check_loop_state
@@ -155,7 +155,7 @@ def publish_checkpoint(
             f"checkpoint of {manifest['adapter_name']!r}, including {name}",
         )
     root.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{name}.incomplete-", dir=root))
+    staging = staging_dir(root, name)
     try:
         fds: list[int] = []
         pool = _pool()

@@ -23,13 +23,13 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
-import tempfile
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from kiln import contracts
-from kiln._jsonio import fsync_dir, parse_json, read_json_file
+from kiln._fs import create_exclusive, fsync_dir
+from kiln._jsonio import parse_json, read_json_file
 from kiln.digests import json_sha256, prefixed
 from kiln.errors import ConflictError, ContractError, IntegrityError, NotFoundError, Problem
 
@@ -168,21 +168,7 @@ class SuiteRegistry:
     def _link_new(self, target: Path, data: bytes) -> bool:
         """Write ``data`` to ``target`` crash-atomically unless it exists; False when it does."""
         target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{target.name[:64]}.", suffix=".tmp", dir=target.parent)
-        try:
-            with os.fdopen(fd, "wb") as fh:
-                fh.write(data)
-                fh.flush()
-                os.fsync(fh.fileno())
-            try:
-                os.link(tmp, target)
-            except FileExistsError:
-                return False
-        finally:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
-        fsync_dir(target.parent)
-        return True
+        return create_exclusive(target, data)
 
     # --- read -----------------------------------------------------------------------------
 

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import os
 import shutil
-import tempfile
 from pathlib import Path
+
+from kiln._fs import file_mode, staging_dir
 
 TINY_NAME = "kiln-tiny"
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
@@ -139,17 +140,17 @@ def _init_weights(model, seed: int) -> None:
 
 def create_tiny(path: str | os.PathLike[str], *, seed: int = 0, overwrite: bool = False) -> Path:
     """Write a tiny model directory at ``path`` (atomically: staged, then renamed)."""
+    target = Path(path)
+    if target.exists() and not overwrite:  # refused before torch and transformers are imported
+        raise FileExistsError(f"{target} already exists; choose another path or remove it first")
     import torch
     from transformers import Qwen2ForCausalLM
 
     quiet_hub()
-    target = Path(path)
     if target.exists():
-        if not overwrite:
-            raise FileExistsError(f"{target} already exists; choose another path or remove it first")
         shutil.rmtree(target)
     target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.incomplete-", dir=target.parent))
+    staging = staging_dir(target.parent, target.name)
     try:
         tokenizer = build_tokenizer()
         config = tiny_config(len(tokenizer))
@@ -160,6 +161,8 @@ def create_tiny(path: str | os.PathLike[str], *, seed: int = 0, overwrite: bool 
         model.save_pretrained(staging, safe_serialization=True)
         tokenizer.save_pretrained(staging)
         (staging / COMPLETE_MARKER).write_text(f"seed={seed}\n", encoding="utf-8")
+        for written in staging.iterdir():  # safetensors writes 0600: give every file the mode open() would
+            os.chmod(written, file_mode())
         os.replace(staging, target)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)

@@ -24,17 +24,16 @@ Kinds (``RegisterTeacherRequest.kind``):
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import os
-import tempfile
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from kiln import contracts
-from kiln._jsonio import fsync_dir, parse_json, read_json_file
+from kiln._fs import create_exclusive, fsync_dir
+from kiln._jsonio import parse_json, read_json_file
 from kiln.digests import file_sha256, json_sha256, prefixed, teacher_identity_revision
 from kiln.errors import ConflictError, ContractError, IntegrityError, KilnError, NotFoundError, Problem, RequestError
 from kiln.teachers._identity import (
@@ -319,21 +318,8 @@ class TeacherRegistry:
     def _write_new(self, alias: str, data: bytes) -> None:
         """Crash-atomic and exclusive: temp file, fsync, hard link (fails when the alias exists), directory fsync."""
         self.root.mkdir(parents=True, exist_ok=True)
-        target = self.path(alias)
-        fd, tmp = tempfile.mkstemp(prefix=f".{alias[:64]}.", suffix=".tmp", dir=self.root)
-        try:
-            with os.fdopen(fd, "wb") as fh:
-                fh.write(data)
-                fh.flush()
-                os.fsync(fh.fileno())
-            try:
-                os.link(tmp, target)
-            except FileExistsError:
-                raise self._conflict(alias) from None
-        finally:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
-        fsync_dir(self.root)
+        if not create_exclusive(self.path(alias), data):
+            raise self._conflict(alias)
 
     def _spec(self, request: dict[str, Any], **facts: Any) -> dict[str, Any]:
         spec = {

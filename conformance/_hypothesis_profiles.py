@@ -1,4 +1,5 @@
-"""Hypothesis profiles for the whole suite (tests/ and conformance/).
+"""Hypothesis profiles for the whole suite (tests/ and conformance/), loaded as a pytest plugin (``-p`` in
+``pyproject.toml``'s ``addopts``) before any test module is collected.
 
 * ``deterministic`` (the default, and what CI runs): derandomized draws -- the same examples on every machine and
   every run -- no example database, and shrinking bounded to 60 seconds so a failure is reported promptly.
