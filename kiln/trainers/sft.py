@@ -54,13 +54,12 @@ from kiln.publish import (
     write_train_receipt,
 )
 from kiln.trainers._resume import claim_target, optimizer_identity, resume_metadata
+from kiln.trainers._sft_config import effective_config
 from kiln.training import (
-    DEFAULT_LEARNING_RATES,
     TrainingFailedError,
     attach_lora,
     build_optimizer,
     classify_failure,
-    effective_optimizer,
     lora_delta_norms,
     lora_parameters,
     resolve_seed,
@@ -80,11 +79,9 @@ from kiln.training._state import (
     restore_optimizer,
 )
 
-PROFILE = "native_online_lora_v1"
 KIND = "sft"
 DIVERGENCE_RATIO = 8.0
 DIVERGENCE_MARGIN = 5.0
-MAX_ALPHA_OVER_RANK = 2.0
 LOOP_FILE = loop_state_file_name(KIND)
 
 Progress = Callable[[dict[str, Any]], None]
@@ -118,54 +115,6 @@ class SftResult:
 
 
 # ----------------------------------------------------------------------------- admission
-
-
-def effective_config(config: dict[str, Any], adapter_name: str) -> dict[str, Any]:
-    """Fill defaults and resolve the seed and learning rate; refuse what the profile does not do."""
-    problems = contracts.problems("SftConfig", config)
-    if problems:
-        detail = "; ".join(f"{p.pointer or '/'}: {p.message}" for p in problems)
-        raise RequestError(
-            f"invalid SFT config: {detail}", code="training_invalid_request", pointer=problems[0].pointer
-        )
-    for flag in ("train_mtp", "allow_adapter_shape_conversion", "detect_anomaly"):
-        if config.get(flag):
-            raise RequestError(f"{flag} is not supported by the {PROFILE} profile", code="training_backend_unsupported")
-    for flag, what in (
-        ("adapter_smoke_test", "the post-training adapter smoke test"),
-        ("adapter_smoke_prompts", "the post-training adapter smoke test"),
-    ):
-        if config.get(flag):
-            raise RequestError(f"{flag}: {what} is not available yet", code="training_backend_unsupported")
-    try:
-        optimizer = effective_optimizer(config.get("optimizer"))
-        seed = resolve_seed(config.get("seed"))
-    except ValueError as exc:
-        raise RequestError(str(exc), code="training_invalid_request") from None
-    rank = int(config.get("lora_rank", 16))
-    interval = config.get("checkpoint_interval")
-    alpha = float(config.get("lora_alpha", 32.0))
-    if alpha / rank > MAX_ALPHA_OVER_RANK and not config.get("allow_high_lora_scale", False):
-        raise RequestError(
-            f"unsafe_lora_scale: lora_alpha / lora_rank = {alpha / rank:g} exceeds {MAX_ALPHA_OVER_RANK:g}",
-            code="training_invalid_request",
-            hint="lower lora_alpha, raise lora_rank, or set allow_high_lora_scale",
-        )
-    learning_rate = config.get("learning_rate") or DEFAULT_LEARNING_RATES["sft"][optimizer["kind"]]
-    return {
-        "training_profile": PROFILE,
-        "invalid_row_policy": config.get("invalid_row_policy", "fail"),
-        "epochs": int(config.get("epochs", 3)),  # JSON Schema integers may arrive as 3.0
-        "learning_rate": float(learning_rate),
-        "lora_rank": rank,
-        "lora_alpha": alpha,
-        "allow_high_lora_scale": bool(config.get("allow_high_lora_scale", False)),
-        "output_name": adapter_name,
-        "base_adapter": config.get("base_adapter"),
-        "checkpoint_interval": None if interval is None else int(interval),
-        "seed": seed,
-        "optimizer": optimizer,
-    }
 
 
 @dataclass
