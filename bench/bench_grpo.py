@@ -157,7 +157,7 @@ def peft_wrap(model: Any) -> Any:
 
 def side_kiln(args: argparse.Namespace) -> dict[str, Any]:
     from kiln.trainers.grpo import admit_grpo, run_grpo
-    from kiln.training import _grpo_objective as obj
+    from kiln.training import grpo_objective as obj
 
     groups = json.loads(Path(args.groups_file).read_text())
     registry = Path(args.work) / "registry"
@@ -271,7 +271,7 @@ def objective_cost(completion: Any, reps: int = 300) -> dict[str, float]:
     audits) against the same per-token loss written plainly, on this completion's shapes, no backward."""
     import torch
 
-    from kiln.training import _grpo_objective as obj
+    from kiln.training import grpo_objective as obj
 
     n = len(completion.action_mask)
     generator = torch.Generator().manual_seed(0)

@@ -451,7 +451,7 @@ def side_probe(args: argparse.Namespace) -> dict[str, Any]:
     from torch.nn import functional
 
     from kiln.teachers._scoring import stable_top_k
-    from kiln.training._opd_objective import top_k_reverse_kl
+    from kiln.training.opd_objective import top_k_reverse_kl
 
     actions = args.max_new_tokens
     length, start = PROBE_PROMPT + actions, PROBE_PROMPT - 1

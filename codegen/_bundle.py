@@ -24,10 +24,26 @@ FORBIDDEN_KEYWORDS = frozenset(
         "else",
     }
 )
+# the one extension keyword for defaults: a default chosen by another field of the same object
+DEFAULT_BY = "x-kiln-default-by"
 
 
 class SchemaSourceError(Exception):
     """A schema file breaks one of the rules in docs/schemas.md."""
+
+
+def _check_default_by(prop: dict[str, Any], siblings: set[str], where: str) -> None:
+    """``x-kiln-default-by``: a default chosen by a sibling field (docs/schemas.md, rule 12)."""
+    rule = prop[DEFAULT_BY]
+    if "default" in prop:
+        raise SchemaSourceError(f"{where}: a property has either default or {DEFAULT_BY}, not both")
+    if not isinstance(rule, dict) or set(rule) != {"pointer", "defaults"}:
+        raise SchemaSourceError(f"{where}: {DEFAULT_BY} takes exactly the members pointer and defaults")
+    pointer, defaults = rule["pointer"], rule["defaults"]
+    if not isinstance(pointer, str) or not pointer.startswith("/") or pointer[1:].split("/")[0] not in siblings:
+        raise SchemaSourceError(f"{where}: {DEFAULT_BY} pointer {pointer!r} must start at a sibling property")
+    if not isinstance(defaults, dict) or not defaults:
+        raise SchemaSourceError(f"{where}: {DEFAULT_BY} defaults must map each value of {pointer} to a default")
 
 
 def file_digest(path: Path) -> str:
@@ -61,6 +77,10 @@ def _check_keywords(node: Any, file: str, pointer: str) -> None:
                         raise SchemaSourceError(f"{file}#{pointer}: look-around in pattern {value!r}")
             if key == "$ref" and isinstance(value, str):
                 _split_ref(value, file)
+            if key == "properties" and isinstance(value, dict):
+                for name, prop in value.items():
+                    if isinstance(prop, dict) and DEFAULT_BY in prop:
+                        _check_default_by(prop, set(value), f"{file}#{pointer}/properties/{name}")
             _check_keywords(value, file, f"{pointer}/{key}")
     elif isinstance(node, list):
         for index, value in enumerate(node):

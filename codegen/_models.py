@@ -64,6 +64,9 @@ def _prepare(node: Any) -> Any:
       ``additionalProperties: true`` so that the model keeps unknown members
       (pydantic would otherwise silently drop them);
     * examples are dropped (they are data, not types);
+    * a ``null`` default is dropped: every optional field of the typed view already
+      defaults to None, and the generator would otherwise push it into the root model of
+      an inline ``anyOf`` branch (``root: float = None``);
     * applicators that only restrict an object's own fields (``oneOf`` of required sets,
       ``not``) are dropped: they are validation, which the JSON Schema layer does, and
       the generator would otherwise turn them into spurious model variants.
@@ -72,7 +75,7 @@ def _prepare(node: Any) -> Any:
         out = {}
         own = set(node.get("properties", {})) if isinstance(node.get("properties"), dict) else None
         for key, value in node.items():
-            if key in ("format", "x-kiln-examples"):
+            if key in ("format", "x-kiln-examples") or (key == "default" and value is None):
                 continue
             if own is not None and key in _APPLICATORS:
                 branches = value if isinstance(value, list) else [value]

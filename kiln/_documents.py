@@ -17,20 +17,10 @@ from pydantic import BaseModel, ValidationError
 from kiln import _contract
 from kiln._fs import atomic_write_bytes
 from kiln._jsonio import canonical_json, parse_json, read_json_file
-from kiln._rules import RULES, ptr
+from kiln._rules import RULES, ptr, require_complete
 from kiln.errors import ContractError, IntegrityError, Problem, UnknownDocumentTypeError
 
 Source = bytes | str | os.PathLike[str] | dict[str, Any] | list[Any]
-
-_loaded_rules = False
-
-
-def _ensure_rules() -> None:
-    global _loaded_rules
-    if not _loaded_rules:
-        import kiln.artifacts  # noqa: F401 - registers the semantic rules
-
-        _loaded_rules = True
 
 
 def read_source(source: Source, *, document: str | None = None) -> tuple[Any, str | None]:
@@ -99,7 +89,7 @@ def _leads_to_rules(schema: Any) -> bool:
 
 @cache
 def _has_rules_below(name: str) -> bool:
-    _ensure_rules()
+    require_complete()
     return any(d in RULES for d in _contract.reachable_definitions(name))
 
 
@@ -110,7 +100,7 @@ def _branch_has_rules(branch: Any) -> bool:
 
 def semantic_problems(name: str, value: Any) -> list[Problem]:
     """Run the semantic rules of every definition in the document; integrity failures raise at once."""
-    _ensure_rules()
+    require_complete()
     if not _has_rules_below(name):
         return []
     occurrences: list[tuple[str, Any, str]] = []

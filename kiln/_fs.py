@@ -5,22 +5,76 @@
 * ``create_exclusive``: the same, but only when the path does not exist yet (hard link instead of rename), so two
   writers of one name never both succeed;
 * ``staging_dir``: a hidden directory beside its destination, renamed into place once complete;
-* ``fsync_dir``: make a rename or link in a directory durable.
+* ``publish_dir``: the whole staged publication of a directory (stage, fsync, one rename, fsync the parent);
+* ``fsync_dir``: make a rename or link in a directory durable;
+* ``name_problem``: the one rule for every name Kiln turns into a directory entry (registry names and the file
+  names inside artifacts), by kind.
 
 Modes follow the process umask like any ``open()``: a file is ``0o666 & ~umask`` and a directory ``0o777 & ~umask``
 (``tempfile`` would leave them ``0600``/``0700``, so an adapter published by one user could not be read by the
 server of another). Files that are immutable by contract (checkpoint files) set their own mode.
+
+Names (``name_problem(name, kind=...)``). A name must be exactly one plain directory entry: a non-empty string,
+no ``/``, ``\\``, NUL or other control character (U+0000-U+001F, U+007F), no ``..`` anywhere (so never ``.`` or
+``..`` either), not starting with ``.`` (hidden names are where Kiln stages: staging directories, temp files, the
+checkpoint sentinel), valid UTF-8 (a lone surrogate, such as an undecodable command-line byte, is not). Its UTF-8
+length is bounded by the 255-byte file-name limit less the longest suffix Kiln adds to it (``name_max_bytes``):
+
+=============  =====  ========================================================================================
+kind           bytes  the longest entry made from the name
+=============  =====  ========================================================================================
+``adapter``     193   the staging directory of one of its checkpoints,
+                      ``.<name>-checkpoint-step-<8 digits>.kiln-checkpoint.incomplete-XXXXXXXX`` (+62)
+``checkpoint``  234   its staging directory ``.<name>.incomplete-XXXXXXXX`` (+21)
+``teacher``     250   the record ``<alias>.json`` (+5)
+``suite``       250   the suite ``<name>.json`` and its entry ``.entries/<name>.json`` (+5)
+``file``        255   itself: a file name inside an artifact directory (one component of a checkpoint path)
+=============  =====  ========================================================================================
+
+Every staging purpose is at most ``incomplete`` long (``staging_dir`` refuses a longer one), so ``+21`` covers
+the ``restore`` and ``replaced`` staging directories and the registry's ``.deleting-`` renames too.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
+import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Literal
 
-__all__ = ["atomic_write_bytes", "create_exclusive", "dir_mode", "file_mode", "fsync_dir", "staging_dir"]
+__all__ = [
+    "NAME_KINDS",
+    "NameKind",
+    "atomic_write_bytes",
+    "create_exclusive",
+    "dir_mode",
+    "file_mode",
+    "fsync_dir",
+    "name_max_bytes",
+    "name_problem",
+    "publish_dir",
+    "staging_dir",
+]
+
+NameKind = Literal["adapter", "checkpoint", "teacher", "suite", "file"]
+NAME_KINDS: tuple[NameKind, ...] = ("adapter", "checkpoint", "teacher", "suite", "file")
+FILE_NAME_MAX_BYTES = 255  # the file-name limit of ext4, XFS, btrfs, ZFS and APFS
+STAGING_PURPOSE_MAX = len("incomplete")  # the longest purpose of a staging directory
+STAGING_NAME_EXTRA = len("." + "." + "-") + STAGING_PURPOSE_MAX + 8  # .<name>.<purpose>-XXXXXXXX (mkdtemp: 8)
+CHECKPOINT_NAME_EXTRA = len("-checkpoint-step-00000000.kiln-checkpoint")  # kiln.checkpoints.checkpoint_name
+JSON_NAME_EXTRA = len(".json")  # teacher records and evaluation suites
+_NAME_SUFFIXES: dict[str, tuple[int, str]] = {  # kind: (the most bytes Kiln adds to the name, what adds them)
+    "adapter": (CHECKPOINT_NAME_EXTRA + STAGING_NAME_EXTRA, "the suffix of its checkpoints' staging directories"),
+    "checkpoint": (STAGING_NAME_EXTRA, "the suffix of its staging directory"),
+    "teacher": (JSON_NAME_EXTRA, "'.json'"),
+    "suite": (JSON_NAME_EXTRA, "'.json'"),
+    "file": (0, ""),
+}
+_TEMP_NAME_MAX = 64  # bytes of the target's name kept in a temp file's name
 
 
 def _umask() -> int:
@@ -57,7 +111,7 @@ def fsync_dir(path: str | os.PathLike[str]) -> None:
 
 def _durable_temp(directory: Path, name: str, data: bytes) -> str:
     """A synced temp file holding ``data`` in ``directory`` (hidden, named after ``name``), with the usual mode."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{name[:64]}.", suffix=".tmp", dir=directory)
+    fd, tmp = tempfile.mkstemp(prefix=f".{_shortened(name, _TEMP_NAME_MAX)}.", suffix=".tmp", dir=directory)
     try:
         os.fchmod(fd, file_mode())
         with os.fdopen(fd, "wb") as fh:
@@ -108,8 +162,121 @@ def create_exclusive(path: str | os.PathLike[str], data: bytes) -> bool:
     return _place(path, data, _link)
 
 
+def _shortened(name: str, max_bytes: int) -> str:
+    """``name`` cut to at most ``max_bytes`` UTF-8 bytes, never inside a character."""
+    return name.encode("utf-8", "surrogatepass")[:max_bytes].decode("utf-8", "ignore")
+
+
 def staging_dir(parent: Path, name: str, purpose: str = "incomplete") -> Path:
-    """A new hidden directory ``<parent>/.<name>.<purpose>-XXXX`` with the usual directory mode."""
-    staging = Path(tempfile.mkdtemp(prefix=f".{name}.{purpose}-", dir=parent))
+    """A new hidden directory ``<parent>/.<name>.<purpose>-XXXXXXXX`` with the usual directory mode.
+
+    A name that passes ``name_problem`` is kept whole (readers find leftovers by it); a longer one, such as an
+    arbitrary model directory's, is shortened so that the staging name is still a file name.
+    """
+    if len(purpose) > STAGING_PURPOSE_MAX:
+        raise ValueError(f"a staging purpose is at most {STAGING_PURPOSE_MAX} characters, not {purpose!r}")
+    kept = _shortened(name, FILE_NAME_MAX_BYTES - STAGING_NAME_EXTRA)
+    staging = Path(tempfile.mkdtemp(prefix=f".{kept}.{purpose}-", dir=parent))
     os.chmod(staging, dir_mode())
     return staging
+
+
+def _sync_tree(root: Path) -> None:
+    """fsync every regular file below ``root``, then every directory, deepest first and ``root`` last."""
+    for directory, _dirs, files in os.walk(root, topdown=False):
+        for file_name in files:
+            path = os.path.join(directory, file_name)
+            if os.path.islink(path):  # the link is an entry of its directory, synced below
+                continue
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_dir(directory)
+
+
+def _rename_into_place(staging: Path, target: Path, *, overwrite: bool) -> Path | None:
+    """Rename ``staging`` to ``target``; return the hidden directory now holding a replaced ``target``, if any."""
+    if not os.path.lexists(target):
+        os.rename(staging, target)
+        return None
+    if not overwrite:
+        raise FileExistsError(errno.EEXIST, "already exists; choose another name or replace it", str(target))
+    aside = staging_dir(target.parent, target.name, "replaced")
+    try:
+        os.rename(target, aside / "old")
+    except BaseException:
+        aside.rmdir()
+        raise
+    try:
+        os.rename(staging, target)
+    except BaseException:
+        os.rename(aside / "old", target)
+        aside.rmdir()
+        raise
+    return aside
+
+
+@contextlib.contextmanager
+def publish_dir(
+    target: str | os.PathLike[str], *, purpose: str = "incomplete", overwrite: bool = False
+) -> Iterator[Path]:
+    """Build a directory that appears at ``target`` complete, or not at all.
+
+    1. ``staging_dir``: a new hidden ``.<name>.<purpose>-XXXXXXXX`` beside ``target``, yielded for the block to fill;
+    2. when the block returns: fsync every file in it, then every directory, the staging directory last;
+    3. one rename to ``target``. An existing ``target`` is refused (``FileExistsError``) unless ``overwrite``: then
+       it is first renamed into a hidden ``.<name>.replaced-XXXXXXXX`` directory (and renamed back if the rename
+       fails), and removed only once the new directory is durable;
+    4. fsync the parent, so that the rename survives a crash.
+
+    A failure before the rename, the block's own included, removes the staging directory and leaves an existing
+    ``target`` as it was. A crash leaves at most hidden directories, which no reader lists or loads.
+    """
+    target = Path(target)
+    staging = staging_dir(target.parent, target.name, purpose)
+    try:
+        yield staging
+        _sync_tree(staging)
+        replaced = _rename_into_place(staging, target, overwrite=overwrite)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    fsync_dir(target.parent)
+    if replaced is not None:
+        shutil.rmtree(replaced)  # removes a replaced symlink itself, never what it points to
+
+
+# --- names --------------------------------------------------------------------------------------
+
+
+def name_max_bytes(kind: NameKind) -> int:
+    """The most UTF-8 bytes a ``kind`` name may have (see the module docstring)."""
+    if kind not in _NAME_SUFFIXES:
+        raise ValueError(f"unknown name kind {kind!r}; one of {', '.join(NAME_KINDS)}")
+    return FILE_NAME_MAX_BYTES - _NAME_SUFFIXES[kind][0]
+
+
+def name_problem(name: object, *, kind: NameKind) -> str | None:
+    """Why ``name`` cannot be used as a ``kind`` name (a sentence starting with "it"), or None when it can."""
+    limit = name_max_bytes(kind)
+    if not isinstance(name, str) or not name:
+        return "it must be a non-empty string"
+    if "/" in name or "\\" in name:
+        return "it must not contain '/' or '\\'"
+    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in name):
+        return "it must not contain NUL or other control characters"
+    if ".." in name:
+        return "it must not contain '..'"
+    if name.startswith("."):
+        return "it must not start with '.' (hidden names are reserved for staging and temporary files)"
+    try:
+        size = len(name.encode("utf-8"))
+    except UnicodeEncodeError:
+        return "it is not valid UTF-8 text (it holds a lone surrogate, such as an undecodable byte)"
+    if size > limit:
+        extra, adds = _NAME_SUFFIXES[kind]
+        why = f"the file-name limit less {extra} for {adds}" if extra else "the file-name limit"
+        return f"it is {size} bytes in UTF-8; at most {limit} are allowed ({why})"
+    return None

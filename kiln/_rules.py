@@ -29,6 +29,19 @@ class Rule:
 
 
 RULES: dict[str, list[Rule]] = {}
+_complete = False  # set once kiln.artifacts, which holds every rule, is imported
+
+
+def mark_complete() -> None:
+    """Every rule is registered (the last line of ``kiln/artifacts/__init__.py``)."""
+    global _complete
+    _complete = True
+
+
+def require_complete() -> None:
+    """Refuse to judge a document while rules may be missing: a partial registry would pass what it should not."""
+    if not _complete:
+        raise RuntimeError("the semantic rules are not registered yet: import kiln.contracts or kiln.artifacts first")
 
 
 def semantic_rule(definition: str, rule_id: str, *, integrity: bool = False) -> Callable[[RuleFn], RuleFn]:

@@ -16,6 +16,7 @@ from typing import Any
 
 import kiln_contracts
 
+import kiln.artifacts  # noqa: F401 - registers every semantic rule the loaders apply
 from kiln import _documents
 from kiln._jsonio import read_json_file
 from kiln.errors import KilnError, Problem

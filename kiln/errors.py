@@ -20,6 +20,24 @@ what to do, an optional ``hint`` and, for documents, the JSON pointer of the bad
     ├── AuthError                unauthorized
     └── InternalError            internal_error
 
+A run that fails *after* admission does not raise to its caller: it ends with a failed train receipt whose
+``failure_reason`` (the schema's ``TrainReceiptFailureReason`` enum) comes from the type of the failure raised
+where it was detected, never from message text::
+
+    TrainingFailedError          training_error: anything else that stopped a run (divergence, a changed file)
+    ├── DataSchemaError          data_schema_error
+    ├── AdapterLoadError         adapter_load_failed
+    ├── ZeroGroupsError          zero_groups (carries the filter counts)
+    ├── ZeroActionTokensError    zero_action_tokens
+    ├── ZeroEnvTokensError       zero_env_tokens
+    ├── CancelledError           cancelled: cooperative cancellation at a step boundary
+    ├── UnsupportedLossConfigError  unsupported_loss_config
+    ├── NonFiniteLossError       nan_loss
+    ├── OutOfMemoryError       oom
+    ├── ShapeMismatchError       shape_mismatch
+    ├── UnsafeLoraScaleError     unsafe_lora_scale
+    └── BaseAdapterMissingError  base_adapter_missing
+
 Only the CLI and the server turn these into exit codes and HTTP statuses.
 """
 
@@ -30,19 +48,33 @@ from typing import ClassVar
 
 __all__ = [
     "AdapterError",
+    "AdapterLoadError",
     "AuthError",
+    "BaseAdapterMissingError",
+    "CancelledError",
     "CapacityError",
     "CheckpointError",
     "ConflictError",
     "ContractError",
+    "DataSchemaError",
     "DocumentReadError",
     "IntegrityError",
     "InternalError",
     "KilnError",
+    "NonFiniteLossError",
     "NotFoundError",
+    "OutOfMemoryError",
     "Problem",
     "RequestError",
+    "ShapeMismatchError",
+    "TrainingFailedError",
     "UnknownDocumentTypeError",
+    "UnsafeLoraScaleError",
+    "UnsupportedLossConfigError",
+    "ZeroActionTokensError",
+    "ZeroEnvTokensError",
+    "ZeroGroupsError",
+    "all_failure_reasons",
 ]
 
 
@@ -226,5 +258,83 @@ def all_codes() -> set[str]:
     while stack:
         cls = stack.pop()
         found.update(cls.codes)
+        stack.extend(cls.__subclasses__())
+    return found
+
+
+# ----------------------------------------------------------------------------- failures after admission
+
+
+class TrainingFailedError(Exception):
+    """A run stopped after admission; ``reason`` is its receipt's ``failure_reason``, fixed by the class."""
+
+    reason: ClassVar[str] = "training_error"
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.message = message
+
+
+class DataSchemaError(TrainingFailedError):
+    reason = "data_schema_error"
+
+
+class AdapterLoadError(TrainingFailedError):
+    reason = "adapter_load_failed"
+
+
+class ZeroGroupsError(TrainingFailedError):
+    """Nothing trainable left after the group filters; ``counts`` keeps the filter counts for the receipt."""
+
+    reason = "zero_groups"
+
+    def __init__(self, message: str, counts: dict[str, int] | None = None):
+        super().__init__(message)
+        self.counts = dict(counts or {})
+
+
+class ZeroActionTokensError(TrainingFailedError):
+    reason = "zero_action_tokens"
+
+
+class ZeroEnvTokensError(TrainingFailedError):
+    reason = "zero_env_tokens"
+
+
+class CancelledError(TrainingFailedError):
+    reason = "cancelled"
+
+
+class UnsupportedLossConfigError(TrainingFailedError):
+    reason = "unsupported_loss_config"
+
+
+class NonFiniteLossError(TrainingFailedError):
+    reason = "nan_loss"
+
+
+class OutOfMemoryError(TrainingFailedError):
+    reason = "oom"
+
+
+class ShapeMismatchError(TrainingFailedError):
+    reason = "shape_mismatch"
+
+
+class UnsafeLoraScaleError(TrainingFailedError):
+    reason = "unsafe_lora_scale"
+
+
+class BaseAdapterMissingError(TrainingFailedError):
+    reason = "base_adapter_missing"
+
+
+def all_failure_reasons() -> set[str]:
+    """Every receipt failure reason some failure class carries (a test pins this to the schema enum)."""
+    found: set[str] = set()
+    stack: list[type[TrainingFailedError]] = [TrainingFailedError]
+    while stack:
+        cls = stack.pop()
+        found.add(cls.reason)
         stack.extend(cls.__subclasses__())
     return found

@@ -1,43 +1,40 @@
 """Publication of a training result into the adapter registry.
 
+* ``check_target``: the adapter name is one (``kiln.adapters.require_adapter_name``) and
+  holds no adapter yet;
 * ``stage_adapter``: write the PEFT files into a hidden staging directory inside the
-  registry, then rename it to ``<registry>/<adapter>`` (the canonical name is absent
-  before the rename and complete after it);
+  registry, then rename it to ``<registry>/<adapter>`` (``kiln._fs.publish_dir``: the
+  canonical name is absent before the rename and complete after it);
 * ``write_train_receipt``: the receipt of every attempt, success or failure, written
   crash-atomically (canonical JSON, temp file, fsync, rename) after strict validation;
-* ``write_adapter_manifest``: on success only, the manifest binding the serving files and
-  the receipt to their SHA-256 digests, with lineage copied from the receipt.
+* ``bind_adapter_manifest``: on success only, build the manifest binding the serving files
+  and the receipt to their SHA-256 digests, with lineage copied from the receipt, and write
+  it (``kiln.artifacts.adapter_manifest.write_adapter_manifest`` writes a given manifest).
 """
 
 from __future__ import annotations
 
 import os
 import shlex
-import shutil
 from pathlib import Path
 from typing import Any
 
 from kiln import contracts
-from kiln._fs import file_mode, fsync_dir, staging_dir
+from kiln._fs import file_mode, publish_dir
+from kiln.adapters import require_adapter_name
 from kiln.digests import file_sha256, prefixed
-from kiln.errors import ConflictError, RequestError
+from kiln.errors import ConflictError
 
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 RECEIPT = "train_receipt.json"
 MANIFEST = "adapter_manifest.json"
 
-__all__ = ["adapter_file_receipt", "check_target", "stage_adapter", "write_adapter_manifest", "write_train_receipt"]
+__all__ = ["adapter_file_receipt", "bind_adapter_manifest", "check_target", "stage_adapter", "write_train_receipt"]
 
 
 def check_target(registry: Path, name: str) -> Path:
     """Refuse, before any model work, a name that is not path-safe or already holds an adapter."""
-    if not name or name.startswith(".") or "/" in name or "\\" in name or ".." in name:
-        raise RequestError(
-            f"adapter name {name!r} is not path-safe: it must be non-empty, not start with '.', "
-            "and contain no '/', '\\' or '..'",
-            code="training_invalid_request",
-        )
-    target = registry / name
+    target = registry / require_adapter_name(name)
     if target.is_symlink() or (target.exists() and not target.is_dir()):
         raise ConflictError(f"{target} exists and is not an adapter directory", code="adapter_exists")
     if any((target / f).exists() for f in ADAPTER_FILES):
@@ -57,23 +54,14 @@ def stage_adapter(peft_model: Any, registry: Path, name: str) -> Path:
     """Save the adapter files and move them into place as ``<registry>/<name>``."""
     registry.mkdir(parents=True, exist_ok=True)
     target = check_target(registry, name)
-    staging = staging_dir(registry, name)
-    try:
+    # overwrite: a directory left by an earlier failed run holds only its receipt (check_target refuses the rest)
+    with publish_dir(target, overwrite=True) as staging:
         peft_model.save_pretrained(staging, safe_serialization=True)
         for extra in staging.iterdir():  # peft adds a model card; the adapter is exactly its two files
             if extra.name not in ADAPTER_FILES:
                 extra.unlink()
         for file_name in ADAPTER_FILES:  # safetensors writes 0600: give the files the mode open() would
             os.chmod(staging / file_name, file_mode())
-            with open(staging / file_name, "rb") as fh:
-                os.fsync(fh.fileno())
-        if target.exists():  # a directory left by an earlier failed run holds only its receipt
-            shutil.rmtree(target)
-        os.replace(staging, target)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    fsync_dir(registry)
     return target
 
 
@@ -95,8 +83,9 @@ def write_train_receipt(adapter_dir: Path, receipt: dict[str, Any]) -> Path:
     return contracts.write("TrainReceipt", adapter_dir / RECEIPT, receipt)
 
 
-def write_adapter_manifest(adapter_dir: Path, receipt: dict[str, Any]) -> Path:
-    """Bind the serving files and the receipt of a successful run."""
+def bind_adapter_manifest(adapter_dir: Path, receipt: dict[str, Any]) -> Path:
+    """Hash the serving files and the receipt of a successful run in ``adapter_dir`` and write the manifest that
+    binds them, with the lineage its receipt records; returns the manifest's path."""
     if receipt["status"] != "success":
         raise ValueError("an adapter manifest is written only for a successful run")
     digests = {}

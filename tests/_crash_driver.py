@@ -64,11 +64,11 @@ def _instrument(pause: list[int] | None) -> None:
     wrappers count, and at the pause point print, sleep and wait for the kill. A pause
     before a ``write`` first writes half the buffer, so the kill tears the file.
     """
-    import kiln.trainers.sft as sft
+    import kiln.trainers._checkpointing as checkpointing  # where every trainer publishes its checkpoints
 
     state = {"publication": 0, "events": [], "active": False}
     lock = threading.Lock()  # the engine may fsync on worker threads
-    real_publish = sft.publish_checkpoint
+    real_publish = checkpointing.publish_checkpoint
 
     def publish_checkpoint(*args, **kwargs):
         state["publication"] += 1
@@ -99,7 +99,7 @@ def _instrument(pause: list[int] | None) -> None:
 
     for op in OPS:
         setattr(os, op, hooked(op, getattr(os, op)))
-    sft.publish_checkpoint = publish_checkpoint
+    checkpointing.publish_checkpoint = publish_checkpoint
 
 
 def _run(spec: dict) -> int:

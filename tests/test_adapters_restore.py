@@ -130,7 +130,9 @@ def test_a_failed_overwrite_leaves_the_existing_target_untouched(tmp_path, sourc
     assert _registry_entries(registry) == ["bot"]
 
 
-@pytest.mark.parametrize("name", ["a/b", "a\\b", "..", "x..y", ".hidden", "", "n" * 256])
+@pytest.mark.parametrize(
+    "name", ["a/b", "a\\b", "..", "x..y", ".hidden", "", "n" * 256, "n" * 194, "é" * 100, "tab\tname", "nul\x00"]
+)
 def test_a_target_name_that_is_not_path_safe_is_refused(tmp_path, trained_adapter, name):
     registry = tmp_path / "adapters"
     with pytest.raises(RequestError) as info:

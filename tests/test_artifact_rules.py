@@ -175,12 +175,14 @@ def test_alpha_over_rank_check_survives_numbers_too_large_for_a_float():
 # --- adapter manifest ----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["", ".", "..", "a/b", "a\\b", "a..b", "adapter_manifest.json"])
+@pytest.mark.parametrize(
+    "name", ["", ".", "..", "a/b", "a\\b", "a..b", "adapter_manifest.json", ".hidden-config.json", "nul\x00", "w" * 256]
+)
 def test_unsafe_manifest_file_names_are_named(name):
     assert adapter_manifest.unsafe_file_name(name)
 
 
-@pytest.mark.parametrize("name", ["adapter_model.safetensors", "weights.v2.safetensors", ".hidden-config.json"])
+@pytest.mark.parametrize("name", ["adapter_model.safetensors", "weights.v2.safetensors", "w" * 255])
 def test_plain_manifest_file_names_pass(name):
     assert adapter_manifest.unsafe_file_name(name) is None
 

@@ -71,6 +71,8 @@ def test_no_files_or_admission_constraint_is_registered_as_a_document_rule():
         (".incomplete", "reserved"),
         ("a" * 1025, "longer than 1024"),
         ("ünicode.bin", "not a relative"),
+        (".hidden", "'.hidden' component"),
+        ("a" * 256, "component"),
     ],
 )
 def test_unsafe_checkpoint_paths_are_named_with_the_reason(path, why):
@@ -78,7 +80,8 @@ def test_unsafe_checkpoint_paths_are_named_with_the_reason(path, why):
 
 
 def test_portable_checkpoint_paths_pass():
-    for path in ("adapter.safetensors", "rng/rollout-sampling.safetensors", ".hidden", "a" * 1024, "x/y/z-1_2.json"):
+    longest = "/".join(["a" * 204] * 5)  # 1024 bytes, every component a file name
+    for path in ("adapter.safetensors", "rng/rollout-sampling.safetensors", "a" * 255, longest, "x/y/z-1_2.json"):
         assert cm.relative_path_problem(path) is None
 
 

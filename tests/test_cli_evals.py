@@ -13,7 +13,7 @@ import kiln_contracts.client
 import pytest
 from kiln_contracts.client import KilnApiError
 
-import kiln._cli_evals as cli_evals
+import kiln.cli._evals as cli_evals
 from kiln import contracts
 from kiln.artifacts.evals import wilson_interval
 from kiln.cli import build_parser, main

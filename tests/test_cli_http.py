@@ -214,19 +214,19 @@ def test_ctrl_c_during_wait_stops_watching_and_leaves_the_job_running(server, tm
 
 
 def test_grpo_and_opd_requests_are_built_from_the_file_and_the_flags(tmp_path):
-    from kiln._cli_jobs import _request
+    from kiln.cli._requests import build_request
 
     parser = build_parser()
     streamed = _jsonl(tmp_path / "groups.jsonl", [GRPO_REQUEST["groups"][0]])
     args = parser.parse_args(["train", "grpo", "-f", str(streamed), "--adapter", "g", "--dry-run", "--lr", "0.01"])
-    body = _valid("GrpoRequest", _request(args, "grpo", streamed))
+    body = _valid("GrpoRequest", build_request(args, "grpo", streamed))
     assert body == {"dataset_path": str(streamed.resolve()), "dry_run": True,
                     "config": {"learning_rate": 0.01, "output_name": "g"}}  # fmt: skip
 
     inline = tmp_path / "grpo.json"
     inline.write_text(json.dumps(GRPO_REQUEST), encoding="utf-8")
     args = parser.parse_args(["train", "grpo", "-f", str(inline), "--adapter", "g2", "--no-auto-load"])
-    body = _valid("GrpoRequest", _request(args, "grpo", inline))
+    body = _valid("GrpoRequest", build_request(args, "grpo", inline))
     assert body["groups"] == GRPO_REQUEST["groups"]
     assert body["config"] == {"kl_coeff": 0.1, "output_name": "g2", "auto_load": False}
 
@@ -235,7 +235,7 @@ def test_grpo_and_opd_requests_are_built_from_the_file_and_the_flags(tmp_path):
     args = parser.parse_args(
         ["train", "opd", "-f", str(prompts), "--adapter", "d", "--teacher", "big", "--epochs", "2"]
     )
-    body = _valid("OpdRequest", _request(args, "opd", prompts))
+    body = _valid("OpdRequest", build_request(args, "opd", prompts))
     assert body == {"prompts": OPD_PROMPTS, "teacher": "big", "config": {"epochs": 2, "output_name": "d"}}
 
 
@@ -449,17 +449,14 @@ class _DetailAfterSigint:
 
 @pytest.mark.parametrize("command", ["train", "eval"])
 def test_ctrl_c_stops_watching_even_when_it_lands_inside_a_finalizer(command, capsys, monkeypatch):
-    from kiln import _cli_evals, _cli_jobs
+    from kiln.cli import _evals, _jobs
 
-    monkeypatch.setattr(_cli_jobs, "POLL_S", 0.01)
-    monkeypatch.setattr(_cli_evals, "POLL_S", 0.01)
+    monkeypatch.setattr(_jobs, "POLL_S", 0.01)
+    monkeypatch.setattr(_evals, "POLL_S", 0.01)
     client = _DetailAfterSigint("completed")
     args = build_parser().parse_args(["train", "status", "--url", "http://127.0.0.1:9"])
     args.json = False
-    if command == "train":
-        code = _cli_jobs._follow(client, args, "job-x", "sft")
-    else:
-        code = _cli_evals._follow(client, args, "eval-x")
+    code = _jobs._follow(client, args, "job-x", "sft") if command == "train" else _evals._follow(client, args, "eval-x")
     err = capsys.readouterr().err
     assert code == 130, err
     assert client.polls == 2, "the loop went on polling after Ctrl-C"

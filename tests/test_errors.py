@@ -82,3 +82,31 @@ def test_error_envelope_validates_against_the_schema():
         "adapter 'x' is active; unload it first", code="adapter_active", hint="kiln adapters unload x"
     )
     assert contracts.problems("ErrorEnvelope", exc.as_envelope()) == []
+
+
+def test_failure_classes_carry_exactly_the_receipt_failure_reasons():
+    reasons = kiln_contracts.load_bundle()["$defs"]["TrainReceiptFailureReason"]["enum"]
+    assert errors.all_failure_reasons() == set(reasons)
+    leaves = list(errors.TrainingFailedError.__subclasses__())
+    assert len({c.reason for c in leaves}) == len(leaves)  # one class per reason
+
+
+def test_a_failure_is_classified_by_its_type_never_by_its_message():
+    from kiln.training import classify_failure
+
+    assert classify_failure(errors.NonFiniteLossError("x")) == ("nan_loss", "x")
+    assert classify_failure(errors.ZeroGroupsError("none left", {"dynamic": 1})) == ("zero_groups", "none left")
+    assert classify_failure(KeyboardInterrupt()) == ("cancelled", "training was interrupted")
+    assert classify_failure(MemoryError("no room"))[0] == "oom"
+    # text that used to be matched no longer decides the category
+    assert classify_failure(RuntimeError("CUDA out of memory"))[0] == "training_error"
+    assert classify_failure(RuntimeError("size mismatch for weight"))[0] == "training_error"
+    assert classify_failure(ValueError("bad shape"))[0] == "training_error"
+
+
+def test_torch_out_of_memory_is_an_oom_failure():
+    import torch
+
+    from kiln.training import classify_failure
+
+    assert classify_failure(torch.OutOfMemoryError("no memory on the device"))[0] == "oom"

@@ -482,6 +482,19 @@ def test_a_name_that_is_not_path_safe_is_refused_by_the_schema(tmp_path):
     assert registry.list() == []
 
 
+def test_a_suite_name_at_the_bound_registers_and_one_byte_more_is_refused(tmp_path):
+    registry = SuiteRegistry(tmp_path)
+    fits = "s" * 250
+    assert registry.register(_suite(name=fits))["name"] == fits
+    assert registry.path(fits).is_file()
+    with pytest.raises(ContractError) as caught:
+        registry.register(_suite(name="é" * 126))  # 126 characters, 252 bytes
+    assert caught.value.code == "unsafe_path"
+    assert "is not path-safe: it is 252 bytes" in caught.value.message
+    with pytest.raises(NotFoundError):
+        registry.get("é" * 126)
+
+
 def test_a_registration_that_crashed_before_its_entry_is_completed_or_removed(tmp_path):
     registry = SuiteRegistry(tmp_path)
     suite = _suite()

@@ -276,9 +276,11 @@ def test_a_changed_file_is_refused_between_pin_and_recheck_naming_the_file(token
         check_unchanged(path, pin)
     assert info.value.code == "training_invalid_request"
     assert str(path) in info.value.message
-    assert "changed since it was pinned" in info.value.message
-    with pytest.raises(RequestError, match="changed while it was read"):
+    assert f"changed since the job was admitted (pinned {pin}, now {dataset_sha256(path)})" in info.value.message
+    assert "a pinned dataset file must not change during a job" in info.value.message
+    with pytest.raises(RequestError) as streamed:
         list(iter_dataset_groups(tokenizer=tokenizer, dataset_path=path, expected_sha256=pin))
+    assert streamed.value.message == info.value.message  # the streamed pass refuses it the same way
     path.unlink()
     with pytest.raises(RequestError, match="cannot read dataset_path"):
         check_unchanged(path, pin)

@@ -19,9 +19,9 @@ import kiln_contracts
 import pytest
 import torch
 
-import kiln.training._grpo_objective as objective
+import kiln.training.grpo_objective as objective
 from kiln.contracts import problems
-from kiln.training._grpo_objective import (
+from kiln.training.grpo_objective import (
     DROP_EQUAL_REWARDS,
     DROP_VARIANCE_ABOVE_MAX,
     DROP_VARIANCE_BELOW_MIN,

@@ -116,3 +116,90 @@ def test_a_published_adapter_and_a_tiny_model_are_readable_as_the_umask_allows(t
         assert stat.S_IMODE(directory.stat().st_mode) == dir_mode(), directory
         for path in directory.iterdir():
             assert stat.S_IMODE(path.stat().st_mode) == file_mode(), path
+
+
+# --- staged directory publication ----------------------------------------------------------------
+
+
+def _events(monkeypatch):
+    """Record every fsync (by the path the descriptor names) and rename ``kiln._fs`` makes, in order."""
+    log = []
+    fsync, rename = _fs.os.fsync, _fs.os.rename
+
+    def logged_fsync(fd):
+        log.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        fsync(fd)
+
+    def logged_rename(src, dst):
+        log.append(("rename", os.fspath(src), os.fspath(dst)))
+        rename(src, dst)
+
+    monkeypatch.setattr(_fs.os, "fsync", logged_fsync)
+    monkeypatch.setattr(_fs.os, "rename", logged_rename)
+    return log
+
+
+def test_a_published_directory_is_synced_then_renamed_once_then_its_parent_is_synced(tmp_path, monkeypatch):
+    log = _events(monkeypatch)
+    target = tmp_path / "bot"
+    with _fs.publish_dir(target) as staging:
+        assert staging.parent == tmp_path
+        assert staging.name.startswith(".bot.incomplete-")
+        (staging / "a.json").write_bytes(b"{}")
+        (staging / "sub").mkdir()
+        (staging / "sub" / "b.bin").write_bytes(b"b")
+        assert not target.exists()  # nothing at the name until the block is done
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bot"]
+    assert (target / "a.json").read_bytes() == b"{}"
+    assert (target / "sub" / "b.bin").read_bytes() == b"b"
+    renames = [i for i, event in enumerate(log) if event[0] == "rename"]
+    assert len(renames) == 1
+    assert log[renames[0]] == ("rename", str(staging), str(target))
+    before = {event[1] for event in log[: renames[0]]}
+    assert {str(staging / "a.json"), str(staging / "sub" / "b.bin"), str(staging / "sub"), str(staging)} <= before
+    assert log[renames[0] + 1 :] == [("fsync", str(tmp_path))]
+
+
+def test_a_failed_publication_leaves_nothing_that_looks_complete(tmp_path):
+    target = tmp_path / "bot"
+
+    def half_way():
+        with _fs.publish_dir(target) as staging:
+            (staging / "a.json").write_bytes(b"{}")
+            raise RuntimeError("half-way")
+
+    with pytest.raises(RuntimeError, match="half-way"):
+        half_way()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_publication_refuses_an_existing_target_unless_told_to_replace_it(tmp_path):
+    target = tmp_path / "bot"
+    target.mkdir()
+    (target / "old").write_bytes(b"old")
+    with pytest.raises(FileExistsError), _fs.publish_dir(target) as staging:
+        (staging / "new").write_bytes(b"new")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bot"]
+    assert [p.name for p in target.iterdir()] == ["old"]
+    with _fs.publish_dir(target, overwrite=True) as staging:
+        (staging / "new").write_bytes(b"new")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bot"]  # the replaced directory is gone too
+    assert [p.name for p in target.iterdir()] == ["new"]
+
+
+def test_a_replacement_whose_rename_fails_puts_the_old_directory_back(tmp_path, monkeypatch):
+    target = tmp_path / "bot"
+    target.mkdir()
+    (target / "old").write_bytes(b"old")
+    rename = _fs.os.rename
+
+    def failing(src, dst):
+        if ".incomplete-" in os.fspath(src):
+            raise OSError("disk full")
+        rename(src, dst)
+
+    monkeypatch.setattr(_fs.os, "rename", failing)
+    with pytest.raises(OSError, match="disk full"), _fs.publish_dir(target, overwrite=True) as staging:
+        (staging / "new").write_bytes(b"new")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bot"]
+    assert [p.name for p in target.iterdir()] == ["old"]

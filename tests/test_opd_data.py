@@ -9,9 +9,9 @@ import json
 import pytest
 from _opd_fixture import make_off_policy_file, ranked_scorer, tokenizer_vocab_sha256
 
+from kiln.data.jsonl import check_unchanged
 from kiln.data.opd import (
     OpdPrompts,
-    check_unchanged,
     read_off_policy_file,
     read_prompts,
     tokenize_response,
@@ -368,4 +368,4 @@ def test_a_prefixed_vocab_digest_is_accepted_and_a_changed_file_fails_the_rechec
     path.write_bytes(path.read_bytes() + b"\n")
     with pytest.raises(RequestError) as info:
         check_unchanged(path, read.sha256)
-    assert "changed since it was pinned" in info.value.message
+    assert f"{str(path)!r} changed since the job was admitted (pinned {read.sha256}, now " in info.value.message

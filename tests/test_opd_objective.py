@@ -8,7 +8,7 @@ import zlib
 import pytest
 import torch
 
-from kiln.training._opd_objective import CollapseAccumulator, compression_ratio, receipt_snapshot, top_k_reverse_kl
+from kiln.training.opd_objective import CollapseAccumulator, compression_ratio, receipt_snapshot, top_k_reverse_kl
 
 
 def _softmax(values):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import kiln
 import kiln.artifacts
+import kiln.cli
 import kiln.contracts
 import kiln.digests
 import kiln.errors
@@ -15,10 +16,14 @@ def test_public_modules_export_exactly_their_declared_names():
         "ValidationReport", "detect_type", "document_types", "load", "problems", "render", "validate_path", "write",
     ]  # fmt: skip
     assert sorted(kiln.errors.__all__) == [
-        "AdapterError", "AuthError", "CapacityError", "CheckpointError", "ConflictError", "ContractError",
-        "DocumentReadError", "IntegrityError", "InternalError", "KilnError", "NotFoundError", "Problem",
-        "RequestError", "UnknownDocumentTypeError",
+        "AdapterError", "AdapterLoadError", "AuthError", "BaseAdapterMissingError", "CancelledError",
+        "CapacityError", "CheckpointError", "ConflictError", "ContractError", "DataSchemaError", "DocumentReadError",
+        "IntegrityError", "InternalError", "KilnError", "NonFiniteLossError", "NotFoundError", "OutOfMemoryError",
+        "Problem", "RequestError", "ShapeMismatchError", "TrainingFailedError", "UnknownDocumentTypeError",
+        "UnsafeLoraScaleError", "UnsupportedLossConfigError", "ZeroActionTokensError", "ZeroEnvTokensError",
+        "ZeroGroupsError", "all_failure_reasons",
     ]  # fmt: skip
+    assert kiln.cli.__all__ == ["build_parser", "main"]  # the console script is kiln.cli:main
     assert sorted(kiln.digests.__all__) == [
         "BASE_MODEL_CONTENT_ALGORITHM", "KERNEL_CONTRACT_TYPE", "base_model_content_aggregate", "canonical_json",
         "checkpoint_manifest_identity", "effective_config_hash", "execution_provenance_digest", "file_sha256",
@@ -27,8 +32,39 @@ def test_public_modules_export_exactly_their_declared_names():
     ]  # fmt: skip
 
 
+def test_the_data_package_exports_its_ingestion_entry_points_and_shared_components():
+    import kiln.data
+    import kiln.data.chat
+    import kiln.data.jsonl
+    import kiln.data.trajectory
+
+    assert sorted(kiln.data.__all__) == [
+        "BEHAVIOR_POLICIES", "GRPO_SOURCES", "GrpoCompletion", "GrpoCounts", "GrpoGroup", "GrpoIngestion",
+        "GrpoSourcePosition", "IGNORE_INDEX", "OFF_POLICY_SOURCE", "OffPolicyFile", "OffPolicyRow", "OpdPromptItem",
+        "OpdPrompts", "PROMPTS_SOURCE", "REJECTION_REASONS", "ROLES", "SEGMENT_KINDS", "SFT_INGESTION_SCHEMA",
+        "SftExample", "SftIngestion", "check_unchanged", "dataset_sha256", "ingest_sft", "iter_dataset_groups",
+        "match_skeleton", "read_groups", "read_off_policy_file", "read_prompts", "template_errors",
+        "tokenize_response",
+    ]  # fmt: skip
+    assert sorted(kiln.data.chat.__all__) == [
+        "ChatTemplate", "InvalidRowError", "ROLES", "json_type", "match_skeleton", "normalise_message",
+        "template_errors",
+    ]  # fmt: skip
+    assert sorted(kiln.data.jsonl.__all__) == [
+        "check_unchanged", "dataset_file", "dataset_sha256", "file_lines", "is_blank",
+    ]  # fmt: skip
+    assert sorted(kiln.data.trajectory.__all__) == [
+        "ACTION", "CONTEXT", "ItemError", "OBSERVATION", "PROMPT", "Segment", "TrajectoryTokenizer", "WARNING",
+        "check_item", "describe_problems", "inline_value", "normalised_messages", "parse_line", "segments",
+    ]  # fmt: skip
+    for module in (kiln.data, kiln.data.chat, kiln.data.jsonl, kiln.data.trajectory):
+        for name in module.__all__:
+            assert hasattr(module, name), f"{module.__name__}.{name}"
+    assert kiln.data.check_unchanged is kiln.data.jsonl.check_unchanged  # one home for the pinned-file check
+
+
 def test_every_exported_name_exists():
-    for module in (kiln, kiln.contracts, kiln.errors, kiln.digests, kiln.artifacts):
+    for module in (kiln, kiln.contracts, kiln.errors, kiln.digests, kiln.artifacts, kiln.cli):
         for name in module.__all__:
             assert hasattr(module, name), f"{module.__name__}.{name}"
 

@@ -362,7 +362,7 @@ def test_exactly_one_of_examples_or_dataset_path_is_accepted(tmp_path, tokenizer
     for kwargs in ({}, {"examples": [PLAIN], "dataset_path": path}):
         with pytest.raises(RequestError, match="exactly one of examples or dataset_path"):
             ingest_sft(tokenizer=tokenizer, **kwargs)
-    with pytest.raises(RequestError, match="not a readable file"):
+    with pytest.raises(RequestError, match="not a readable regular file"):
         ingest_sft(tokenizer=tokenizer, dataset_path=tmp_path / "missing.jsonl")
     with pytest.raises(RequestError, match="invalid_row_policy"):
         ingest_sft(tokenizer=tokenizer, examples=[PLAIN], invalid_row_policy="drop")

@@ -16,11 +16,11 @@ from importlib import resources
 from typing import Any
 
 SCHEMA_DIGESTS: dict[str, str] = {
-    "kiln-artifacts-v1.schema.json": "sha256:ee624a62c3e7a8d12d565d441c0c8f1cba57cdf07adf8c2b008d142ebb2538f3",
+    "kiln-artifacts-v1.schema.json": "sha256:062ba81a413d0158ee41d8fb42449a0e7f3a5c7a7e979c5766cd6ae9d697f454",
     "kiln-checkpoint-v1.schema.json": "sha256:74af4e1585bafc06ce891558189cb949a07ace144edf9c26034e0ea47545e6a3",
     "kiln-common-v1.schema.json": "sha256:578fb0867921ff18b61214d1e6a909abccdcc2532c6c6bd5a1c1aada83583c73",
     "kiln-config-v1.schema.json": "sha256:fe225dfed3f0b89e9f92aa718d8aa56c2473d29fb9b71d99ab178444d1ddb443",
-    "kiln-control-plane-v1.schema.json": "sha256:d1a9a27bde7fd86fbbb46e3f10b86c1e4a5115d37b1b03b66e6677434026ea62",
+    "kiln-control-plane-v1.schema.json": "sha256:2fb31a67ff810af9ca16f81d78936dff8596ac0b3cd0ddb511f182288743eb37",
     "kiln-observability-v1.schema.json": "sha256:f2577529d90ec5b8426f93f2fe6f869a6a95ee86838974a450e002caeeacccbd"
 }
 

@@ -1,5 +1,10 @@
 """The adapter registry read and pruned locally: ``list_adapters`` and ``delete_adapter``.
 
+``require_adapter_name`` is the registry's name rule (``kiln._fs.name_problem`` for the
+``adapter`` kind) as every caller that is handed a name raises it: ``RequestError``
+``training_invalid_request`` with the reason. ``read_canary_status`` reads an adapter's
+serving-canary file, quarantining one that cannot be trusted.
+
 Listing reports, per child directory of the registry (hidden entries and checkpoint
 directories excluded), the facts ``GET /v1/adapters`` reports: files and sizes, the LoRA
 config (rank, alpha, targets, base model), the canary result, and the manifest parsed
@@ -24,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from kiln import contracts
-from kiln._fs import fsync_dir
+from kiln._fs import fsync_dir, name_problem
 from kiln._jsonio import read_json_file
 from kiln.digests import raw_hex
 from kiln.errors import KilnError, NotFoundError, RequestError
@@ -35,16 +40,14 @@ MANIFEST = "adapter_manifest.json"
 CANARY = "adapter_canary_status.json"
 CHECKPOINT_SUFFIX = ".kiln-checkpoint"
 
-__all__ = ["adapter_entry", "delete_adapter", "list_adapters"]
+__all__ = ["adapter_entry", "delete_adapter", "list_adapters", "read_canary_status", "require_adapter_name"]
 
 
-def _safe_name(name: str) -> str:
-    if not name or name.startswith(".") or "/" in name or "\\" in name or ".." in name:
-        raise RequestError(
-            f"adapter name {name!r} is not path-safe: it must be non-empty, not start with '.', "
-            "and contain no '/', '\\' or '..'",
-            code="training_invalid_request",
-        )
+def require_adapter_name(name: str) -> str:
+    """``name`` when it can name an adapter in the registry, else ``RequestError`` with the reason."""
+    why = name_problem(name, kind="adapter")
+    if why is not None:
+        raise RequestError(f"adapter name {name!r} is not path-safe: {why}", code="training_invalid_request")
     return name
 
 
@@ -67,7 +70,7 @@ def _config_facts(path: Path) -> tuple[dict[str, Any], str | None]:
     return config, None
 
 
-def _read_canary(path: Path) -> dict[str, Any]:
+def read_canary_status(path: Path) -> dict[str, Any]:
     """The canary result, or a quarantine when the file cannot be trusted (it never promotes)."""
     try:
         value = read_json_file(path)
@@ -143,7 +146,7 @@ def adapter_entry(directory: Path, *, loaded: bool = False) -> dict[str, Any]:
             manifest = value
     canary: dict[str, Any] = {"status": "unknown", "failure_reason": None, "warnings": [], "checks": []}
     if CANARY in files:
-        canary = _read_canary(directory / CANARY)
+        canary = read_canary_status(directory / CANARY)
     status = (
         "invalid"
         if error
@@ -274,7 +277,7 @@ def _doomed(registry: Path, name: str) -> list[Path]:
 def delete_adapter(registry: str | os.PathLike[str], name: str, *, dry_run: bool = False) -> list[Path]:
     """Remove ``name`` and every ``<name>-checkpoint-*`` directory; return what was (or would be) removed."""
     root = Path(registry)
-    _safe_name(name)
+    require_adapter_name(name)
     target = root / name
     if target.is_symlink():
         raise RequestError(

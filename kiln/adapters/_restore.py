@@ -4,18 +4,18 @@
 
 1. read the manifest once (its bytes are what is validated and what is copied) and load it
    strictly as ``AdapterManifest``; the embedded records are checked by their own rules;
-2. choose the target ``<registry>/<name or adapter_name>``; the name must be path-safe
-   (the rule of ``kiln.publish.check_target``; an unsafe name raises the same
-   ``RequestError`` ``training_invalid_request``). Any existing entry under that name is
-   refused with ``ConflictError`` ``adapter_exists`` unless ``overwrite``;
+2. choose the target ``<registry>/<name or adapter_name>``; the name must be an adapter
+   name (``require_adapter_name``, the rule ``kiln.publish.check_target`` applies; an unsafe
+   name raises ``RequestError`` ``training_invalid_request``). Any existing entry under that
+   name is refused with ``ConflictError`` ``adapter_exists`` unless ``overwrite``;
 3. copy the files the manifest names (plain file names beside the manifest) into a hidden
    directory ``<registry>/.<name>.restore-*`` under the canonical names, hashing each byte
-   as it is copied (one streamed pass) and fsyncing each file; the manifest is copied too;
+   as it is copied (one streamed pass); the manifest is copied too;
 4. compare every digest with the manifest: ``<label> mismatch for <source file>: expected
    <digest>, got <digest>`` (``AdapterError`` ``adapter_invalid``);
 5. validate the layout (both serving files, a LoRA config, a readable safetensors header,
-   the receipt as a successful ``TrainReceipt`` of this adapter), then rename into place and
-   fsync the registry.
+   the receipt as a successful ``TrainReceipt`` of this adapter), then fsync every file,
+   rename into place and fsync the registry (``kiln._fs.publish_dir``).
 
 Every failure raises before the rename and removes the hidden directory, so nothing is left
 behind and an existing target is untouched.
@@ -25,8 +25,8 @@ deleted, even if a server has it loaded or active (restore is local and never as
 server), and it cannot be recovered. To keep the window small the old target is removed
 only after every copy has been verified: it is renamed to a hidden
 ``.<name>.replaced-*`` directory, the new adapter is renamed into place, then the old one
-is deleted. A crash in between leaves the old adapter in that hidden directory, never a
-half-written target.
+is deleted (``publish_dir(..., overwrite=True)``). A crash in between leaves the old
+adapter in that hidden directory, never a half-written target.
 
 When the manifest names its files by other names than the canonical ones, the restored
 manifest is rewritten (canonical JSON, same digests) so that its ``files`` name the
@@ -42,25 +42,24 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 import stat
 import struct
 from pathlib import Path
 from typing import Any
 
 from kiln import contracts
-from kiln._fs import fsync_dir, staging_dir
+from kiln._fs import name_problem, publish_dir
 from kiln._jsonio import MAX_DOCUMENT_BYTES, parse_json, read_json_file
+from kiln.adapters._registry import require_adapter_name
 from kiln.artifacts.adapter_manifest import MANIFEST_FILE
 from kiln.digests import prefixed
-from kiln.errors import AdapterError, ConflictError, ContractError, InternalError, RequestError
+from kiln.errors import AdapterError, ConflictError, ContractError, InternalError
 
 __all__ = ["restore_adapter"]
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 RECEIPT_FILE = "train_receipt.json"
-NAME_MAX = 255
 _CHUNK = 8 * 1024 * 1024
 
 # (files role, canonical name, manifest digest field, verified_hashes key)
@@ -91,8 +90,7 @@ def restore_adapter(
     source_dir = manifest_file.parent
     raw, manifest = _read_manifest(manifest_file)
 
-    target_name = manifest["adapter_name"] if name is None else name
-    _check_name(target_name)
+    target_name = require_adapter_name(manifest["adapter_name"] if name is None else name)
     registry_dir = Path(os.path.abspath(registry))
     target = registry_dir / target_name
     if not overwrite:
@@ -112,8 +110,7 @@ def restore_adapter(
     }
 
     registry_dir.mkdir(parents=True, exist_ok=True)
-    staging = staging_dir(registry_dir, target_name[:64], "restore")
-    try:
+    with publish_dir(target, purpose="restore", overwrite=overwrite) as staging:
         for role, canonical, field, key in _ROLES:
             if role not in sources:
                 continue
@@ -130,12 +127,8 @@ def restore_adapter(
         problems = contracts.problems("AdapterRestoreReceipt", receipt)
         if problems:  # a bug, not a bad input: say so before touching the registry
             raise InternalError(f"the restore receipt is invalid: {'; '.join(map(str, problems))}")
-        fsync_dir(staging)
-        _move_into_place(staging, target, registry_dir, overwrite=overwrite)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    fsync_dir(registry_dir)
+        if not overwrite:  # appeared while copying
+            _refuse_existing(target)
     return receipt
 
 
@@ -164,16 +157,6 @@ def _read_manifest(path: Path) -> tuple[bytes, dict[str, Any]]:
     return raw, manifest
 
 
-def _check_name(name: str) -> None:
-    """The path-safety rule of ``kiln.publish.check_target`` (and the AdapterName length)."""
-    if not name or name.startswith(".") or "/" in name or "\\" in name or ".." in name or len(name) > NAME_MAX:
-        raise RequestError(
-            f"adapter name {name!r} is not path-safe: it must be non-empty, at most {NAME_MAX} characters, "
-            "not start with '.', and contain no '/', '\\' or '..'",
-            code="training_invalid_request",
-        )
-
-
 def _refuse_existing(target: Path) -> None:
     if target.is_symlink() or target.exists():
         raise ConflictError(
@@ -190,20 +173,15 @@ def _sources(manifest: dict[str, Any], source_dir: Path) -> dict[str, Path]:
         file_name = manifest["files"][role]
         if file_name is None:
             continue
-        if (
-            file_name in ("", ".", "..")
-            or "/" in file_name
-            or "\\" in file_name
-            or ".." in file_name
-            or os.path.isabs(file_name)
-        ):
-            raise AdapterError(f"files.{role} {file_name!r} is not a plain file name beside the manifest")
+        why = name_problem(file_name, kind="file")  # the manifest's own rule already ran: this guards the copy
+        if why is not None:
+            raise AdapterError(f"files.{role} {file_name!r} is not a plain file name beside the manifest: {why}")
         out[role] = source_dir / file_name
     return out
 
 
 def _copy_hashing(source: Path, dest: Path) -> str:
-    """Copy ``source`` to the new file ``dest`` in one streamed pass; fsync it; return its raw digest."""
+    """Copy ``source`` to the new file ``dest`` in one streamed pass; return its raw digest (synced on publication)."""
     h = hashlib.sha256()
     buf = bytearray(_CHUNK)
     view = memoryview(buf)
@@ -220,7 +198,6 @@ def _copy_hashing(source: Path, dest: Path) -> str:
             written = 0
             while written < n:
                 written += dst.write(chunk[written:])
-        os.fsync(dst.fileno())
     return h.hexdigest()
 
 
@@ -234,8 +211,6 @@ def _write_manifest_copy(dest: Path, raw: bytes, manifest: dict[str, Any]) -> No
         data = contracts.render("AdapterManifest", {**manifest, "files": canonical_files})
     with open(dest, "xb") as fh:
         fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
 
 
 def _check_layout(staging: Path, manifest: dict[str, Any], sources: dict[str, Path]) -> None:
@@ -301,22 +276,3 @@ def _check_receipt(path: Path, source: Path, manifest: dict[str, Any]) -> None:
             f"train receipt {source} records adapter weights {recorded}, "
             f"but the manifest binds {manifest['safetensors_hash']}"
         )
-
-
-def _move_into_place(staging: Path, target: Path, registry: Path, *, overwrite: bool) -> None:
-    """Rename the verified copy to ``target``; with ``overwrite`` the old entry goes only now."""
-    old: Path | None = None
-    if target.is_symlink() or target.exists():
-        if not overwrite:  # appeared while copying
-            _refuse_existing(target)
-        old = staging_dir(registry, target.name[:64], "replaced") / "old"
-        os.rename(target, old)
-    try:
-        os.rename(staging, target)
-    except BaseException:
-        if old is not None:
-            os.rename(old, target)
-            old.parent.rmdir()
-        raise
-    if old is not None:
-        shutil.rmtree(old.parent)  # removes a replaced symlink itself, never what it points to

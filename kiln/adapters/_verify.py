@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from kiln import contracts
+from kiln._fs import name_problem
 from kiln._jsonio import read_json_file
 from kiln.artifacts.adapter_bodies import MANIFEST_CHECK, OFFLINE_CHECKS, SERVER_CHECKS
 from kiln.digests import file_sha256, prefixed
@@ -74,7 +75,7 @@ def verify_adapter(
 ) -> dict[str, Any]:
     """The ``AdapterVerifyReceipt`` of one adapter (``status`` is ``ok`` or ``failed``).
 
-    ``name_or_path`` is an existing directory, else a path-safe name in ``registry``
+    ``name_or_path`` is an existing directory, else an adapter name (``kiln._fs.name_problem``) in ``registry``
     (``None``: the configured registry). With ``url`` the server checks run against that
     server (``api_key`` as its bearer key); ``prompt`` is used only by their generations.
     """
@@ -107,13 +108,9 @@ def verify_adapter(
 # --- resolution and bookkeeping --------------------------------------------------------------
 
 
-def _path_safe(name: str) -> bool:
-    return bool(name) and not name.startswith(".") and "/" not in name and "\\" not in name and ".." not in name
-
-
 def _resolve(given: str, registry: str | os.PathLike[str] | None) -> tuple[Path, str, str | None]:
     """(adapter path, registry or parent directory, name or None)."""
-    if not os.path.isdir(given) and _path_safe(given):
+    if not os.path.isdir(given) and name_problem(given, kind="adapter") is None:
         root = os.path.abspath(adapter_registry(registry))
         return Path(root, given), root, given
     path = Path(os.path.abspath(given))
@@ -433,7 +430,7 @@ def _server(receipt: dict[str, Any], url: str, api_key: str | None, prompt: str)
 
     load, listed, generation = SERVER_CHECKS
     name = receipt["name"]
-    if name is None or not _path_safe(name):
+    if name is None or name_problem(name, kind="adapter") is not None:
         return _record(receipt, load, False, f"{receipt['adapter_path']} has no adapter name to ask the server about")
     local = {f["name"]: f["sha256"] for f in receipt["files"]}
     messages = [{"role": "user", "content": prompt}]

@@ -5,6 +5,7 @@ Importing this package registers every semantic rule of the schemas.
 
 from __future__ import annotations
 
+from kiln import _rules
 from kiln.artifacts import (
     adapter_bodies,
     adapter_manifest,
@@ -20,6 +21,8 @@ from kiln.artifacts import (
     sft_ingestion,
     teachers,
 )
+
+_rules.mark_complete()
 
 __all__ = [
     "adapter_bodies",

@@ -9,6 +9,8 @@ run wherever they occur: ``base_weight_shard_manifest`` (sorted unique shards, t
 aggregate digest) and ``execution_provenance`` (self-digest, kernel-contract digest, sorted
 features, text fields); ``training_precision`` has no rules beyond its closed schema.
 ``manifest.file-hashes`` needs the files and is checked by restore, verify and load, not here.
+``manifest.file-names``: each named file is one plain file name (``kiln._fs.name_problem``,
+kind ``file``), not the manifest's own, and no file is named twice.
 
 ``load_adapter_manifest`` (strict), ``write_adapter_manifest`` (canonical, atomic).
 """
@@ -21,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from kiln import _documents
+from kiln._fs import name_problem
 from kiln._rules import ptr, semantic_rule
 from kiln.errors import Problem
 
@@ -33,12 +36,9 @@ __all__ = ["MANIFEST_FILE", "load_adapter_manifest", "write_adapter_manifest"]
 
 def unsafe_file_name(name: str) -> str | None:
     """Why ``name`` is not a plain file name in the manifest's directory, or None when it is one."""
-    if name in ("", ".", ".."):
-        return "is not a file name"
-    if "/" in name or "\\" in name:
-        return "contains a path separator"
-    if ".." in name:
-        return "contains '..'"
+    why = name_problem(name, kind="file")
+    if why is not None:
+        return f"is not a plain file name: {why}"
     if name == MANIFEST_FILE:
         return f"is the manifest's own name {MANIFEST_FILE!r}"
     return None

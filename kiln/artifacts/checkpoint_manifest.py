@@ -6,6 +6,8 @@ template digests, the full base-weight shard manifest and execution provenance, 
 planning identity, and the cursors of the objective), and lists every other file of the
 directory with its role, size and SHA-256.
 
+Longer than 600 lines: one module per artifact -- each of the manifest's rules sits beside its loader and writer.
+
 ``auxiliary_state`` is a plain object in the manifest schema; for ``sft``, ``grpo`` and
 ``opd`` the ``manifest.auxiliary-state`` rule validates it against the typed view of the
 kind (``SftCheckpointAuxiliaryState``, ``GrpoCheckpointAuxiliaryState``,
@@ -43,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from kiln import _documents
+from kiln._fs import name_problem
 from kiln._rules import ptr, semantic_rule
 from kiln.epoch_order import ALGORITHM_ID as EPOCH_ORDER_ALGORITHM
 from kiln.epoch_order import epoch_order
@@ -114,17 +117,18 @@ def _same_setting(a: Any, b: Any) -> bool:
 
 
 def relative_path_problem(path: str) -> str | None:
-    """Why ``path`` is not a CheckpointRelativePath, or None when it is one."""
+    """Why ``path`` is not a CheckpointRelativePath, or None when it is one: at most 1024 bytes, not reserved,
+    '/'-separated portable components, each a plain file name (``kiln._fs.name_problem``, kind ``file``)."""
     if len(path.encode("utf-8")) > MAX_RELATIVE_PATH_BYTES:
         return f"is longer than {MAX_RELATIVE_PATH_BYTES} bytes"
     if path in RESERVED_PATHS:
         return "is reserved for the manifest or the publication sentinel"
     if not _RELATIVE_PATH.fullmatch(path):
         return "is not a relative '/'-separated path of non-empty [A-Za-z0-9._-] components"
-    if ".." in path:
-        return "contains '..'"
-    if "." in path.split("/"):
-        return "has a '.' component"
+    for part in path.split("/"):
+        why = name_problem(part, kind="file")
+        if why is not None:
+            return f"has a {part!r} component ({why})"
     return None
 
 
@@ -136,15 +140,13 @@ def _embedded_problems(definition: str, value: Any, at: str, what: str) -> Itera
     the sub-object's own code in the message. A recomputed digest that does not match
     raises ``IntegrityError`` at once, as it would anywhere else in a document.
     """
-    from kiln import contracts  # internal import: contracts imports the artifact modules
-
     found = [
         Problem(
             p.code if p.code in SEMANTIC_CODES else "inconsistent_fields",
             at + p.pointer,
             f"{what} does not fit {definition} ({p.code}): {p.message}",
         )
-        for p in contracts.problems(definition, value)
+        for p in _documents.problems_of(definition, value)
     ]
     digests = [p for p in found if p.code == "digest_mismatch"]
     if digests:

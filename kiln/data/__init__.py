@@ -1,11 +1,18 @@
 """Training data ingestion: rows in, tokenized examples and provable ingestion records out.
 
 ``kiln.data.sft``: SFT conversations with assistant-only labels. ``kiln.data.grpo``: GRPO groups
-with action and observation masks, and the pin of a streamed JSONL file.
+with action and observation masks. ``kiln.data.opd``: OPD prompts with the ECHO observation mask,
+and the pre-scored off-policy teacher file.
+
+The components they share: ``kiln.data.chat`` (message normalisation, the chat template: render,
+locate message data by placeholders, tokenize cut at spans), ``kiln.data.trajectory`` (segments
+after the messages, labelled prompt/action/observation/warning tokens, item refusals) and
+``kiln.data.jsonl`` (JSONL lines as read, the pin of a dataset file and its re-check).
 """
 
 from __future__ import annotations
 
+from kiln.data.chat import ROLES, match_skeleton, template_errors
 from kiln.data.grpo import (
     BEHAVIOR_POLICIES,
     GRPO_SOURCES,
@@ -15,15 +22,24 @@ from kiln.data.grpo import (
     GrpoGroup,
     GrpoIngestion,
     GrpoSourcePosition,
-    check_unchanged,
-    dataset_sha256,
     iter_dataset_groups,
     read_groups,
+)
+from kiln.data.jsonl import check_unchanged, dataset_sha256
+from kiln.data.opd import (
+    OFF_POLICY_SOURCE,
+    PROMPTS_SOURCE,
+    OffPolicyFile,
+    OffPolicyRow,
+    OpdPromptItem,
+    OpdPrompts,
+    read_off_policy_file,
+    read_prompts,
+    tokenize_response,
 )
 from kiln.data.sft import (
     IGNORE_INDEX,
     REJECTION_REASONS,
-    ROLES,
     SFT_INGESTION_SCHEMA,
     SftExample,
     SftIngestion,
@@ -34,6 +50,8 @@ __all__ = [
     "BEHAVIOR_POLICIES",
     "GRPO_SOURCES",
     "IGNORE_INDEX",
+    "OFF_POLICY_SOURCE",
+    "PROMPTS_SOURCE",
     "REJECTION_REASONS",
     "ROLES",
     "SEGMENT_KINDS",
@@ -43,11 +61,20 @@ __all__ = [
     "GrpoGroup",
     "GrpoIngestion",
     "GrpoSourcePosition",
+    "OffPolicyFile",
+    "OffPolicyRow",
+    "OpdPromptItem",
+    "OpdPrompts",
     "SftExample",
     "SftIngestion",
     "check_unchanged",
     "dataset_sha256",
     "ingest_sft",
     "iter_dataset_groups",
+    "match_skeleton",
     "read_groups",
+    "read_off_policy_file",
+    "read_prompts",
+    "template_errors",
+    "tokenize_response",
 ]

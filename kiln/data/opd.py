@@ -13,8 +13,7 @@ API
     ``tokenize_response(tokenizer, messages, response) -> (student_prefix, action_ids)``
         How a row's response becomes action targets (what the admission check compares
         ``teacher_tokens`` with, and what a producer of such files should score).
-    ``check_unchanged(path, sha256)``
-        Re-check the pin before training (GRPO's streamed-file hashing).
+    The file's pin is re-checked before training with ``kiln.data.jsonl.check_unchanged``.
 
 Prompts
     Each prompt is made plain JSON (canonical round trip, non-finite numbers refused) and
@@ -30,11 +29,11 @@ Prompts
     ``student_prefix`` = tokens of ``render(messages + segments, add_generation_prompt=True)``;
     ``teacher_prefix`` = the same with ``teacher_extra_messages`` first. The render without a
     generation prompt must be a prefix of the one with it. Observation content spans and any
-    message string spelling a special token are located with GRPO's placeholder render (never
-    by searching the text) and the render is cut there: template pieces are tokenized
-    normally, data pieces with ``split_special_tokens`` (so text spelling ``<|im_end|>`` stays
-    text and cannot move a boundary). For plain text the ids equal a plain tokenization of
-    the render.
+    message string spelling a special token are located with a placeholder render (never by
+    searching the text; ``kiln.data.trajectory``) and the render is cut there: template
+    pieces are tokenized normally, data pieces with ``split_special_tokens`` (so text spelling
+    ``<|im_end|>`` stays text and cannot move a boundary). For plain text the ids equal a
+    plain tokenization of the render.
 
     ``observation_mask`` is aligned with ``student_prefix`` itself (not shifted):
     ``observation_mask[t]`` is true when ``student_prefix[t]`` is an observation token, so
@@ -69,27 +68,27 @@ import hashlib
 import os
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kiln._jsonio import parse_json
 from kiln.artifacts.off_policy import MANIFEST, ROW
 from kiln.contracts import problems
-from kiln.data.grpo import (
-    _ASCII_WS,
-    _OBSERVATION,
-    _WARNING,
-    _banner_end,
-    _file_lines,
-    _GroupError,
-    _GroupTokenizer,
-    _inline_value,
-    _Segment,
-    _where,
-    dataset_sha256,
+from kiln.data.chat import json_type
+from kiln.data.jsonl import dataset_file, file_lines, is_blank
+from kiln.data.trajectory import (
+    ACTION,
+    PROMPT,
+    ItemError,
+    Segment,
+    TrajectoryTokenizer,
+    check_item,
+    describe_problems,
+    inline_value,
+    normalised_messages,
+    parse_line,
+    segments,
 )
-from kiln.data.sft import _InvalidRowError, _json_type, _normalise_message
 from kiln.digests import json_sha256, prefixed, raw_hex
 from kiln.errors import ContractError, Problem, RequestError
 
@@ -100,7 +99,6 @@ __all__ = [
     "OffPolicyRow",
     "OpdPromptItem",
     "OpdPrompts",
-    "check_unchanged",
     "read_off_policy_file",
     "read_prompts",
     "tokenize_response",
@@ -108,8 +106,6 @@ __all__ = [
 
 PROMPTS_SOURCE = "opd_prompts"
 OFF_POLICY_SOURCE = "opd_teacher_jsonl"
-_MAX_PROBLEM_CHARS = 300
-_NO_CORRECTION = "no_importance_correction"
 
 
 @dataclass(frozen=True)
@@ -186,15 +182,15 @@ def read_prompts(tokenizer: Any, prompts: list[dict[str, Any]], *, warning_filte
             pointer="/prompts",
         )
     started = time.perf_counter()
-    renderer = _GroupTokenizer(tokenizer, warning_filter, _NO_CORRECTION)
+    tokens = TrajectoryTokenizer(tokenizer, warning_filter)
     parsed: list[Any] = []
     items: list[OpdPromptItem] = []
     for index, value in enumerate(prompts):
         try:
-            plain = _inline_value(value)
+            plain = inline_value(value)
             parsed.append(plain)
-            items.append(_prompt(renderer, index, plain))
-        except _GroupError as bad:
+            items.append(_prompt(tokens, index, plain))
+        except ItemError as bad:
             raise RequestError(
                 f"prompt {index + 1} is invalid: {bad.detail}",
                 code="training_invalid_request",
@@ -205,76 +201,19 @@ def read_prompts(tokenizer: Any, prompts: list[dict[str, Any]], *, warning_filte
     return OpdPrompts(items=items, source_sha256=json_sha256(parsed), tokenize_ms=elapsed)
 
 
-def _prompt(renderer: _GroupTokenizer, index: int, value: Any) -> OpdPromptItem:
+def _prompt(tokens: TrajectoryTokenizer, index: int, value: Any) -> OpdPromptItem:
     if not isinstance(value, dict):
-        raise _GroupError(f"a prompt must be a JSON object, got {_json_type(value)}")
-    _schema_check(value)
+        raise ItemError(f"a prompt must be a JSON object, got {json_type(value)}")
+    check_item("OpdRequest", "prompts", value, whole="the prompt", teacher="-")
     if not value["messages"]:
-        raise _GroupError("messages is empty; the student needs at least one message to answer", "/messages")
-    messages = _messages(value["messages"], "messages")
-    extra = _messages(value.get("teacher_extra_messages", []), "teacher_extra_messages")
-    segments = [  # only observations are marked; actions and context are plain prompt context here
-        segment if segment.kind == "observation" else replace(segment, kind="context", warning_prefix_len=0)
-        for segment in (renderer._segments(value) if "trajectory" in value else [])
-    ]
-    student, labels = _prefix(renderer, messages, segments)
-    teacher, _ = _prefix(renderer, extra + messages, segments)
-    observed = (_OBSERVATION,) if renderer.warning_filter else (_OBSERVATION, _WARNING)
-    mask = tuple(label in observed for label in labels)
-    warnings = labels.count(_WARNING) if renderer.warning_filter else 0
+        raise ItemError("messages is empty; the student needs at least one message to answer", "/messages")
+    messages = normalised_messages(value["messages"], named=True)
+    extra = normalised_messages(value.get("teacher_extra_messages", []), "teacher_extra_messages", named=True)
+    after = segments(value) if "trajectory" in value else []  # only observations are marked: the rest is context
+    student, labels = tokens.prefix(messages, after)
+    teacher, _ = tokens.prefix(extra + messages, after)
+    mask, warnings = tokens.observations(labels)
     return OpdPromptItem(index, student, teacher, mask, sum(mask), warnings)
-
-
-def _schema_check(value: dict[str, Any]) -> None:
-    found = [
-        p for p in problems("OpdRequest", {"teacher": "-", "prompts": [value]}) if p.pointer.startswith("/prompts")
-    ]
-    if found:
-        pointer = found[0].pointer.removeprefix("/prompts/0")
-        where = _where(pointer).replace("the group", "the prompt")
-        raise _GroupError(f"{where}: {_describe(found)}", pointer)
-
-
-def _describe(found: list[Problem]) -> str:
-    """The first problem's code and message (long values cut in the middle) and how many more."""
-    first, message = found[0], found[0].message
-    if len(message) > _MAX_PROBLEM_CHARS:  # keep both ends: the value comes first, the rule last
-        half = _MAX_PROBLEM_CHARS // 2
-        message = f"{message[:half]} ... {message[-half:]}"
-    more = f" (and {len(found) - 1} more problems)" if len(found) > 1 else ""
-    return f"{first.code}: {message}{more}"
-
-
-def _messages(raw: list[Any], key: str) -> list[dict[str, Any]]:
-    out = []
-    for number, message in enumerate(raw, start=1):
-        try:
-            out.append(_normalise_message(number, message))
-        except _InvalidRowError as bad:
-            raise _GroupError(f"{key}: {bad.detail}", f"/{key}/{number - 1}") from None
-    return out
-
-
-def _prefix(
-    renderer: _GroupTokenizer, messages: list[dict[str, Any]], segments: list[_Segment]
-) -> tuple[tuple[int, ...], list[int]]:
-    """Token ids of ``render(messages + segments, generation prompt)`` with a label per token."""
-    conversation = messages + [segment.message() for segment in segments]
-    full = renderer._render(conversation, generation=False)
-    prompt = renderer._render(conversation, generation=True)
-    if not prompt.startswith(full):
-        raise _GroupError(
-            "tokenization_error: the chat template's generation prompt does not extend the rendered conversation, "
-            "so the student's rollout cannot be appended to it"
-        )
-    contents, data = renderer._placeholder_spans(conversation, len(messages), segments, full)
-    spans: list[tuple[int, int, int]] = []
-    for i, segment in enumerate(segments):
-        if segment.kind == "observation":
-            start, end = contents[i]
-            cut = _banner_end(segment.content, full[start:end], segment.warning_prefix_len) + start
-            spans.extend(((start, cut, _WARNING), (cut, end, _OBSERVATION)))
-    return renderer._encode(prompt, 0, [span for span in spans if span[0] < span[1]], data)
 
 
 # --- the pre-scored off-policy file -----------------------------------------------------
@@ -286,10 +225,8 @@ def tokenize_response(
     """``(student_prefix, action_ids)`` of ``response`` answering ``messages`` (action ids empty
     for an empty response). Refuses what the file admission refuses, as ``RequestError``."""
     try:
-        return _ResponseTokenizer(tokenizer).tokenize(
-            [_normalise_message(n, m) for n, m in enumerate(messages, 1)], response
-        )
-    except (_GroupError, _InvalidRowError) as bad:
+        return _ResponseTokenizer(tokenizer).tokenize(normalised_messages(messages), response)
+    except ItemError as bad:
         raise RequestError(f"the response cannot be tokenized: {bad.detail}", code="training_invalid_request") from None
 
 
@@ -297,15 +234,16 @@ class _ResponseTokenizer:
     """GRPO's plain-text completion path: one assistant action segment after the prompt."""
 
     def __init__(self, tokenizer: Any):
-        self.renderer = _GroupTokenizer(tokenizer, True, _NO_CORRECTION)
+        self.tokens = TrajectoryTokenizer(tokenizer, True)
 
     def tokenize(self, messages: list[dict[str, Any]], response: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        prompt = self.renderer._render(messages, generation=True)
-        completion, prompt_tokens = self.renderer._completion(0, {"text": response, "reward": 0.0}, messages, prompt)
-        ids = completion.input_ids
-        actions = tuple(ids[t + 1] for t, active in enumerate(completion.action_mask) if active)
+        prompt = self.tokens.prompt(messages)
+        answer = [Segment("assistant", response, "action", 0, None)]
+        ids, labels = self.tokens.completion(messages, answer, prompt, from_text=True)
+        prompt_tokens = labels.count(PROMPT)
+        actions = tuple(ids[t] for t in range(1, len(ids)) if labels[t] == ACTION)
         if actions != ids[prompt_tokens:]:
-            raise _GroupError("tokenization_error: the chat template emits text after the assistant turn")
+            raise ItemError("tokenization_error: the chat template emits text after the assistant turn")
         return ids[:prompt_tokens], actions if response else ()
 
 
@@ -324,23 +262,23 @@ def read_off_policy_file(
     manifest: dict[str, Any] | None = None
     rows: list[OffPolicyRow] = []
     number = 0
-    with contextlib.closing(_file_lines(path)) as lines:
+    with contextlib.closing(file_lines(path)) as lines:
         for line in lines:
             hasher.update(line)
             number += 1
             try:
                 if manifest is None:
                     manifest = _manifest(line, vocab_size, tokenizer_vocab_sha256)
-                elif line.strip(_ASCII_WS):
+                elif not is_blank(line):
                     if len(rows) == manifest["row_count"]:
-                        raise _GroupError(
+                        raise ItemError(
                             f"the manifest's row_count is {manifest['row_count']} but the file has more rows"
                         )
                     rows.append(_row(responses, manifest, len(rows), number, line))
-            except _GroupError as bad:
+            except ItemError as bad:
                 raise _refused(path, number, bad) from None
     if manifest is None:
-        raise _refused(path, 1, _GroupError("the file is empty; line 1 must be the off-policy distillation manifest"))
+        raise _refused(path, 1, ItemError("the file is empty; line 1 must be the off-policy distillation manifest"))
     if len(rows) != manifest["row_count"]:
         raise RequestError(
             f"off-policy file {str(path)!r} is refused: it has {len(rows)} rows but the manifest's row_count "
@@ -353,45 +291,22 @@ def read_off_policy_file(
     return OffPolicyFile(path, prefixed(hasher.hexdigest()), manifest, json_sha256(manifest), rows, elapsed)
 
 
-def check_unchanged(path: str | os.PathLike[str], sha256: str) -> None:
-    """Refuse when the file's bytes no longer hash to the pinned digest (or it cannot be read)."""
-    target = Path(os.path.abspath(os.fspath(path)))
-    actual = raw_hex(dataset_sha256(target))
-    if raw_hex(sha256) != actual:
-        raise RequestError(
-            f"dataset_path {str(target)!r} changed since it was pinned: pinned {prefixed(raw_hex(sha256))}, "
-            f"now {prefixed(actual)}",
-            code="training_invalid_request",
-            hint="a pre-scored teacher file must not change between admission and training; restore its bytes, "
-            "or submit the job again to pin the new file",
-        )
-
-
 def _absolute_file(dataset_path: str | os.PathLike[str]) -> Path:
-    if not isinstance(dataset_path, (str, os.PathLike)) or not os.fspath(dataset_path):
-        raise RequestError(
-            f"dataset_path must be a non-empty path, got {dataset_path!r}",
-            code="training_invalid_request",
-            hint="point dataset_path at the absolute path of a pre-scored teacher JSONL file",
-        )
-    text = os.fspath(dataset_path)
-    if not os.path.isabs(text) or ".." in Path(text).parts:
+    text = os.fspath(dataset_path) if isinstance(dataset_path, (str, os.PathLike)) else ""
+    if text and (not os.path.isabs(text) or ".." in Path(text).parts):
         raise ContractError(
             [Problem("unsafe_path", "/dataset_path", f"dataset_path {text!r} must be an absolute path without '..'")],
             document="OpdRequest",
             hint="give the absolute server-local path of the file",
         )
-    path = Path(text)
-    if not path.is_file():
-        raise RequestError(
-            f"dataset_path {text!r} is not a readable regular file",
-            code="training_invalid_request",
-            hint="point dataset_path at a pre-scored teacher JSONL file whose first line is its manifest",
-        )
-    return path
+    return dataset_file(
+        dataset_path,
+        hint="point dataset_path at the absolute path of a pre-scored teacher JSONL file whose first line is its "
+        "manifest",
+    )
 
 
-def _refused(path: Path, number: int, bad: _GroupError) -> RequestError:
+def _refused(path: Path, number: int, bad: ItemError) -> RequestError:
     return RequestError(
         f"off-policy file {str(path)!r} is refused: line {number}: {bad.detail}",
         code="training_invalid_request",
@@ -401,28 +316,21 @@ def _refused(path: Path, number: int, bad: _GroupError) -> RequestError:
     )
 
 
-def _parse(line: bytes) -> Any:
-    try:
-        return parse_json(line, limit=max(len(line), 1))
-    except ContractError as exc:
-        raise _GroupError(exc.problems[0].message) from None
-
-
 def _schema(doc_type: str, value: Any, what: str) -> None:
     found = problems(doc_type, value)
     if found:
-        raise _GroupError(f"{what} is invalid at {found[0].pointer or '/'}: {_describe(found)}", found[0].pointer)
+        raise ItemError(f"{what} is invalid at {found[0].pointer or '/'}: {describe_problems(found)}", found[0].pointer)
 
 
 def _manifest(line: bytes, vocab_size: int, vocab_sha256: str) -> dict[str, Any]:
-    value = _parse(line)
+    value = parse_line(line)
     _schema(MANIFEST, value, "the off-policy distillation manifest")
     if value["vocab_size"] != vocab_size:
-        raise _GroupError(
+        raise ItemError(
             f"the manifest's vocab_size is {value['vocab_size']} but the student's is {vocab_size}", "/vocab_size"
         )
     if value["tokenizer_vocab_sha256"] != raw_hex(vocab_sha256):
-        raise _GroupError(
+        raise ItemError(
             f"the manifest's tokenizer_vocab_sha256 is {value['tokenizer_vocab_sha256']} but the student's tokenizer "
             f"vocabulary is {raw_hex(vocab_sha256)}; the token ids were produced with another tokenizer",
             "/tokenizer_vocab_sha256",
@@ -431,15 +339,15 @@ def _manifest(line: bytes, vocab_size: int, vocab_sha256: str) -> dict[str, Any]
 
 
 def _row(responses: _ResponseTokenizer, manifest: dict[str, Any], index: int, number: int, line: bytes) -> OffPolicyRow:
-    value = _parse(line)
+    value = parse_line(line)
     _schema(ROW, value, "the row")
-    messages = _messages(value["messages"], "messages")
-    _messages(value.get("teacher_extra_messages", []), "teacher_extra_messages")
+    messages = normalised_messages(value["messages"], named=True)
+    normalised_messages(value.get("teacher_extra_messages", []), "teacher_extra_messages", named=True)
     response = value["response"]
     prefix, actions = responses.tokenize(messages, response)
     tokens = value["teacher_tokens"]
     if len(tokens) != len(actions):
-        raise _GroupError(
+        raise ItemError(
             f"teacher_tokens has {len(tokens)} entries but the response has {len(actions)} action targets",
             "/teacher_tokens",
         )
@@ -448,19 +356,19 @@ def _row(responses: _ResponseTokenizer, manifest: dict[str, Any], index: int, nu
     logprobs: list[tuple[float, ...]] = []
     for i, (token, target) in enumerate(zip(tokens, actions, strict=True)):
         if token["token_id"] != target:
-            raise _GroupError(
+            raise ItemError(
                 f"teacher_tokens[{i}].token_id is {token['token_id']} but the action target is {target}",
                 f"/teacher_tokens/{i}/token_id",
             )
         top = token["top_logprobs"]
         if len(top) != top_k:
-            raise _GroupError(
+            raise ItemError(
                 f"teacher_tokens[{i}].top_logprobs has {len(top)} entries but the manifest's top_k is {top_k}",
                 f"/teacher_tokens/{i}/top_logprobs",
             )
         for j, entry in enumerate(top):
             if entry["token_id"] >= vocab:
-                raise _GroupError(
+                raise ItemError(
                     f"teacher_tokens[{i}].top_logprobs[{j}].token_id is {entry['token_id']}, not below the "
                     f"manifest's vocab_size {vocab}",
                     f"/teacher_tokens/{i}/top_logprobs/{j}/token_id",

@@ -5,7 +5,8 @@ Layout::
     <root>/<name>.json            the suite, canonical JSON (what ``suite_sha256`` hashes)
     <root>/.entries/<name>.json   its ``EvalSuiteEntry`` (digests, example count, registration time)
 
-Suite names are ``AdapterName``s (never start with ``.``), so the hidden ``.entries``
+Suite names are ``AdapterName``s that also pass ``kiln._fs.name_problem`` (kind ``suite``:
+never starting with ``.``, ``<name>.json`` a file name), so the hidden ``.entries``
 directory and the temp files cannot collide with a suite. Both files are written once,
 crash-atomically and exclusively (temp file, fsync, hard link that fails if the name
 exists, directory fsync); the entry is written second and is the commit point: a suite
@@ -22,13 +23,12 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import os
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from kiln import contracts
-from kiln._fs import create_exclusive, fsync_dir
+from kiln._fs import create_exclusive, fsync_dir, name_problem
 from kiln._jsonio import parse_json, read_json_file
 from kiln.digests import json_sha256, prefixed
 from kiln.errors import ConflictError, ContractError, IntegrityError, NotFoundError, Problem
@@ -37,9 +37,8 @@ __all__ = ["SuiteRegistry", "generation_sha256", "suite_sha256", "suites_root"]
 
 SUITE = "EvalSuite"
 ENTRY = "EvalSuiteEntry"
-SUFFIX = ".json"
+SUFFIX = ".json"  # the ``suite`` kind of ``kiln._fs.name_problem`` counts it
 ENTRIES = ".entries"
-MAX_FILE_NAME = 255  # bytes of <name>.json (the common file-name limit)
 
 
 def suites_root(home: Path) -> Path:
@@ -63,23 +62,6 @@ def _bytes_sha256(data: bytes) -> str:
 
 def _now() -> str:
     return datetime.now(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
-
-
-def _name_problem(name: Any) -> str | None:
-    """Why ``name`` cannot be a registry file name (beyond the schema's ``AdapterName``), or None."""
-    if not isinstance(name, str) or not name:
-        return "it must be a non-empty string"
-    if name.startswith(".") or "/" in name or "\\" in name or ".." in name:
-        return "it must not start with '.' nor contain '/', '\\' or '..'"
-    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in name):
-        return "it must not contain control characters"
-    try:
-        encoded = os.fsencode(name + SUFFIX)
-    except UnicodeError:
-        return "it cannot be encoded as a file name"
-    if len(encoded) > MAX_FILE_NAME:
-        return f"its file name is {len(encoded)} bytes; at most {MAX_FILE_NAME} are allowed"
-    return None
 
 
 def _not_found(name: str, root: Path) -> NotFoundError:
@@ -125,7 +107,7 @@ class SuiteRegistry:
         if problems:
             raise ContractError(problems, document=SUITE)
         name = suite["name"]
-        why = _name_problem(name)
+        why = name_problem(name, kind="suite")
         if why is not None:
             raise ContractError(
                 [Problem("unsafe_path", "/name", f"suite name {name!r} is not path-safe: {why}")], document=SUITE
@@ -174,7 +156,7 @@ class SuiteRegistry:
 
     def _entry(self, name: str) -> dict[str, Any]:
         path = self.entry_path(name)
-        if _name_problem(name) is not None or not path.is_file():
+        if name_problem(name, kind="suite") is not None or not path.is_file():
             raise _not_found(name, self.root)
         value = read_json_file(path)
         contracts.load(ENTRY, value, document=str(path))
@@ -252,7 +234,7 @@ class SuiteRegistry:
 
     def remove(self, name: str) -> dict[str, Any]:
         """Remove the suite (``DeleteEvalSuiteResponse``); results that recorded its digest are unchanged."""
-        if _name_problem(name) is not None:
+        if name_problem(name, kind="suite") is not None:
             raise _not_found(name, self.root)
         entry_path, path = self.entry_path(name), self.path(name)
         if entry_path.is_file():

@@ -9,8 +9,9 @@
 
 from __future__ import annotations
 
-from kiln.model._identity import ModelIdentity, capture_identity, training_precision
+from kiln.model._identity import ModelIdentity, capture_identity, git_source, training_precision
 from kiln.model._loader import LoadedModel, load_base_model, resolve_model_path
+from kiln.model._sampling import max_positions, pick_token, sample, special_tokens, stop_token_ids
 from kiln.model._tiny import TINY_NAME, create_tiny, ensure_default_tiny
 
 __all__ = [
@@ -20,7 +21,13 @@ __all__ = [
     "capture_identity",
     "create_tiny",
     "ensure_default_tiny",
+    "git_source",
     "load_base_model",
+    "max_positions",
+    "pick_token",
     "resolve_model_path",
+    "sample",
+    "special_tokens",
+    "stop_token_ids",
     "training_precision",
 ]

@@ -12,10 +12,9 @@ tokenizer but not the weights.
 from __future__ import annotations
 
 import os
-import shutil
 from pathlib import Path
 
-from kiln._fs import file_mode, staging_dir
+from kiln._fs import file_mode, publish_dir
 
 TINY_NAME = "kiln-tiny"
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
@@ -139,7 +138,8 @@ def _init_weights(model, seed: int) -> None:
 
 
 def create_tiny(path: str | os.PathLike[str], *, seed: int = 0, overwrite: bool = False) -> Path:
-    """Write a tiny model directory at ``path`` (atomically: staged, then renamed)."""
+    """Write a tiny model directory at ``path`` (``kiln._fs.publish_dir``: staged, synced, then renamed into place;
+    ``FileExistsError`` when ``path`` exists, unless ``overwrite``)."""
     target = Path(path)
     if target.exists() and not overwrite:  # refused before torch and transformers are imported
         raise FileExistsError(f"{target} already exists; choose another path or remove it first")
@@ -147,11 +147,8 @@ def create_tiny(path: str | os.PathLike[str], *, seed: int = 0, overwrite: bool 
     from transformers import Qwen2ForCausalLM
 
     quiet_hub()
-    if target.exists():
-        shutil.rmtree(target)
     target.parent.mkdir(parents=True, exist_ok=True)
-    staging = staging_dir(target.parent, target.name)
-    try:
+    with publish_dir(target, overwrite=overwrite) as staging:  # an existing target is replaced only once complete
         tokenizer = build_tokenizer()
         config = tiny_config(len(tokenizer))
         with torch.device("cpu"):
@@ -163,10 +160,6 @@ def create_tiny(path: str | os.PathLike[str], *, seed: int = 0, overwrite: bool 
         (staging / COMPLETE_MARKER).write_text(f"seed={seed}\n", encoding="utf-8")
         for written in staging.iterdir():  # safetensors writes 0600: give every file the mode open() would
             os.chmod(written, file_mode())
-        os.replace(staging, target)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     return target
 
 

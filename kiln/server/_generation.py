@@ -1,5 +1,8 @@
 """The generation engine of ``kiln serve``: chat completions, adapter load/unload, serving canary.
 
+Longer than 600 lines: one lock guards the served model for decoding, streaming, adapter hooks and the canary;
+keeping them in one module keeps that invariant in one place.
+
 One ``Generator`` owns the served model (``LoadedModel.model``) for inference. It never
 changes a base weight: an adapter is applied as a forward hook on each LoRA target
 ``nn.Linear`` (``y + B(A(x)) * scale``, computed exactly as peft's LoRA layer does), the
@@ -78,16 +81,16 @@ from typing import Any
 
 from kiln import contracts
 from kiln._jsonio import MAX_DOCUMENT_BYTES, canonical_json, parse_json
-from kiln.adapters._registry import _read_canary
+from kiln.adapters import read_canary_status as _read_canary
 from kiln.artifacts.adapter_bodies import write_adapter_canary_status
 from kiln.artifacts.adapter_manifest import MANIFEST_FILE, load_adapter_manifest
-from kiln.data.sft import _match_skeleton, _template_errors
+from kiln.data import match_skeleton, template_errors
 from kiln.digests import prefixed
 from kiln.errors import AdapterError, ContractError, InternalError, KilnError, NotFoundError, Problem
-from kiln.model._sampling import max_positions as _max_positions
-from kiln.model._sampling import pick_token as _pick
-from kiln.model._sampling import special_tokens as _special_tokens
-from kiln.model._sampling import stop_token_ids as _stop_ids
+from kiln.model import max_positions as _max_positions
+from kiln.model import pick_token as _pick
+from kiln.model import special_tokens as _special_tokens
+from kiln.model import stop_token_ids as _stop_ids
 
 __all__ = ["CANARY_FILE", "Generator", "content_revision"]
 
@@ -410,7 +413,7 @@ class Generator:
             swapped.append({**message, "content": content})
         data: list[tuple[int, int]] = []
         if slots:
-            spans = _match_skeleton(re.split(re.escape(base) + r"(\d+)q", self._render(swapped)), slots, full)
+            spans = match_skeleton(re.split(re.escape(base) + r"(\d+)q", self._render(swapped)), slots, full)
             if spans is None:
                 raise ContractError(
                     [
@@ -440,7 +443,7 @@ class Generator:
     def _render(self, messages: list[dict[str, Any]]) -> str:
         try:
             text = self._tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        except _template_errors() as exc:
+        except template_errors() as exc:
             raise ContractError(
                 [Problem("schema_violation", "/messages", f"the chat template rejected the conversation: {exc}")],
                 document=REQUEST,

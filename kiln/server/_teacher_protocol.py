@@ -27,8 +27,7 @@ from typing import Any
 
 from kiln import contracts
 from kiln.errors import ContractError, InternalError, NotFoundError, Problem
-from kiln.teachers import MAX_TOP_K
-from kiln.teachers._scoring import log_probabilities, ranks_of, stable_top_k
+from kiln.teachers import MAX_TOP_K, log_probabilities, ranks_of, stable_top_k
 
 __all__ = ["TeacherProtocol"]
 

@@ -14,7 +14,16 @@ from __future__ import annotations
 
 from kiln.teachers._identity import MAX_TOP_K, credential_env, teacher_identity_for
 from kiln.teachers._registry import PinnedTeacher, TeacherRegistry, read_off_policy_file, reprobe, teachers_root
-from kiln.teachers._scoring import LocalScorer, RemoteScorer, TeacherScorer, open_scorer, top_k_logprobs
+from kiln.teachers._scoring import (
+    LocalScorer,
+    RemoteScorer,
+    TeacherScorer,
+    log_probabilities,
+    open_scorer,
+    ranks_of,
+    stable_top_k,
+    top_k_logprobs,
+)
 
 __all__ = [
     "MAX_TOP_K",
@@ -24,9 +33,12 @@ __all__ = [
     "TeacherRegistry",
     "TeacherScorer",
     "credential_env",
+    "log_probabilities",
     "open_scorer",
+    "ranks_of",
     "read_off_policy_file",
     "reprobe",
+    "stable_top_k",
     "teacher_identity_for",
     "teachers_root",
     "top_k_logprobs",

@@ -25,14 +25,13 @@ Kinds (``RegisterTeacherRequest.kind``):
 from __future__ import annotations
 
 import hashlib
-import os
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from kiln import contracts
-from kiln._fs import create_exclusive, fsync_dir
+from kiln._fs import create_exclusive, fsync_dir, name_problem
 from kiln._jsonio import parse_json, read_json_file
 from kiln.digests import file_sha256, json_sha256, prefixed, teacher_identity_revision
 from kiln.errors import ConflictError, ContractError, IntegrityError, KilnError, NotFoundError, Problem, RequestError
@@ -59,9 +58,7 @@ REQUEST = "RegisterTeacherRequest"
 OFF_POLICY_MANIFEST = "OffPolicyDistillationManifestV1"
 OFF_POLICY_ROW = "OffPolicyDistillationRow"
 OFF_POLICY_MANIFEST_SCHEMA = "kiln.off-policy-distillation-manifest.v1"
-SUFFIX = ".json"
-MAX_ALIAS = 255
-MAX_FILE_NAME = 255  # bytes of <alias>.json (the common file-name limit)
+SUFFIX = ".json"  # the ``teacher`` kind of ``kiln._fs.name_problem`` counts it
 
 
 def teachers_root(home: Path) -> Path:
@@ -71,27 +68,6 @@ def teachers_root(home: Path) -> Path:
 
 def _now() -> str:
     return datetime.now(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
-
-
-def _alias_problem(alias: Any) -> str | None:
-    """Why ``alias`` is not path-safe (the ``AdapterName`` rule, plus no control characters), or None."""
-    if not isinstance(alias, str) or not alias:
-        return "it must be a non-empty string"
-    if len(alias) > MAX_ALIAS:
-        return f"it is {len(alias)} characters; at most {MAX_ALIAS} are allowed"
-    if alias.startswith("."):
-        return "it must not start with '.'"
-    if "/" in alias or "\\" in alias or ".." in alias:
-        return "it must not contain '/', '\\' or '..'"
-    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in alias):
-        return "it must not contain control characters"
-    try:
-        encoded = os.fsencode(alias + SUFFIX)
-    except UnicodeError:
-        return "it cannot be encoded as a file name"
-    if len(encoded) > MAX_FILE_NAME:
-        return f"its file name {alias + SUFFIX!r} is {len(encoded)} bytes; at most {MAX_FILE_NAME} are allowed"
-    return None
 
 
 def _refuse(message: str, hint: str | None = None) -> RequestError:
@@ -282,7 +258,7 @@ class TeacherRegistry:
         if problems:
             raise ContractError(problems, document=REQUEST)
         alias, kind = request["alias"], request["kind"]
-        why = _alias_problem(alias)
+        why = name_problem(alias, kind="teacher")
         if why is not None:
             raise ContractError(
                 [Problem("unsafe_path", "/alias", f"teacher alias {alias!r} is not path-safe: {why}")],
@@ -379,7 +355,7 @@ class TeacherRegistry:
         adapter_dir = None
         if request.get("adapter") is not None:
             name = request["adapter"]
-            why = _alias_problem(name)
+            why = name_problem(name, kind="adapter")
             adapter_dir = self.adapter_registry / name
             if why is not None or not adapter_dir.is_dir():
                 raise _refuse(
@@ -450,7 +426,7 @@ class TeacherRegistry:
 
     def _record(self, alias: str) -> dict[str, Any]:
         path = self.path(alias)
-        if _alias_problem(alias) is not None or not path.is_file():
+        if name_problem(alias, kind="teacher") is not None or not path.is_file():
             raise NotFoundError(
                 f"no teacher {alias!r} is registered in {self.root}",
                 code="teacher_not_found",
@@ -489,7 +465,7 @@ class TeacherRegistry:
     def remove(self, alias: str) -> dict[str, Any]:
         """Remove the alias (``DeleteTeacherResponse``); receipts that recorded it are unchanged."""
         path = self.path(alias)
-        if _alias_problem(alias) is not None or not path.is_file():
+        if name_problem(alias, kind="teacher") is not None or not path.is_file():
             raise NotFoundError(f"no teacher {alias!r} is registered in {self.root}", code="teacher_not_found")
         try:
             path.unlink()

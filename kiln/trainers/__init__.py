@@ -1,9 +1,37 @@
-"""The trainers, picked from a closed registry keyed by the schema's ``TrainingJobType``."""
+"""The trainers, picked from a closed registry keyed by the schema's ``TrainingJobType``.
+
+Every caller -- the server's admission and worker, the CLI's ``--local`` runs -- goes through ``TRAINERS``:
+``TRAINERS[kind].admit(request, adapter_name=..., context=TrainingContext(...))`` returns an admitted job (an
+``AdmittedJob``: step counts, fingerprint, resumed history, memory estimate), and ``TRAINERS[kind].run(job, ...)``
+trains it and returns a ``TrainResult``. Each trainer is one file read top to bottom (``sft.py``, ``grpo.py``,
+``opd.py``); what they share is in the kit (``_kit.py``, ``_admission.py``, ``_resume.py``, ``_checkpointing.py``,
+``_receipts.py``).
+"""
 
 from __future__ import annotations
 
-from kiln.trainers.sft import SftResult, run_sft
+from collections.abc import Callable
+from dataclasses import dataclass
 
-TRAINERS = {"sft": run_sft}
+from kiln.trainers import grpo, opd, sft
+from kiln.trainers._admission import AdmittedJob, TrainingContext
+from kiln.trainers._kit import FinalState, TrainResult
 
-__all__ = ["TRAINERS", "SftResult", "run_sft"]
+__all__ = ["TRAINERS", "AdmittedJob", "FinalState", "TrainResult", "Trainer", "TrainingContext"]
+
+
+@dataclass(frozen=True)
+class Trainer:
+    """One training kind: its request definition, its admission and its run."""
+
+    kind: str  # a TrainingJobType value
+    request_type: str  # the schema definition of its HTTP request body
+    admit: Callable[..., AdmittedJob]  # (request, *, adapter_name, context) -> admitted job; raises KilnError
+    run: Callable[..., TrainResult]  # (job, *, progress=None, cancel=None, on_checkpoint=None) -> result
+
+
+TRAINERS: dict[str, Trainer] = {
+    "sft": Trainer("sft", "SftRequest", sft.admit_request, sft.run_sft),
+    "grpo": Trainer("grpo", "GrpoRequest", grpo.admit_request, grpo.run_grpo),
+    "opd": Trainer("opd", "OpdRequest", opd.admit_request, opd.run_opd),
+}

@@ -5,14 +5,18 @@ every default the trainer depends on (so receipts, checkpoints and resume compar
 one canonical object) and refuses what Kiln does not execute, naming the field:
 
 * ``kl_reference_policy`` and its alias ``reference_policy`` together; the effective
-  config always records ``kl_reference_policy`` (``{"kind": "base_per_step"}`` by default;
-  an EMA reference gets ``decay`` 0.99 and ``refresh_every`` 1 when omitted);
+  config always records ``kl_reference_policy`` (an EMA reference with both members, their
+  defaults filling what was omitted);
 * a KL term against reference ``none`` (``kl_coeff`` > 0 with an estimator other than
   ``none``);
 * ``reward_filter_var_min`` > ``reward_filter_var_max``;
 * ``loss.opd`` (``training_backend_unsupported``), ``loss.no_policy_loss`` without an ECHO
   term of positive ``lambda``;
 * the LoRA scale guardrail, shape conversion, MTP-like reference knobs, as for SFT.
+
+Every default is the schema's: ``schema_defaults("GrpoConfig")`` and those of its
+sub-objects (``GrpoLossConfig``, ``EchoConfig``, the ``ema`` branch of ``KlReferencePolicy``),
+the learning rate by optimizer kind through ``default_by``.
 
 The request-level rules (data source, ``dry_run`` needs ``dataset_path``, named datasets,
 ``post_eval``) are checked by ``check_grpo_request``.
@@ -24,13 +28,11 @@ from typing import Any
 
 from kiln import contracts
 from kiln.errors import RequestError
-from kiln.training import DEFAULT_LEARNING_RATES, effective_optimizer, resolve_seed
+from kiln.training import default_by, effective_optimizer, resolve_seed, schema_defaults
 
 MAX_ALPHA_OVER_RANK = 2.0
-EMA_DEFAULTS = {"decay": 0.99, "refresh_every": 1}
-ECHO_DEFAULTS = {"lambda": 0.05, "env_mask_mode": "env_only", "warning_filter": True}
 
-__all__ = ["check_grpo_request", "effective_grpo_config"]
+__all__ = ["check_grpo_request", "effective_echo", "effective_grpo_config", "optimizer_seed_lora"]
 
 
 def _refuse(field: str, message: str, *, code: str = "training_invalid_request", hint: str | None = None) -> None:
@@ -44,10 +46,12 @@ def _reference(config: dict[str, Any]) -> dict[str, Any]:
             "send either kl_reference_policy or its alias reference_policy, not both",
             hint="keep kl_reference_policy",
         )
-    given = config.get("kl_reference_policy", config.get("reference_policy")) or {"kind": "base_per_step"}
+    default = schema_defaults("GrpoConfig")["kl_reference_policy"]
+    given = config.get("kl_reference_policy", config.get("reference_policy", default))
     kind = given["kind"]
     if kind == "ema":
-        reference = {"kind": "ema", **EMA_DEFAULTS, **{k: given[k] for k in EMA_DEFAULTS if k in given}}
+        members = schema_defaults("KlReferencePolicy", variant="ema")
+        reference = {"kind": "ema", **members, **{k: given[k] for k in members if k in given}}
         if not 0.0 <= float(reference["decay"]) <= 1.0:
             _refuse("kl_reference_policy.decay", f"{reference['decay']} is outside [0, 1]")
         if int(reference["refresh_every"]) < 1:
@@ -57,39 +61,47 @@ def _reference(config: dict[str, Any]) -> dict[str, Any]:
     return {"kind": kind}
 
 
+def effective_echo(echo: dict[str, Any] | None) -> dict[str, Any] | None:
+    """An ECHO term with the schema's ``EchoConfig`` defaults filled in; None stays None (ECHO off)."""
+    return None if echo is None else {**schema_defaults("EchoConfig"), **echo}
+
+
 def _loss(config: dict[str, Any]) -> dict[str, Any]:
-    loss = dict(config.get("loss") or {})
+    loss = dict(config.get("loss", schema_defaults("GrpoConfig")["loss"]))
     if loss.get("opd") is not None:
         _refuse("loss.opd", "an OPD term inside GRPO is not executed by Kiln", code="training_backend_unsupported")
-    echo = loss.get("echo")
-    echo = None if echo is None else {**ECHO_DEFAULTS, **echo}
-    no_policy_loss = bool(loss.get("no_policy_loss", False))
+    defaults = schema_defaults("GrpoLossConfig")
+    echo = effective_echo(loss.get("echo", defaults["echo"]))
+    no_policy_loss = bool(loss.get("no_policy_loss", defaults["no_policy_loss"]))
     if no_policy_loss and (echo is None or float(echo["lambda"]) <= 0):
         _refuse(
             "loss.no_policy_loss",
             "training with the policy loss off needs an ECHO term with lambda > 0",
-            hint='add "loss": {"echo": {"lambda": 0.05}} or drop no_policy_loss',
+            hint=f'add "loss": {{"echo": {{"lambda": {schema_defaults("EchoConfig")["lambda"]:g}}}}} or drop no_policy_loss',
         )
     return {"echo": echo, "no_policy_loss": no_policy_loss}
 
 
-def optimizer_seed_lora(config: dict[str, Any]) -> tuple[dict[str, Any], int, int, float]:
-    """What GRPO and OPD resolve alike: the optimizer with its defaults, the effective seed, and the
-    LoRA rank and alpha under the scale guardrail (alpha / rank at most 2 unless allowed)."""
+def optimizer_seed_lora(config: dict[str, Any], definition: str) -> tuple[dict[str, Any], int, int, float, bool]:
+    """What GRPO and OPD resolve alike, with the defaults of ``definition`` (``GrpoConfig``, ``OpdConfig``): the
+    optimizer with its defaults, the effective seed, and the LoRA rank, alpha and ``allow_high_lora_scale`` under
+    the scale guardrail (alpha / rank at most 2 unless allowed)."""
+    defaults = schema_defaults(definition)
     try:
-        optimizer = effective_optimizer(config.get("optimizer"))
+        optimizer = effective_optimizer(config.get("optimizer", defaults["optimizer"]))
         seed = resolve_seed(config.get("seed"))
     except ValueError as exc:
         raise RequestError(str(exc), code="training_invalid_request") from None
-    rank = int(config.get("lora_rank", 16))
-    alpha = float(config.get("lora_alpha", 32.0))
-    if alpha / rank > MAX_ALPHA_OVER_RANK and not config.get("allow_high_lora_scale", False):
+    rank = int(config.get("lora_rank", defaults["lora_rank"]))
+    alpha = float(config.get("lora_alpha", defaults["lora_alpha"]))
+    allow_high = bool(config.get("allow_high_lora_scale", defaults["allow_high_lora_scale"]))
+    if alpha / rank > MAX_ALPHA_OVER_RANK and not allow_high:
         _refuse(
             "lora_alpha",
             f"unsafe_lora_scale: lora_alpha / lora_rank = {alpha / rank:g} exceeds {MAX_ALPHA_OVER_RANK:g}",
             hint="lower lora_alpha, raise lora_rank, or set allow_high_lora_scale",
         )
-    return optimizer, seed, rank, alpha
+    return optimizer, seed, rank, alpha, allow_high
 
 
 def effective_grpo_config(config: dict[str, Any], adapter_name: str) -> dict[str, Any]:
@@ -105,46 +117,53 @@ def effective_grpo_config(config: dict[str, Any], adapter_name: str) -> dict[str
     for flag in ("adapter_smoke_test", "adapter_smoke_prompts", "detect_anomaly"):
         if config.get(flag):
             _refuse(flag, "not available for GRPO in this Kiln", code="training_backend_unsupported")
-    optimizer, seed, rank, alpha = optimizer_seed_lora(config)
+    defaults = schema_defaults("GrpoConfig")
+    optimizer, seed, rank, alpha, allow_high = optimizer_seed_lora(config, "GrpoConfig")
     reference = _reference(config)
-    kl_coeff = float(config.get("kl_coeff", 0.1))
-    estimator = config.get("kl_estimator", "k1")
+    kl_coeff = float(config.get("kl_coeff", defaults["kl_coeff"]))
+    estimator = config.get("kl_estimator", defaults["kl_estimator"])
     if reference["kind"] == "none" and kl_coeff > 0 and estimator != "none":
         _refuse(
             "kl_reference_policy",
             f"reference 'none' needs the KL term off, but kl_coeff is {kl_coeff:g} with estimator {estimator!r}",
             hint='set "kl_coeff": 0 or "kl_estimator": "none", or choose a reference (base_per_step, ema)',
         )
-    var_min, var_max = config.get("reward_filter_var_min"), config.get("reward_filter_var_max")
+    var_min = config.get("reward_filter_var_min", defaults["reward_filter_var_min"])
+    var_max = config.get("reward_filter_var_max", defaults["reward_filter_var_max"])
     if var_min is not None and var_max is not None and var_min > var_max:
         _refuse("reward_filter_var_min", f"{var_min:g} is above reward_filter_var_max {var_max:g}")
-    interval = config.get("checkpoint_interval")
-    learning_rate = config.get("learning_rate") or DEFAULT_LEARNING_RATES["grpo"][optimizer["kind"]]
+    interval = config.get("checkpoint_interval", defaults["checkpoint_interval"])
+    learning_rate = config.get("learning_rate") or default_by("GrpoConfig", "learning_rate", {"optimizer": optimizer})
+    clip_eps_high = config.get("clip_eps_high", defaults["clip_eps_high"])
     return {
         "learning_rate": float(learning_rate),
         "kl_coeff": kl_coeff,
-        "clip_epsilon": float(config.get("clip_epsilon", 0.2)),
-        "clip_eps_high": None if config.get("clip_eps_high") is None else float(config["clip_eps_high"]),
-        "cispo_max_weight": float(config.get("cispo_max_weight", 5.0)),
-        "advantage_mode": config.get("advantage_mode", "dr_grpo"),
-        "loss_aggregation": config.get("loss_aggregation", "token_level"),
+        "clip_epsilon": float(config.get("clip_epsilon", defaults["clip_epsilon"])),
+        "clip_eps_high": None if clip_eps_high is None else float(clip_eps_high),
+        "cispo_max_weight": float(config.get("cispo_max_weight", defaults["cispo_max_weight"])),
+        "advantage_mode": config.get("advantage_mode", defaults["advantage_mode"]),
+        "loss_aggregation": config.get("loss_aggregation", defaults["loss_aggregation"]),
         "kl_estimator": estimator,
-        "dynamic_sampling": bool(config.get("dynamic_sampling", False)),
-        "is_level": config.get("is_level", "token"),
-        "behavior_policy": config.get("behavior_policy", "no_importance_correction"),
+        "dynamic_sampling": bool(config.get("dynamic_sampling", defaults["dynamic_sampling"])),
+        "is_level": config.get("is_level", defaults["is_level"]),
+        "behavior_policy": config.get("behavior_policy", defaults["behavior_policy"]),
         "kl_reference_policy": reference,
-        "entropy_aware_kl_quantile": config.get("entropy_aware_kl_quantile"),
-        "reward_saturation_threshold": float(config.get("reward_saturation_threshold", 0.95)),
-        "reward_low_variance_threshold": float(config.get("reward_low_variance_threshold", 1e-12)),
+        "entropy_aware_kl_quantile": config.get("entropy_aware_kl_quantile", defaults["entropy_aware_kl_quantile"]),
+        "reward_saturation_threshold": float(
+            config.get("reward_saturation_threshold", defaults["reward_saturation_threshold"])
+        ),
+        "reward_low_variance_threshold": float(
+            config.get("reward_low_variance_threshold", defaults["reward_low_variance_threshold"])
+        ),
         "reward_filter_var_min": var_min,
         "reward_filter_var_max": var_max,
-        "reward_filter_min_groups": int(config.get("reward_filter_min_groups", 1)),
-        "reward_filter_on_empty": config.get("reward_filter_on_empty", "fail"),
+        "reward_filter_min_groups": int(config.get("reward_filter_min_groups", defaults["reward_filter_min_groups"])),
+        "reward_filter_on_empty": config.get("reward_filter_on_empty", defaults["reward_filter_on_empty"]),
         "lora_rank": rank,
         "lora_alpha": alpha,
-        "allow_high_lora_scale": bool(config.get("allow_high_lora_scale", False)),
+        "allow_high_lora_scale": allow_high,
         "output_name": adapter_name,
-        "base_adapter": config.get("base_adapter"),
+        "base_adapter": config.get("base_adapter", defaults["base_adapter"]),
         "checkpoint_interval": None if interval is None else int(interval),
         "seed": seed,
         "optimizer": optimizer,

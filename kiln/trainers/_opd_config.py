@@ -3,15 +3,17 @@
 ``effective_opd_config(config, adapter_name, teacher_max_top_k=..., model_max_len=...)``
 validates an ``OpdConfig`` object, fills every default the trainer depends on (receipts,
 checkpoints and resume comparisons see one canonical object) and refuses, naming the
-field, what Kiln does not execute: an objective other than ``reverse_kl``, a loss
-granularity other than ``teacher_top_k``, ``top_k`` other than 16 or 32, a stable-OPD mode
-other than off, a non-zero ``discount`` or ``clip_epsilon``, a cost cap, the
-``legacy_action_boundary`` rendering, shape conversion and the LoRA scale guardrail.
+field, what Kiln does not execute: an ``objective``, ``loss``, ``rollout_prompt_rendering``,
+``stable_opd``, ``discount`` or ``clip_epsilon`` other than its schema default (the only one
+Kiln runs), ``top_k`` other than 16 or 32, a cost cap, shape conversion and the LoRA scale
+guardrail.
 
-Resolved values: ``top_k`` is min(requested, the teacher's ``max_top_k``);
-``max_tokens`` defaults to the student's context length and is capped by it (a rollout
-also stops where prefix + rollout would exceed it); ``checkpoint_interval`` omitted is
-25, null defers to the server's ``training.checkpoint_interval``.
+Every default is the schema's (``schema_defaults("OpdConfig")``, ``EchoConfig``'s for an
+ECHO term, the learning rate by optimizer kind through ``default_by``) except two that come
+from outside the request: ``max_tokens`` defaults to the student's context length and is
+capped by it (a rollout also stops where prefix + rollout would exceed it), and a null
+``checkpoint_interval`` defers to the server's ``training.checkpoint_interval``. ``top_k``
+is min(requested, the teacher's ``max_top_k``).
 
 ``check_opd_request`` holds the request-level rules (schema, ``post_eval``, exactly one
 source matching ``training_mode``).
@@ -23,20 +25,21 @@ from typing import Any
 
 from kiln import contracts
 from kiln.errors import RequestError
-from kiln.trainers._grpo_config import ECHO_DEFAULTS, optimizer_seed_lora
-from kiln.training import DEFAULT_LEARNING_RATES
+from kiln.trainers._grpo_config import effective_echo, optimizer_seed_lora
+from kiln.training import default_by, schema_defaults
 
 EXECUTABLE_TOP_K = (16, 32)
-DEFAULT_CHECKPOINT_INTERVAL = 25
 
-__all__ = ["DEFAULT_CHECKPOINT_INTERVAL", "check_opd_request", "effective_opd_config"]
+__all__ = ["check_opd_request", "effective_opd_config"]
 
 
 def _refuse(field: str, message: str, *, code: str = "training_invalid_request", hint: str | None = None) -> None:
     raise RequestError(f"{field}: {message}", code=code, hint=hint, pointer="/config/" + field.replace(".", "/"))
 
 
-def _only(config: dict[str, Any], field: str, allowed: Any, why: str) -> Any:
+def _only(config: dict[str, Any], defaults: dict[str, Any], field: str, why: str) -> Any:
+    """The default of ``field``, the only value Kiln executes; any other value is refused."""
+    allowed = defaults[field]
     value = config.get(field, allowed)
     if value != allowed:
         _refuse(field, f"{value!r} is not executed by Kiln ({why})", code="training_backend_unsupported")
@@ -56,15 +59,16 @@ def effective_opd_config(
     if found:
         detail = "; ".join(f"{p.pointer or '/'}: {p.message}" for p in found)
         raise RequestError(f"invalid OPD config: {detail}", code="training_invalid_request", pointer=found[0].pointer)
-    objective = _only(config, "objective", "reverse_kl", "the only objective is the top-K reverse KL")
-    loss = _only(config, "loss", "teacher_top_k", "student and teacher are compared on the teacher's top-K ids")
-    _only(config, "rollout_prompt_rendering", "chat_template", "rollouts are rendered with the chat template")
-    stable = config.get("stable_opd")
-    if stable is not None and stable != {"mode": "off"}:
-        _refuse("stable_opd", f"{stable!r}: only {{'mode': 'off'}} runs", code="training_backend_unsupported")
+    defaults = schema_defaults("OpdConfig")
+    objective = _only(config, defaults, "objective", "the only objective is the top-K reverse KL")
+    loss = _only(config, defaults, "loss", "student and teacher are compared on the teacher's top-K ids")
+    rendering = _only(config, defaults, "rollout_prompt_rendering", "rollouts are rendered with the chat template")
+    stable = config.get("stable_opd", defaults["stable_opd"])
+    if stable != defaults["stable_opd"]:
+        _refuse("stable_opd", f"{stable!r}: only {defaults['stable_opd']!r} runs", code="training_backend_unsupported")
     for field in ("discount", "clip_epsilon"):
-        if float(config.get(field, 0)) != 0:
-            _refuse(field, f"{config[field]!r}: Kiln requires 0", code="training_backend_unsupported")
+        if float(config.get(field, defaults[field])) != defaults[field]:
+            _refuse(field, f"{config[field]!r}: Kiln requires {defaults[field]:g}", code="training_backend_unsupported")
     if config.get("max_cost_usd") is not None:
         _refuse(
             "max_cost_usd", "Kiln has no cost accounting; send null or omit it", code="training_backend_unsupported"
@@ -75,45 +79,40 @@ def effective_opd_config(
         )
     if config.get("detect_anomaly"):
         _refuse("detect_anomaly", "not available for OPD in this Kiln", code="training_backend_unsupported")
-    requested_k = int(config.get("top_k", 32))
+    requested_k = int(config.get("top_k", defaults["top_k"]))
     if requested_k not in EXECUTABLE_TOP_K:
         _refuse("top_k", f"{requested_k}: Kiln executes top_k 16 or 32", code="training_backend_unsupported")
-    optimizer, seed, rank, alpha = optimizer_seed_lora(config)
+    optimizer, seed, rank, alpha, allow_high = optimizer_seed_lora(config, "OpdConfig")
     max_tokens = int(config.get("max_tokens", model_max_len))
     if max_tokens > model_max_len:
         _refuse("max_tokens", f"{max_tokens} exceeds the student's context length {model_max_len}")
-    if "checkpoint_interval" not in config:
-        interval: int | None = DEFAULT_CHECKPOINT_INTERVAL
-    elif config["checkpoint_interval"] is None:
-        interval = server_checkpoint_interval
-    else:
-        interval = int(config["checkpoint_interval"])
-    echo = config.get("echo")
-    learning_rate = config.get("learning_rate") or DEFAULT_LEARNING_RATES["opd"][optimizer["kind"]]
+    interval = config.get("checkpoint_interval", defaults["checkpoint_interval"])
+    interval = server_checkpoint_interval if interval is None else int(interval)
+    learning_rate = config.get("learning_rate") or default_by("OpdConfig", "learning_rate", {"optimizer": optimizer})
     effective = {
-        "training_mode": config.get("training_mode", "on_policy"),
+        "training_mode": config.get("training_mode", defaults["training_mode"]),
         "objective": objective,
         "loss": loss,
         "top_k": min(requested_k, int(teacher_max_top_k)),
-        "samples_per_prompt": int(config.get("samples_per_prompt", 4)),
-        "temperature": float(config.get("temperature", 1.0)),
-        "top_p": float(config.get("top_p", 0.9)),
+        "samples_per_prompt": int(config.get("samples_per_prompt", defaults["samples_per_prompt"])),
+        "temperature": float(config.get("temperature", defaults["temperature"])),
+        "top_p": float(config.get("top_p", defaults["top_p"])),
         "max_tokens": max_tokens,
-        "rollout_prompt_rendering": "chat_template",
-        "stable_opd": {"mode": "off"},
-        "discount": 0.0,
-        "clip_epsilon": 0.0,
+        "rollout_prompt_rendering": rendering,
+        "stable_opd": defaults["stable_opd"],
+        "discount": float(defaults["discount"]),
+        "clip_epsilon": float(defaults["clip_epsilon"]),
         "learning_rate": float(learning_rate),
         "lora_rank": rank,
         "lora_alpha": alpha,
-        "allow_high_lora_scale": bool(config.get("allow_high_lora_scale", False)),
-        "base_adapter": config.get("base_adapter"),
+        "allow_high_lora_scale": allow_high,
+        "base_adapter": config.get("base_adapter", defaults["base_adapter"]),
         "output_name": adapter_name,
         "checkpoint_interval": interval,
         "seed": seed,
         "optimizer": optimizer,
-        "echo": None if echo is None else {**ECHO_DEFAULTS, **echo},
-        "epochs": int(config.get("epochs", 1)),
+        "echo": effective_echo(config.get("echo", defaults["echo"])),
+        "epochs": int(config.get("epochs", defaults["epochs"])),
     }
     if "grad_checkpoint_segments" in config:
         effective["grad_checkpoint_segments"] = int(config["grad_checkpoint_segments"])
@@ -136,7 +135,7 @@ def check_opd_request(body: dict[str, Any]) -> str:
             code="training_backend_unsupported",
             hint="submit the request to `kiln serve` (drop --local), or evaluate afterwards with `kiln eval run`",
         )
-    mode = (body.get("config") or {}).get("training_mode", "on_policy")
+    mode = (body.get("config") or {}).get("training_mode", schema_defaults("OpdConfig")["training_mode"])
     if mode == "on_policy" and "prompts" not in body:
         raise RequestError(
             "training_mode on_policy samples from inline prompts: send prompts",

@@ -1,21 +1,34 @@
-"""What every trainer does the same way around exact-resume checkpoints.
+"""Resume admission every trainer shares, before and after its own model work.
 
-``resume_metadata`` is the cheap first half of resume admission, before any model work:
-a path-safe target, the checkpoint named by ``resume_checkpoint`` read metadata-only, its
-kind and adapter checked, and the seed taken from its ``lora-init`` stream (a conflicting
-explicit seed is refused). ``optimizer_identity`` is the optimizer and scheduler part of a
-manifest, identical for every kind.
+* ``resume_metadata``: the cheap first half, before any model work -- a path-safe target, the checkpoint named by
+  ``resume_checkpoint`` read metadata-only, its kind and adapter checked, and the seed taken from its ``lora-init``
+  stream (a conflicting explicit seed is refused);
+* ``claim_target``: a free adapter name and no checkpoint of it past where this run starts (checkpoints are
+  never overwritten);
+* ``load_resume``: the second half, once the trainer knows its own identity -- every byte of the checkpoint loaded
+  and compared with what this run would write, field by field (the progress-dependent members a trainer names are
+  taken from the checkpoint, since its loop state binds them).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from kiln.checkpoints import inspect_checkpoint, resolve_checkpoint_path
-from kiln.errors import CheckpointError
+from kiln.checkpoints import (
+    LoadedCheckpoint,
+    inspect_checkpoint,
+    list_checkpoints,
+    load_checkpoint,
+    require_compatible,
+    resolve_checkpoint_path,
+)
+from kiln.errors import CheckpointError, Problem, RequestError
 from kiln.publish import check_target
-from kiln.training._state import OPTIMIZER_FILE
+from kiln.training import resolve_seed
+
+__all__ = ["claim_target", "load_resume", "refuse_later_checkpoints", "resume_metadata"]
 
 NAMES = {
     "sft": "an SFT job resumes only SFT checkpoints",
@@ -27,8 +40,6 @@ NAMES = {
 def resume_metadata(registry: Path, adapter_name: str, config: dict[str, Any], kind: str) -> Path | None:
     """Pop ``resume_checkpoint`` from ``config``; when set, check the checkpoint's metadata and
     put its authoritative seed into ``config``. Returns the checkpoint path (None: a fresh run)."""
-    from kiln.trainers.sft import _checkpoint_seed
-
     resume_value = config.pop("resume_checkpoint", None)
     if resume_value is None:
         return None
@@ -57,26 +68,66 @@ def resume_metadata(registry: Path, adapter_name: str, config: dict[str, Any], k
 
 def claim_target(registry: Path, adapter_name: str, checkpoint_path: Path | None) -> None:
     """A free, path-safe adapter name, and no checkpoint of it past where this run starts."""
-    from kiln.trainers.sft import _refuse_later_checkpoints
-
     check_target(registry, adapter_name)
     start = inspect_checkpoint(checkpoint_path).manifest["progress"]["global_step"] if checkpoint_path else 0
-    _refuse_later_checkpoints(registry, adapter_name, start)
+    refuse_later_checkpoints(registry, adapter_name, start)
 
 
-def optimizer_identity(cfg: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The manifest's ``optimizer`` and ``scheduler`` objects at step 0 (constant learning rate)."""
-    optimizer = cfg["optimizer"]
-    stateful = optimizer["kind"] != "sgd"
-    return (
-        {
-            "kind": optimizer["kind"],
-            "step": 0,
-            "hyperparameters": {
-                "learning_rate": cfg["learning_rate"],
-                **{k: v for k, v in optimizer.items() if k != "kind"},
-            },
-            **({"state_file": OPTIMIZER_FILE} if stateful else {}),
-        },
-        {"kind": "constant", "step": 0, "state": {"learning_rate": cfg["learning_rate"]}},
-    )
+def load_resume(
+    checkpoint_path: Path | None,
+    identity: dict[str, Any],
+    *,
+    progress_auxiliary: Iterable[str] = (),
+    progress_streams: Iterable[str] = (),
+) -> LoadedCheckpoint | None:
+    """Load every byte of the checkpoint and refuse it unless it matches ``identity`` (this run's manifest without
+    progress); ``progress_auxiliary``/``progress_streams`` name the ``auxiliary_state`` members and ``rng_states``
+    streams that move with progress and are taken from the checkpoint."""
+    if checkpoint_path is None:
+        return None
+    resume = load_checkpoint(checkpoint_path)  # every byte hashed, loop state checked
+    manifest = resume.manifest
+    for key in progress_auxiliary:
+        if key in manifest["auxiliary_state"]:
+            identity["auxiliary_state"][key] = manifest["auxiliary_state"][key]
+    for stream in progress_streams:
+        identity["rng_states"][stream] = manifest["rng_states"][stream]
+    require_compatible(checkpoint_path.name, manifest, identity)
+    return resume
+
+
+def _checkpoint_seed(config: dict[str, Any], manifest: dict[str, Any], name: str) -> int:
+    """The checkpoint's ``lora-init`` seed is authoritative; a conflicting explicit seed is refused."""
+    seed = manifest["rng_states"]["lora-init"]["seed"]
+    asked = config.get("seed")
+    if asked is not None:
+        try:
+            asked_value = resolve_seed(asked)
+        except ValueError as exc:
+            raise RequestError(str(exc), code="training_invalid_request") from None
+        if asked_value != seed:
+            message = f"effective_config.seed differs: {seed} (checkpoint's lora-init seed) != {asked_value} (this run)"
+            raise CheckpointError(
+                f"{name} cannot resume this run: {message}",
+                problems=[Problem("effective_config.seed", "/effective_config/seed", message)],
+                code="checkpoint_incompatible",
+                reason="effective_config.seed",
+                pointer="/effective_config/seed",
+                hint="omit --seed when resuming: the checkpoint's seed is used",
+            )
+    return seed
+
+
+def refuse_later_checkpoints(registry: Path, adapter: str, start_step: int) -> None:
+    later = [c for c in list_checkpoints(registry, adapter) if c.global_step > start_step]
+    if later:
+        first = later[0].path.name
+        raise CheckpointError(
+            f"adapter {adapter!r} already has checkpoint {first}"
+            + (f" (and {len(later) - 1} more)" if len(later) > 1 else "")
+            + f" past step {start_step}; this run would reach those names, and checkpoints are never overwritten",
+            code="checkpoint_exists",
+            reason="checkpoint_exists",
+            hint=f"resume the newest one with --resume-checkpoint {later[-1].path.name}, or archive (move out of "
+            f"{registry}) every checkpoint of {adapter!r} past step {start_step} before running again",
+        )

@@ -1,21 +1,51 @@
-"""Components shared by the trainers: LoRA setup, optimizers, seeds, failure categories."""
+"""Components shared by the trainers: LoRA setup and warm start, optimizers, seeds, failure categories, training
+state as checkpoint files and back, the receipt base."""
 
 from __future__ import annotations
 
-from kiln.training._failures import TrainingFailedError, classify_failure
-from kiln.training._lora import attach_lora, lora_delta_norms, lora_parameters, target_modules
-from kiln.training._optim import DEFAULT_LEARNING_RATES, build_optimizer, effective_optimizer
+from kiln.training._defaults import default_by, schema_defaults
+from kiln.training._failures import classify_failure
+from kiln.training._lora import attach_lora, lora_delta_norms, lora_parameters, module_of, target_modules
+from kiln.training._optim import build_optimizer, effective_optimizer
+from kiln.training._receipt import receipt_base
 from kiln.training._seeds import resolve_seed
+from kiln.training._state import (
+    ADAPTER_FILE,
+    LORA_INIT_ALGORITHM,
+    OPTIMIZER_FILE,
+    adapter_tensors,
+    auxiliary_identity,
+    encode_tensors,
+    optimizer_tensors,
+    planning_identity,
+    restore_adapter,
+    restore_optimizer,
+)
+from kiln.training._warm_start import base_adapter_dir, warm_start
 
 __all__ = [
-    "DEFAULT_LEARNING_RATES",
-    "TrainingFailedError",
+    "ADAPTER_FILE",
+    "LORA_INIT_ALGORITHM",
+    "OPTIMIZER_FILE",
+    "adapter_tensors",
     "attach_lora",
+    "auxiliary_identity",
+    "base_adapter_dir",
     "build_optimizer",
     "classify_failure",
+    "default_by",
     "effective_optimizer",
+    "encode_tensors",
     "lora_delta_norms",
     "lora_parameters",
+    "module_of",
+    "optimizer_tensors",
+    "planning_identity",
+    "receipt_base",
     "resolve_seed",
+    "restore_adapter",
+    "restore_optimizer",
+    "schema_defaults",
     "target_modules",
+    "warm_start",
 ]

@@ -1,15 +1,25 @@
-"""Map a training failure to its receipt ``failure_reason`` (spec/10), keeping the message."""
+"""The receipt category of a failure raised while training: from its type, never from its message.
+
+A trainer raises one of the ``TrainingFailedError`` classes of ``kiln.errors`` where it detects a failure
+(``NonFiniteLossError`` at the step, ``ShapeMismatchError`` in the warm start, ``CancelledError`` at a step
+boundary...); the class fixes the receipt's ``failure_reason``. Exceptions from below (torch, the file system) map
+by type: ``MemoryError`` and torch's ``OutOfMemoryError`` are ``oom``, ``KeyboardInterrupt`` is ``cancelled``,
+anything else is ``training_error`` with its type named in the message.
+"""
 
 from __future__ import annotations
 
+import sys
 
-class TrainingFailedError(Exception):
-    """A failure after admission with a known receipt category."""
+from kiln.errors import TrainingFailedError
 
-    def __init__(self, reason: str, message: str):
-        super().__init__(message)
-        self.reason = reason
-        self.message = message
+__all__ = ["classify_failure"]
+
+
+def _is_device_oom(exc: BaseException) -> bool:
+    torch = sys.modules.get("torch")  # never imported here: an exception of torch means torch is loaded
+    oom = getattr(torch, "OutOfMemoryError", None) if torch is not None else None
+    return oom is not None and isinstance(exc, oom)
 
 
 def classify_failure(exc: BaseException) -> tuple[str, str]:
@@ -20,10 +30,7 @@ def classify_failure(exc: BaseException) -> tuple[str, str]:
         return "cancelled", "training was interrupted"
     if isinstance(exc, MemoryError):
         return "oom", f"out of host memory: {exc}"
-    name = type(exc).__name__
-    text = str(exc) or name
-    if name == "OutOfMemoryError" or "out of memory" in text.lower():
-        return "oom", text
-    if "size mismatch" in text or ("shape" in text.lower() and isinstance(exc, (RuntimeError, ValueError))):
-        return "shape_mismatch", text
-    return "training_error", f"{name}: {text}"
+    if _is_device_oom(exc):
+        return "oom", f"out of device memory: {exc}"
+    text = str(exc) or type(exc).__name__
+    return "training_error", f"{type(exc).__name__}: {text}"

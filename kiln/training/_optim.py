@@ -1,4 +1,4 @@
-"""Optimizers of the native profile: ``muon`` (default), ``adam_w``, ``sgd``.
+"""Optimizers of the native profile: ``muon``, ``adam_w``, ``sgd``.
 
 Constant learning rate, no warmup, no accumulation, no clipping. AdamW and SGD run their
 single-tensor (non-foreach, non-fused) implementations so numerics do not change between
@@ -8,34 +8,36 @@ matrices.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
-DEFAULT_LEARNING_RATES = {
-    "sft": {"muon": 1e-3, "adam_w": 1e-4, "sgd": 1e-4},
-    "grpo": {"muon": 2e-3, "adam_w": 1e-5, "sgd": 1e-5},
-    "opd": {"muon": 2e-3, "adam_w": 1e-5, "sgd": 1e-5},
-}
-_DEFAULTS = {
-    "muon": {"momentum": 0.95, "nesterov": True, "ns_iters": 5, "weight_decay": 0.0},
-    "adam_w": {"beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.0},
-    "sgd": {},
-}
+from kiln.training._defaults import schema_defaults
+
+__all__ = ["build_optimizer", "effective_optimizer"]
 
 
-def effective_optimizer(spec: dict[str, Any] | None) -> dict[str, Any]:
-    """The optimizer object with every default filled in (what the effective config records)."""
-    spec = dict(spec or {"kind": "muon"})
-    kind = spec.get("kind", "muon")
-    if kind not in _DEFAULTS:
+def effective_optimizer(spec: Mapping[str, Any]) -> dict[str, Any]:
+    """The optimizer object with every default of its kind filled in (what the effective config records).
+
+    ``spec`` is the config's ``optimizer`` with its own default applied (``{"kind": "muon"}``
+    when the request left it out); each kind's settings and their defaults are the schema's
+    ``SgdOptimizer``, ``AdamWOptimizer`` and ``MuonOptimizer``.
+    """
+    kind = spec.get("kind")
+    try:
+        defaults = schema_defaults("Optimizer", variant=kind) if isinstance(kind, str) else None
+    except KeyError:
+        defaults = None
+    if defaults is None:
         raise ValueError(f"unknown optimizer kind {kind!r}; choose muon, adam_w or sgd")
-    unknown = set(spec) - {"kind"} - set(_DEFAULTS[kind])
+    unknown = set(spec) - {"kind"} - set(defaults)
     if unknown:
         raise ValueError(f"optimizer {kind} does not take {sorted(unknown)}")
     given = {k: v for k, v in spec.items() if k != "kind"}
     # one canonical number type per member, so ``0`` and ``0.0`` give the same effective config
     # (JSON writers such as JavaScript's drop the ``.0``); the schema has already checked ranges
-    typed = {k: type(_DEFAULTS[kind][k])(v) if not isinstance(v, bool) else v for k, v in given.items()}
-    return {"kind": kind, **_DEFAULTS[kind], **typed}
+    typed = {k: type(defaults[k])(v) if not isinstance(v, bool) else v for k, v in given.items()}
+    return {"kind": kind, **defaults, **typed}
 
 
 def build_optimizer(optimizer: dict[str, Any], params: list[Any], learning_rate: float) -> Any:

@@ -58,7 +58,7 @@ def receipt_base(
     delta_norms: list[dict[str, Any]],
     grad_norms: list[dict[str, Any]],
 ) -> dict[str, Any]:
-    from kiln.model._identity import git_source
+    from kiln.model import git_source
 
     config_hash = json_sha256(cfg)
     commit, dirty = git_source()

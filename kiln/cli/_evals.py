@@ -18,12 +18,11 @@ suite is refused before anything is sent (exit 2).
 from __future__ import annotations
 
 import argparse
-import shlex
 import sys
 from pathlib import Path
 from typing import Any
 
-from kiln._cli_client import Interrupt, add_client_options, body, print_json, run, server_url
+from kiln.cli._client import Interrupt, add_client_options, body, print_json, run, server_url, url_flag
 
 TERMINAL = ("completed", "failed")
 POLL_S = 0.5  # how often --wait asks for the job detail
@@ -104,10 +103,6 @@ def add_eval_parser(sub: Any) -> None:
 def _help(parser: argparse.ArgumentParser) -> int:
     parser.print_help()
     return 2
-
-
-def _url_flag(args: argparse.Namespace) -> str:
-    return f" --url {shlex.quote(args.url)}" if getattr(args, "url", None) else ""
 
 
 def _target(adapter: str | None) -> str:
@@ -221,7 +216,7 @@ def _follow(client: Any, args: argparse.Namespace, job_id: str) -> int:
                 return _outcome(args, detail)
             interrupt.event.wait(POLL_S)
     print(f"\nstopped watching; evaluation {job_id} keeps running on the server", file=sys.stderr)
-    print(f"cancel it with: kiln eval cancel {job_id}{_url_flag(args)}", file=sys.stderr)
+    print(f"cancel it with: kiln eval cancel {job_id}{url_flag(args)}", file=sys.stderr)
     return 130
 
 
@@ -240,7 +235,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             print(f"✓ evaluation of {args.suite} on {_target(args.adapter)} submitted")
             print(f"Job ID: {job_id}")
             if not args.wait:
-                print(f"Check status: kiln eval status --job-id {job_id}{_url_flag(args)}")
+                print(f"Check status: kiln eval status --job-id {job_id}{url_flag(args)}")
         return _follow(client, args, job_id) if args.wait else 0
 
     return run(args, submit)

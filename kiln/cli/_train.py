@@ -1,10 +1,11 @@
-"""``kiln train``: SFT, GRPO and OPD jobs on a server, job status and cancellation; ``kiln train sft --local``
-and ``kiln models create-tiny`` run in-process (they import torch).
+"""``kiln train``: SFT, GRPO and OPD jobs on a server, job status and cancellation; ``kiln train sft|grpo|opd
+--local`` and ``kiln models create-tiny`` run in-process (they import torch, on use).
 
 Without ``--local`` a training command builds the request from the file and the flags (the same
-flags build the same ``SftConfig`` as ``--local``), submits it with the generated SDK and prints
-the job id and effective seed; ``--wait`` then follows the job with a progress bar until it ends.
-The parsers and the local run are here; the HTTP commands are in ``kiln._cli_jobs``.
+flags build the same ``SftConfig`` as ``--local``, in ``kiln.cli._requests``), submits it with the
+generated SDK and prints the job id and effective seed; ``--wait`` then follows the job with a
+progress bar until it ends. The parsers and the local runs are here; the HTTP commands are in
+``kiln.cli._jobs``, which imports nothing from this module.
 """
 
 from __future__ import annotations
@@ -19,15 +20,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kiln._cli_client import DEFAULT_URL, add_client_options
-from kiln.errors import KilnError, RequestError
+from kiln.cli._client import DEFAULT_URL, add_client_options
+from kiln.cli._jobs import cmd_train_cancel, cmd_train_status, submit
+from kiln.cli._requests import build_request, prepare, read_examples, sft_resume_command, training_config
+from kiln.errors import RequestError
 
 OPTIMIZERS = ("muon", "adam_w", "sgd")
 
 
 def add_train_parser(sub: Any) -> None:
-    from kiln._cli_jobs import cmd_train_cancel, cmd_train_grpo, cmd_train_opd, cmd_train_status
-
     train = sub.add_parser(
         "train",
         help="train an adapter on a server (or in-process with --local); follow and cancel jobs",
@@ -171,17 +172,16 @@ def add_models_parser(sub: Any) -> None:
     p.set_defaults(func=cmd_create_tiny)
 
 
-def _error(exc: KilnError) -> int:
-    reason = getattr(exc, "reason", exc.code)
-    label = exc.code if reason == exc.code else f"{exc.code}: {reason}"
-    print(f"error [{label}]: {exc.message}", file=sys.stderr)
-    problems = getattr(exc, "problems", [])
-    if exc.code == "checkpoint_incompatible" and len(problems) > 1:
-        for problem in problems:
-            print(f"  - {problem.message}", file=sys.stderr)
-    if exc.hint:
-        print(f"hint: {exc.hint}", file=sys.stderr)
-    return 2
+def cmd_train_sft(args: argparse.Namespace) -> int:
+    return cmd_train_sft_local(args) if args.local else submit(args, "sft")
+
+
+def cmd_train_grpo(args: argparse.Namespace) -> int:
+    return cmd_train_grpo_local(args) if args.local else submit(args, "grpo")
+
+
+def cmd_train_opd(args: argparse.Namespace) -> int:
+    return cmd_train_opd_local(args) if args.local else submit(args, "opd")
 
 
 def _default_interval(value: Any) -> int | None:
@@ -199,28 +199,6 @@ def _default_interval(value: Any) -> int | None:
             hint="fix KILN_TRAINING_CHECKPOINT_INTERVAL or [training] checkpoint_interval in kiln.toml",
         )
     return interval
-
-
-def _resume_command(args: argparse.Namespace, checkpoint: str, interval: int | None, *, local: bool = True) -> str:
-    """The command that continues this run from ``checkpoint`` (same options, no seed: the checkpoint has it)."""
-    argv = ["kiln", "train", "sft", *(["--local"] if local else [])]
-    argv += ["-f", str(Path(args.file).resolve()), "--adapter", args.adapter]
-    where = (("--adapter-dir", args.adapter_dir), ("--model", args.model)) if local else (("--url", args.url),)
-    for flag, value in (
-        *where,
-        ("--epochs", args.epochs),
-        ("--lr", args.lr),
-        ("--optimizer", args.optimizer),
-        ("--lora-rank", args.lora_rank),
-        ("--lora-alpha", args.lora_alpha),
-        ("--invalid-row-policy", args.invalid_row_policy),
-        ("--checkpoint-interval", interval),
-    ):
-        if value is not None:
-            argv += [flag, str(value)]
-    if not local and args.no_auto_load:
-        argv.append("--no-auto-load")
-    return shlex.join([*argv, "--resume-checkpoint", checkpoint])
 
 
 class _Cancellation:
@@ -254,72 +232,22 @@ class _Cancellation:
             signal.signal(sig, handler)
 
 
-def _read_examples(path: Path) -> tuple[list[Any] | None, str | None]:
-    if path.suffix == ".jsonl":
-        return None, str(path.resolve())
-    from kiln._jsonio import read_json_file
-
-    value = read_json_file(path)
-    if isinstance(value, dict) and "examples" in value:
-        value = value["examples"]
-    if not isinstance(value, list):
-        raise ValueError(f"{path} must hold a JSON array of examples (or use a .jsonl file)")
-    return value, None
-
-
-def _config(args: argparse.Namespace, kind: str) -> dict[str, Any]:
-    """The training config the flags describe: every SFT flag (with its default), only the given ones otherwise."""
-    config: dict[str, Any] = {}
-    if kind == "sft":
-        config.update(
-            epochs=args.epochs,
-            lora_rank=args.lora_rank,
-            lora_alpha=args.lora_alpha,
-            invalid_row_policy=args.invalid_row_policy,
-            optimizer={"kind": args.optimizer},
-        )
-    else:
-        for key, value in (
-            ("epochs", getattr(args, "epochs", None)),
-            ("lora_rank", args.lora_rank),
-            ("lora_alpha", args.lora_alpha),
-        ):
-            if value is not None:
-                config[key] = value
-        if args.optimizer is not None:
-            config["optimizer"] = {"kind": args.optimizer}
-    for key, value in (
-        ("seed", args.seed),
-        ("learning_rate", args.lr),
-        ("checkpoint_interval", args.checkpoint_interval),
-        ("resume_checkpoint", args.resume_checkpoint),
-    ):
-        if value is not None:
-            config[key] = value
-    return config
-
-
-def cmd_train_sft(args: argparse.Namespace) -> int:
-    if not args.local:
-        from kiln._cli_jobs import submit
-
-        return submit(args, "sft")
+def cmd_train_sft_local(args: argparse.Namespace) -> int:
+    """``kiln train sft --local``: admit, train in this process under SIGINT/SIGTERM cancellation, print the result."""
     from kiln.config import config_value, configured_registry, load_config
     from kiln.trainers.sft import admit_sft, run_sft
 
     path = Path(args.file)
-    if not path.is_file():
-        print(f"error: {path} is not a file", file=sys.stderr)
-        return 2
-    config = _config(args, "sft")
-    try:
+
+    def admit() -> Any:
+        config = training_config(args, "sft")
         settings = load_config()
         if "checkpoint_interval" not in config:
             default_interval = _default_interval(config_value(settings, "training", "checkpoint_interval"))
             if default_interval is not None:
                 config["checkpoint_interval"] = default_interval
-        examples, dataset_path = _read_examples(path)
-        job = admit_sft(
+        examples, dataset_path = read_examples(path)
+        return admit_sft(
             adapter_name=args.adapter,
             registry=configured_registry(args.adapter_dir, settings),
             config=config,
@@ -327,11 +255,10 @@ def cmd_train_sft(args: argparse.Namespace) -> int:
             dataset_path=dataset_path,
             model_path=args.model or config_value(settings, "model", "path"),
         )
-    except KilnError as exc:
-        return _error(exc)
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+
+    job = prepare(path, admit)
+    if isinstance(job, int):
+        return job
     cfg = job.config
     if not args.json:
         print(
@@ -369,7 +296,7 @@ def cmd_train_sft(args: argparse.Namespace) -> int:
             bar.close()
     receipt = result.receipt
     latest = result.latest_checkpoint
-    resume = _resume_command(args, latest.name, cfg["checkpoint_interval"]) if latest is not None else None
+    resume = sft_resume_command(args, latest.name, cfg["checkpoint_interval"]) if latest is not None else None
     if args.json:
         print(
             json.dumps(
@@ -426,14 +353,10 @@ def cmd_create_tiny(args: argparse.Namespace) -> int:
 
 def _admit_local(args: argparse.Namespace, kind: str, path: Path, admit: Any, **extra: Any) -> Any:
     """The admitted job of a ``--local`` GRPO/OPD run, or the exit status when admission refused it."""
-    from kiln._cli_jobs import _request
     from kiln.config import config_value, configured_registry, load_config
 
-    if not path.is_file():
-        print(f"error: {path} is not a file", file=sys.stderr)
-        return 2
-    try:
-        request = _request(args, kind, path)
+    def admitted() -> Any:
+        request = build_request(args, kind, path)
         request["config"].pop("auto_load", None)  # nothing is served locally
         settings = load_config()
         return admit(
@@ -443,11 +366,8 @@ def _admit_local(args: argparse.Namespace, kind: str, path: Path, admit: Any, **
             model_path=args.model or config_value(settings, "model", "path"),
             **extra,
         )
-    except KilnError as exc:
-        return _error(exc)
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+
+    return prepare(path, admitted)
 
 
 def cmd_train_grpo_local(args: argparse.Namespace) -> int:

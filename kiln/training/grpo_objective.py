@@ -2,6 +2,9 @@
 the policy loss at three importance-sampling levels, the KL estimate, loss aggregation,
 ECHO, the EMA reference, and the accumulators behind the receipt's audit blocks.
 
+Longer than 600 lines: one module for the whole objective, so each formula sits beside the audit that reports it;
+it imports only torch and the standard library, and its tests exercise it without a model.
+
 Shapes: a group of ``B`` completions padded to ``T`` action positions gives ``[B, T]``
 tensors; ``mask`` (bool or 0/1) marks the positions that count. Values at masked
 positions never reach a loss or an audit (they may be padding garbage). Losses are
@@ -73,6 +76,9 @@ KL_ESTIMATORS = ("k1", "k3", "none")
 LOSS_AGGREGATIONS = ("token_level", "per_sample")
 
 VANILLA_STD_EPSILON = 1e-8
+# Keyword conveniences of the functions below, equal to the GrpoConfig schema defaults (the trainer always passes
+# the effective config's values). This module imports only torch and the standard library, so it cannot read the
+# bundle; tests/test_config_defaults.py fails when these and the schema disagree.
 DEFAULT_CLIP_EPSILON = 0.2
 DEFAULT_CISPO_MAX_WEIGHT = 5.0
 DEFAULT_SATURATION_THRESHOLD = 0.95

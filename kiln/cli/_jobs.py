@@ -1,85 +1,43 @@
 """``kiln train`` over HTTP: submit SFT, GRPO and OPD jobs, follow them, status and cancel.
 
-The request is built from the file and the flags (the same flags build the same config as
-``--local``), submitted with the generated SDK (``kiln_contracts.client``); the answer is
+The request is built from the file and the flags by ``kiln.cli._requests`` (the same flags build the
+same config as ``--local``), submitted with the generated SDK (``kiln_contracts.client``); the answer is
 printed as the short human lines of spec/60, or as the server's JSON with ``--json``.
-``--wait`` follows the job with a progress bar until it ends.
+``--wait`` follows the job with a progress bar until it ends. ``kiln.cli._train`` holds the parsers
+and sends every command here that has no ``--local``.
 """
 
 from __future__ import annotations
 
 import argparse
-import shlex
 import sys
 from pathlib import Path
 from typing import Any
 
-from kiln._cli_client import Interrupt, body, print_json, run, server_url
-from kiln._cli_train import _config, _error, _read_examples, _resume_command
-from kiln.errors import KilnError
+from kiln.cli._client import Interrupt, body, print_json, run, server_url, url_flag
+from kiln.cli._requests import build_request, prepare, sft_resume_command
 
 TERMINAL = ("completed", "failed")
 POLL_S = 0.5  # how often --wait asks for the job detail
 BAR_STEPS = 1000  # resolution of the --wait progress bar (the server reports a fraction)
 
 
-def _read_request(path: Path, list_key: str) -> dict[str, Any]:
-    """A .json file holding a request object, or a bare array sent under ``list_key``."""
-    from kiln._jsonio import read_json_file
-
-    value = read_json_file(path)
-    if isinstance(value, list):
-        return {list_key: value}
-    if not isinstance(value, dict):
-        raise ValueError(f"{path} must hold a JSON request object or an array of {list_key} (or use a .jsonl file)")
-    return dict(value)
-
-
-def _request(args: argparse.Namespace, kind: str, path: Path) -> dict[str, Any]:
-    """The request body: the file's data, the flags' config, ``--adapter`` as ``config.output_name``."""
-    if kind == "sft":
-        examples, dataset_path = _read_examples(path)
-        request: dict[str, Any] = {"dataset_path": dataset_path} if dataset_path else {"examples": examples}
-    elif path.suffix == ".jsonl":
-        request = {"dataset_path": str(path.resolve())}
-    else:
-        request = _read_request(path, "groups" if kind == "grpo" else "prompts")
-    config = request.get("config") or {}
-    if not isinstance(config, dict):
-        raise ValueError(f"{path}: config must be a JSON object")
-    config = {**config, **_config(args, kind), "output_name": args.adapter}
-    if args.no_auto_load:
-        config["auto_load"] = False
-    request["config"] = config
-    if kind == "grpo" and args.dry_run:
-        request["dry_run"] = True
-    if kind == "opd":
-        request["teacher"] = args.teacher
-        if "dataset_path" in request:  # a .jsonl file is a pre-scored teacher file
-            config.setdefault("training_mode", "off_policy")
-    return request
-
-
 def submit(args: argparse.Namespace, kind: str) -> int:
     """Build the request, submit it and print the job; with ``--wait`` follow it to the end."""
-    if kind == "sft" and (args.adapter_dir or args.model):
-        print(
-            "error: --adapter-dir and --model apply to --local runs; a server trains with its own model "
-            "into its own registry",
-            file=sys.stderr,
-        )
+    if args.adapter_dir or args.model:
+        if kind == "sft":
+            message = (
+                "--adapter-dir and --model apply to --local runs; a server trains with its own model into its own "
+                "registry"
+            )
+        else:
+            message = "--model and --adapter-dir apply to --local runs"
+        print(f"error: {message}", file=sys.stderr)
         return 2
     path = Path(args.file)
-    if not path.is_file():
-        print(f"error: {path} is not a file", file=sys.stderr)
-        return 2
-    try:
-        request = _request(args, kind, path)
-    except KilnError as exc:
-        return _error(exc)
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    request = prepare(path, lambda: build_request(args, kind, path))
+    if isinstance(request, int):
+        return request
 
     def submit(client: Any) -> int:
         method = {
@@ -96,14 +54,10 @@ def submit(args: argparse.Namespace, kind: str) -> int:
             print(f"✓ {kind.upper()} training job submitted")
             print(f"Job ID: {job_id}")
             print(f"Effective seed: {answer['effective_seed']}")
-            print(f"Check status: kiln train status --job-id {job_id}{_url_flag(args)}")
+            print(f"Check status: kiln train status --job-id {job_id}{url_flag(args)}")
         return _follow(client, args, job_id, kind) if args.wait else 0
 
     return run(args, submit)
-
-
-def _url_flag(args: argparse.Namespace) -> str:
-    return f" --url {shlex.quote(args.url)}" if args.url else ""
 
 
 def _follow(client: Any, args: argparse.Namespace, job_id: str, kind: str) -> int:
@@ -137,7 +91,7 @@ def _follow(client: Any, args: argparse.Namespace, job_id: str, kind: str) -> in
     if detail["state"] in TERMINAL:
         return _outcome(args, detail, kind)
     print(f"\nstopped watching; job {job_id} keeps running on the server", file=sys.stderr)
-    print(f"cancel it with: kiln train cancel --job-id {job_id}{_url_flag(args)}", file=sys.stderr)
+    print(f"cancel it with: kiln train cancel --job-id {job_id}{url_flag(args)}", file=sys.stderr)
     return 130
 
 
@@ -166,31 +120,9 @@ def _outcome(args: argparse.Namespace, detail: dict[str, Any], kind: str) -> int
     if checkpoint is not None:
         print(_checkpoint_line(checkpoint), file=sys.stderr)
         if kind == "sft":
-            command = _resume_command(args, checkpoint["resume_checkpoint"], args.checkpoint_interval, local=False)
+            command = sft_resume_command(args, checkpoint["resume_checkpoint"], args.checkpoint_interval, local=False)
             print(f"Resume with:\n  {command}", file=sys.stderr)
     return 1
-
-
-def cmd_train_grpo(args: argparse.Namespace) -> int:
-    if args.local:
-        from kiln._cli_train import cmd_train_grpo_local
-
-        return cmd_train_grpo_local(args)
-    if args.model or args.adapter_dir:
-        print("error: --model and --adapter-dir apply to --local runs", file=sys.stderr)
-        return 2
-    return submit(args, "grpo")
-
-
-def cmd_train_opd(args: argparse.Namespace) -> int:
-    if args.local:
-        from kiln._cli_train import cmd_train_opd_local
-
-        return cmd_train_opd_local(args)
-    if args.model or args.adapter_dir:
-        print("error: --model and --adapter-dir apply to --local runs", file=sys.stderr)
-        return 2
-    return submit(args, "opd")
 
 
 def _percent(progress: float) -> str:

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kiln._cli_client import add_client_options, body, print_json, run, server_url
+from kiln.cli._client import add_client_options, body, print_json, run, server_url
 from kiln.errors import KilnError
 
 

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kiln._cli_client import body, print_json, run
+from kiln.cli._client import body, print_json, run
 from kiln.errors import KilnError
 
 

@@ -1,11 +1,12 @@
 """What the client commands share: the ``--url``/``--api-key``/``--json`` options, the SDK client, error output.
 
 Client commands (``kiln train sft|grpo|opd|status|cancel``, ``kiln adapters list|load|unload|delete``,
-``kiln health``) talk to a running ``kiln serve`` through the generated SDK
-(``kiln_contracts.client``). Their machine form (``--json``) is the server's JSON body. Every
-error leaves the same way: ``error [<code>]: <message>`` and ``hint: …`` on stderr (or, with
-``--json``, the ``ErrorEnvelope`` on stdout) and exit status 1; an unreachable server is one
-line naming the URL. Imports of the SDK (httpx, pydantic models) happen on use.
+``kiln health``, ``kiln eval``, ``kiln teachers`` with a server) talk to a running ``kiln serve`` through
+the generated SDK (``kiln_contracts.client``). Their machine form (``--json``) is the server's JSON body.
+Every error leaves the same way: ``error [<code>]: <message>`` and ``hint: …`` on stderr (or, with
+``--json``, the ``ErrorEnvelope`` on stdout) and exit status 1; an unreachable server is one line naming
+the URL. ``Interrupt`` is how a command that follows a job takes Ctrl-C; ``url_flag`` repeats ``--url`` in
+the follow-up commands it prints. Imports of the SDK (httpx, pydantic models) happen on use.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import signal
 import sys
 import threading
@@ -36,6 +38,7 @@ __all__ = [
     "run",
     "server_url",
     "unreachable",
+    "url_flag",
 ]
 
 
@@ -48,6 +51,11 @@ def add_client_options(parser: argparse.ArgumentParser, *, json_help: str = "pri
 
 def server_url(args: argparse.Namespace) -> str:
     return (getattr(args, "url", None) or os.environ.get("KILN_URL") or DEFAULT_URL).rstrip("/")
+
+
+def url_flag(args: argparse.Namespace) -> str:
+    """`` --url URL`` when the command was given one: the tail of the follow-up commands it prints."""
+    return f" --url {shlex.quote(args.url)}" if getattr(args, "url", None) else ""
 
 
 def api_key(args: argparse.Namespace) -> str | None:

@@ -6,7 +6,7 @@ import argparse
 import sys
 from typing import Any
 
-from kiln._cli_client import add_client_options, api_error, body, connect, connection_error, print_json
+from kiln.cli._client import add_client_options, api_error, body, connect, connection_error, print_json
 from kiln.errors import KilnError
 
 

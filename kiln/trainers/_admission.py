@@ -1,0 +1,113 @@
+"""What every trainer's admission shares, and what callers read from an admitted job.
+
+``AdmittedJob`` is the common part of an admitted job -- target, effective config, base model, identity and
+precision, the loaded checkpoint when resuming -- with what the server and the CLI read from any kind: the step
+counts, the revalidation ``fingerprint``, the resumed loss history and a memory estimate. ``base_model`` and
+``job_fields`` are the two admission steps after the cheap checks: the model (the caller's, or loaded from
+``model_path``), then deterministic algorithms, the precision policy and the identity of everything the run depends
+on (which records that determinism).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kiln.checkpoints import LoadedCheckpoint
+
+__all__ = ["AdmittedJob", "TrainingContext", "base_model", "job_fields"]
+
+
+@dataclass(frozen=True)
+class TrainingContext:
+    """Where a job trains and what its caller configured: the registry, the base model (loaded, or a path), the
+    teacher registry, and the checkpoint interval a request that omits one gets."""
+
+    registry: Path
+    model_path: str | None = None
+    loaded: Any = None  # kiln.model.LoadedModel: admit against it instead of loading model_path
+    teachers_root: Path | None = None
+    checkpoint_interval: int | None = None
+
+
+@dataclass(kw_only=True)
+class AdmittedJob:
+    adapter_name: str
+    registry: Path
+    config: dict[str, Any]
+    loaded: Any
+    identity: Any
+    precision: dict[str, Any]
+    resume: LoadedCheckpoint | None = None
+    dry_run: bool = False
+    kind: str = field(default="", init=False)
+
+    @property
+    def total_steps(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def start_step(self) -> int:
+        return self.resume.manifest["progress"]["global_step"] if self.resume else 0
+
+    @property
+    def data_sha256(self) -> str:
+        """The digest of the training data this job was admitted with."""
+        raise NotImplementedError
+
+    def identity_manifest(self) -> dict[str, Any]:
+        """The checkpoint manifest of this run without progress, files and time: what a resume must match."""
+        raise NotImplementedError
+
+    def fingerprint(self) -> dict[str, Any]:
+        """What revalidation at dequeue compares with the admission: data, seed, resume checkpoint (and what the
+        kind adds)."""
+        return {"data_sha256": self.data_sha256, "seed": str(self.config["seed"]), "checkpoint": self._checkpoint()}
+
+    def _checkpoint(self) -> dict[str, Any] | None:
+        if self.resume is None:
+            return None
+        digest = hashlib.sha256((self.resume.path / "checkpoint_manifest.json").read_bytes()).hexdigest()
+        return {"name": self.resume.path.name, "manifest_sha256": digest}
+
+    def resumed_history(self) -> list[dict[str, Any]]:
+        """The loss curve up to the resume checkpoint, as job-detail entries (empty when the kind reports none)."""
+        return []
+
+    def memory_estimate(self) -> int | None:
+        """A coarse upper bound of the run's extra host memory in bytes (None: no estimate for this kind)."""
+        return None
+
+
+def base_model(model_path: str | None, loaded: Any) -> Any:
+    """The caller's loaded base model, or the one at ``model_path`` (the built-in tiny model by default)."""
+    if loaded is not None:
+        return loaded
+    from kiln.model import load_base_model, resolve_model_path
+
+    path, is_default = resolve_model_path(model_path)
+    return load_base_model(path, is_default=is_default)
+
+
+def job_fields(
+    adapter_name: str, registry: Path, config: dict[str, Any], loaded: Any, *, optimizer_kind: str | None = None
+) -> dict[str, Any]:
+    """The ``AdmittedJob`` fields of a run on ``loaded``: target, effective config, the model, and the precision
+    policy and identity -- deterministic algorithms switched on first (the provenance records it)."""
+    import torch
+
+    from kiln.model import capture_identity, training_precision
+
+    torch.use_deterministic_algorithms(True)
+    precision = training_precision(optimizer_kind=optimizer_kind or config["optimizer"]["kind"])
+    identity = capture_identity(loaded.path, loaded.tokenizer, training_policy=precision)
+    return {
+        "adapter_name": adapter_name,
+        "registry": registry,
+        "config": config,
+        "loaded": loaded,
+        "identity": identity,
+        "precision": precision,
+    }

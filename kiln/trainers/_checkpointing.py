@@ -1,0 +1,203 @@
+"""The checkpoint manifest and files every trainer writes, and the state it restores from them.
+
+A trainer describes only what is its own: its data block, random streams, extra state files and auxiliary
+members (``manifest_head``), the progress of a checkpoint (``Progress``) and the loop-state document. The rest --
+envelope, effective config, precision, optimizer and scheduler blocks, the identity members of
+``auxiliary_state``, checkpoint id and time, the adapter/optimizer/loop-state files -- is written here once, and
+``restore_policy`` puts adapter tensors and optimizer slots back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from kiln import contracts
+from kiln.artifacts.loop_state import loop_state_file_name
+from kiln.checkpoints import checkpoint_id, publish_checkpoint
+from kiln.digests import file_sha256, prefixed
+from kiln.errors import RequestError
+from kiln.training import (
+    ADAPTER_FILE,
+    OPTIMIZER_FILE,
+    adapter_tensors,
+    auxiliary_identity,
+    base_adapter_dir,
+    encode_tensors,
+    optimizer_tensors,
+    planning_identity,
+    restore_adapter,
+    restore_optimizer,
+)
+
+__all__ = [
+    "CheckpointProgress",
+    "base_adapter_block",
+    "manifest_head",
+    "optimizer_identity",
+    "publish_state",
+    "restore_policy",
+]
+
+LOOP_STATE_TYPES = {"sft": "SftLoopState", "grpo": "GrpoLoopState", "opd": "OpdLoopState"}
+
+
+def optimizer_identity(cfg: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The manifest's ``optimizer`` and ``scheduler`` objects at step 0 (constant learning rate)."""
+    optimizer = cfg["optimizer"]
+    stateful = optimizer["kind"] != "sgd"
+    return (
+        {
+            "kind": optimizer["kind"],
+            "step": 0,
+            "hyperparameters": {
+                "learning_rate": cfg["learning_rate"],
+                **{k: v for k, v in optimizer.items() if k != "kind"},
+            },
+            **({"state_file": OPTIMIZER_FILE} if stateful else {}),
+        },
+        {"kind": "constant", "step": 0, "state": {"learning_rate": cfg["learning_rate"]}},
+    )
+
+
+def _stateful(cfg: dict[str, Any]) -> bool:
+    return cfg["optimizer"]["kind"] != "sgd"
+
+
+def manifest_head(
+    job: Any,
+    kind: str,
+    *,
+    total_steps: int,
+    data: dict[str, Any],
+    rng_states: dict[str, Any],
+    auxiliary: dict[str, Any],
+    extra_state_files: dict[str, str] | None = None,
+    planning: dict[str, Any] | None = None,
+    planning_key: str = "training_runtime_planning_identity",
+) -> dict[str, Any]:
+    """The manifest of a run without progress, files and time: what a resume must match.
+
+    ``job`` has ``adapter_name``, ``config``, ``precision`` and ``identity``; ``auxiliary`` holds the trainer's
+    own ``auxiliary_state`` members, placed after the shared identity members."""
+    cfg = job.config
+    optimizer_block, scheduler_block = optimizer_identity(cfg)
+    state_files = {"adapter_parameters": ADAPTER_FILE, "loss_history": loop_state_file_name(kind)}
+    if _stateful(cfg):
+        state_files["optimizer_state"] = OPTIMIZER_FILE
+    state_files.update(extra_state_files or {})
+    planning = planning if planning is not None else planning_identity(device="cpu")
+    return {
+        "schema_version": 1,
+        "manifest_type": "kiln.training-checkpoint.v1",
+        "checkpoint_kind": "resumable",
+        "training_kind": kind,
+        "adapter_name": job.adapter_name,
+        "effective_config": cfg,
+        "precision_policy": job.precision,
+        "progress": {"total_steps": total_steps},
+        "data": data,
+        "rng_states": rng_states,
+        "optimizer": optimizer_block,
+        "scheduler": scheduler_block,
+        "state_files": state_files,
+        "auxiliary_state": {
+            "loop_state_type": f"kiln.{kind}-loop-state.v1",
+            **auxiliary_identity(job.identity, job.precision, planning),
+            planning_key: planning,
+            **auxiliary,
+        },
+    }
+
+
+@dataclass(frozen=True)
+class CheckpointProgress:
+    """Where a checkpoint stands: the optimizer step, the epoch and cursor, the order of that epoch."""
+
+    global_step: int
+    total_steps: int
+    epoch_index: int
+    cursor_in_epoch: int
+    data_order: list[int]
+
+    def as_manifest(self) -> dict[str, Any]:
+        return {
+            "global_step": self.global_step,
+            "total_steps": self.total_steps,
+            "epoch_index": self.epoch_index,
+            "cursor_in_epoch": self.cursor_in_epoch,
+            "data_order": list(self.data_order),
+        }
+
+
+def publish_state(
+    job: Any,
+    kind: str,
+    params: Any,
+    optimizer: Any,
+    *,
+    loop_document: Callable[[], dict[str, Any]],
+    stamp: Callable[[dict[str, Any], dict[str, Any]], CheckpointProgress],
+    extra_tensors: Callable[[], dict[str, tuple[str, dict[str, Any]]]] | None = None,
+) -> Any:
+    """Publish one exact-resume checkpoint of ``job`` (``kiln.checkpoints.publish_checkpoint``).
+
+    Under the device lock (``capture``): host copies of the adapter tensors and optimizer slots, the loop-state
+    document and any ``extra_tensors`` (``{file name: (role, tensors)}``). Then, off the lock:
+    ``stamp(manifest, loop_document)`` fills the trainer's progress-dependent members of the identity manifest
+    and returns the ``CheckpointProgress``; the files are encoded here."""
+    cfg = job.config
+
+    def capture() -> tuple[Any, Any, dict[str, Any], dict[str, Any]]:
+        return (
+            adapter_tensors(params),
+            optimizer_tensors(optimizer, params) if _stateful(cfg) else None,
+            loop_document(),
+            extra_tensors() if extra_tensors is not None else {},
+        )
+
+    def encode(snapshot: Any) -> tuple[dict[str, Any], dict[str, tuple[str, bytes]]]:
+        adapter, slots, loop_doc, extra = snapshot
+        manifest = job.identity_manifest()
+        progress = stamp(manifest, loop_doc)
+        manifest["checkpoint_id"] = checkpoint_id(kind, progress.global_step)
+        manifest["created_at"] = datetime.now(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+        manifest["progress"] = progress.as_manifest()
+        manifest["optimizer"]["step"] = progress.global_step
+        manifest["scheduler"]["step"] = progress.global_step
+        files = {
+            ADAPTER_FILE: ("adapter-parameters", encode_tensors(adapter)),
+            loop_state_file_name(kind): ("loss-history", contracts.render(LOOP_STATE_TYPES[kind], loop_doc)),
+        }
+        if slots is not None:
+            files[OPTIMIZER_FILE] = ("optimizer-state", encode_tensors(slots))
+        for file_name, (role, tensors) in extra.items():
+            files[file_name] = (role, encode_tensors(tensors))
+        return manifest, files
+
+    return publish_checkpoint(job.registry, capture, encode)
+
+
+def base_adapter_block(job: Any) -> dict[str, Any] | None:
+    """The warm-start adapter a run starts from, by name and weights digest (an OPD checkpoint binds it)."""
+    name = job.config["base_adapter"]
+    if not name:
+        return None
+    path = base_adapter_dir(job.registry, name) / "adapter_model.safetensors"
+    if not path.is_file():
+        raise RequestError(
+            f"base_adapter {name!r}: {path} does not exist",
+            code="training_invalid_request",
+            pointer="/config/base_adapter",
+        )
+    return {"name": name, "adapter_model_sha256": prefixed(file_sha256(path)[0])}
+
+
+def restore_policy(resume: Any, params: Any, optimizer: Any) -> None:
+    """Adapter tensors and optimizer slots from an exact-resume checkpoint."""
+    manifest = resume.manifest
+    restore_adapter(params, resume.blobs[manifest["state_files"]["adapter_parameters"]])
+    state_file = manifest["optimizer"].get("state_file")
+    restore_optimizer(optimizer, params, resume.blobs[state_file] if state_file else None)

@@ -1,0 +1,222 @@
+"""The trainer kit: what every trainer's run does the same way, as small components.
+
+* ``TrainResult``: the one result type of a run, successful or failed;
+* ``guarded``: a run's body under the failure contract -- any exception after admission becomes a failed receipt
+  whose ``failure_reason`` comes from the exception's type (``kiln.training.classify_failure``); Ctrl-C without
+  cooperative cancellation still writes that receipt, then propagates;
+* ``publish_adapter``: the adapter, its receipt and its manifest, in that order (``publish_receipt_only``: a
+  successful run without an adapter);
+* ``Policy``: the LoRA policy of a run -- adapter attached with the seeded initialisation, optimizer built, state
+  restored from a checkpoint or warm-started from ``base_adapter``; ``Policy.step`` is one optimizer step with the
+  non-finite-loss check and the phase timings;
+* ``Cadence``: when to publish a checkpoint (every ``checkpoint_interval`` steps, never at the final step -- the
+  adapter is published instead) and cooperative cancellation (publish at the settled boundary unless a checkpoint
+  of that step exists, then fail ``cancelled`` naming it).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kiln.checkpoints import checkpoint_name, list_checkpoints
+from kiln.errors import CancelledError, NonFiniteLossError
+from kiln.publish import bind_adapter_manifest, stage_adapter, write_train_receipt
+from kiln.training import (
+    attach_lora,
+    base_adapter_dir,
+    build_optimizer,
+    classify_failure,
+    lora_parameters,
+    warm_start,
+)
+
+__all__ = [
+    "Cadence",
+    "FinalState",
+    "Policy",
+    "Progress",
+    "TrainResult",
+    "check_pin",
+    "guarded",
+    "publish_adapter",
+    "publish_receipt_only",
+]
+
+Progress = Callable[[dict[str, Any]], None]
+PHASES = ("policy_forward_ms", "reference_forward_ms", "backward_ms", "optimizer_ms")
+
+
+@dataclass
+class FinalState:
+    """The trainer's state after the last step, encoded like a checkpoint (for proofs)."""
+
+    adapter: bytes
+    optimizer: bytes | None
+    loop_state: dict[str, Any]
+
+
+@dataclass
+class TrainResult:
+    """How a run ended and where its artifacts are."""
+
+    status: str  # "success" | "failed"
+    adapter_dir: Path
+    receipt_path: Path
+    manifest_path: Path | None
+    receipt: dict[str, Any]
+    losses: list[float] = field(default_factory=list)
+    checkpoints: list[Path] = field(default_factory=list)
+    cancelled: bool = False
+    resumed_from: Path | None = None
+    final_state: FinalState | None = None
+
+    @property
+    def latest_checkpoint(self) -> Path | None:
+        return self.checkpoints[-1] if self.checkpoints else self.resumed_from
+
+
+def guarded(
+    job: Any,
+    train: Callable[[], TrainResult],
+    failed_receipt: Callable[[tuple[str, str], BaseException], dict[str, Any]],
+    partial: Callable[[], dict[str, Any]],
+) -> TrainResult:
+    """Run ``train``; on any exception write ``failed_receipt((reason, message), exc)`` and return a failed result
+    carrying ``partial()`` (losses, checkpoints so far). ``KeyboardInterrupt`` is re-raised after the receipt."""
+    try:
+        return train()
+    except BaseException as exc:
+        failure = classify_failure(exc)
+        adapter_dir = job.registry / job.adapter_name
+        receipt = failed_receipt(failure, exc)
+        receipt_path = write_train_receipt(adapter_dir, receipt)
+        if isinstance(exc, KeyboardInterrupt):
+            raise
+        return TrainResult(
+            "failed",
+            adapter_dir,
+            receipt_path,
+            None,
+            receipt,
+            cancelled=failure[0] == "cancelled",
+            resumed_from=job.resume.path if job.resume is not None else None,
+            **partial(),
+        )
+
+
+def check_pin(path: Any, pin: str | None) -> None:
+    """A pinned dataset file still holds the bytes admitted; one that changed fails the run, naming it."""
+    if pin is not None:
+        from kiln.data import check_unchanged
+
+        check_unchanged(path, pin)
+
+
+def publish_adapter(job: Any, model: Any, receipt: Callable[[Path], dict[str, Any]], **result: Any) -> TrainResult:
+    """Publish the trained adapter, then its receipt (``receipt(adapter_dir)``), then its manifest."""
+    adapter_dir = stage_adapter(model, job.registry, job.adapter_name)
+    body = receipt(adapter_dir)
+    receipt_path = write_train_receipt(adapter_dir, body)
+    manifest_path = bind_adapter_manifest(adapter_dir, body)
+    return TrainResult(
+        "success",
+        adapter_dir,
+        receipt_path,
+        manifest_path,
+        body,
+        resumed_from=job.resume.path if job.resume is not None else None,
+        **result,
+    )
+
+
+def publish_receipt_only(job: Any, receipt: dict[str, Any], **result: Any) -> TrainResult:
+    """A successful run that publishes no adapter (a dry run; a filter that left nothing to train): its receipt."""
+    adapter_dir = job.registry / job.adapter_name
+    path = write_train_receipt(adapter_dir, receipt)
+    return TrainResult("success", adapter_dir, path, None, receipt, **result)
+
+
+class Policy:
+    """The LoRA policy of a run: model, trainable parameters by stable name, optimizer, phase timings."""
+
+    def __init__(self, job: Any, *, restore: Callable[[Any, Any, Any], None] | None = None) -> None:
+        import torch
+
+        cfg = job.config
+        torch.manual_seed(0)  # nothing should draw from the global RNG; pin it anyway
+        self.model = attach_lora(job.loaded.model, rank=cfg["lora_rank"], alpha=cfg["lora_alpha"], seed=cfg["seed"])
+        self.params = lora_parameters(self.model)
+        self.optimizer = build_optimizer(cfg["optimizer"], list(self.params.values()), cfg["learning_rate"])
+        self.timings = dict.fromkeys(PHASES, 0.0)
+        if job.resume is not None and restore is not None:
+            restore(job.resume, self.params, self.optimizer)
+        elif cfg["base_adapter"]:
+            warm_start(self.params, base_adapter_dir(job.registry, cfg["base_adapter"]))
+
+    def step(self, loss: Any, where: Callable[[], str], before_step: Callable[[], None] | None = None) -> float:
+        """Backward and one optimizer step; a non-finite loss fails the run ``nan_loss`` (``where()`` says where)."""
+        import torch
+
+        value = float(loss.detach())
+        if not torch.isfinite(loss.detach()):
+            raise NonFiniteLossError(f"non-finite loss {value} at {where()}")
+        t0 = time.perf_counter()
+        loss.backward()
+        t1 = time.perf_counter()
+        if before_step is not None:
+            before_step()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.timings["backward_ms"] += (t1 - t0) * 1000
+        self.timings["optimizer_ms"] += (time.perf_counter() - t1) * 1000
+        return value
+
+
+class Cadence:
+    """Checkpoint publication and cooperative cancellation after each settled step of a run."""
+
+    def __init__(
+        self,
+        job: Any,
+        publish: Callable[[], Any],
+        cancel: threading.Event | None,
+        on_checkpoint: Callable[[Any], None] | None = None,
+    ) -> None:
+        self.interval = job.config["checkpoint_interval"]
+        self.adapter_name = job.adapter_name
+        self._publish = publish
+        self.cancel = cancel
+        self.on_checkpoint = on_checkpoint
+        self.published: list[Path] = []
+        # a checkpoint of a step may already exist: published by the run this one resumed from
+        self.steps = {c.global_step for c in list_checkpoints(job.registry, job.adapter_name)}
+
+    def publish(self, step: int) -> Path:
+        done = self._publish()
+        self.published.append(done.path)
+        self.steps.add(step)
+        if self.on_checkpoint is not None:
+            self.on_checkpoint(done)
+        return done.path
+
+    def settled(self, step: int, *, last: bool, due: bool, cancelled: Callable[[str], str]) -> None:
+        """After a settled step (``step`` optimizer steps committed): publish when ``due``; on cancellation make
+        sure a checkpoint of ``step`` exists and fail ``cancelled`` with ``cancelled(checkpoint name)``. Nothing
+        happens after the last step: the run is complete and publishes its adapter."""
+        if last:
+            return
+        if due:
+            self.publish(step)
+        if self.cancel is not None and self.cancel.is_set():
+            if step not in self.steps:
+                self.publish(step)
+            raise CancelledError(cancelled(checkpoint_name(self.adapter_name, step)))
+
+    def due(self, step: int) -> bool:
+        """Every ``checkpoint_interval`` optimizer steps."""
+        return bool(self.interval) and step % self.interval == 0
