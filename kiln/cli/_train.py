@@ -4,26 +4,19 @@
 Without ``--local`` a training command builds the request from the file and the flags (the same
 flags build the same ``SftConfig`` as ``--local``, in ``kiln.cli._requests``), submits it with the
 generated SDK and prints the job id and effective seed; ``--wait`` then follows the job with a
-progress bar until it ends. The parsers and the local runs are here; the HTTP commands are in
-``kiln.cli._jobs``, which imports nothing from this module.
+progress bar until it ends. The parsers are here; the local runs are in ``kiln.cli._local`` and the HTTP commands in
+``kiln.cli._jobs``, neither of which imports this module.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import shlex
-import signal
 import sys
-import threading
-import time
-from pathlib import Path
 from typing import Any
 
 from kiln.cli._client import DEFAULT_URL, add_client_options
 from kiln.cli._jobs import cmd_train_cancel, cmd_train_status, submit
-from kiln.cli._requests import build_request, prepare, read_examples, sft_resume_command, training_config
-from kiln.errors import RequestError
+from kiln.cli._local import cmd_train_local
 
 OPTIMIZERS = ("muon", "adam_w", "sgd")
 
@@ -173,170 +166,15 @@ def add_models_parser(sub: Any) -> None:
 
 
 def cmd_train_sft(args: argparse.Namespace) -> int:
-    return cmd_train_sft_local(args) if args.local else submit(args, "sft")
+    return cmd_train_local(args, "sft") if args.local else submit(args, "sft")
 
 
 def cmd_train_grpo(args: argparse.Namespace) -> int:
-    return cmd_train_grpo_local(args) if args.local else submit(args, "grpo")
+    return cmd_train_local(args, "grpo") if args.local else submit(args, "grpo")
 
 
 def cmd_train_opd(args: argparse.Namespace) -> int:
-    return cmd_train_opd_local(args) if args.local else submit(args, "opd")
-
-
-def _default_interval(value: Any) -> int | None:
-    """``training.checkpoint_interval`` from ``KILN_TRAINING_CHECKPOINT_INTERVAL`` or kiln.toml."""
-    if value is None:
-        return None
-    try:
-        interval = int(value)
-    except (TypeError, ValueError):
-        interval = 0
-    if interval < 1 or isinstance(value, bool):
-        raise RequestError(
-            f"training.checkpoint_interval is {value!r}; it must be a positive integer",
-            code="config_invalid",
-            hint="fix KILN_TRAINING_CHECKPOINT_INTERVAL or [training] checkpoint_interval in kiln.toml",
-        )
-    return interval
-
-
-class _Cancellation:
-    """SIGINT/SIGTERM during training: the first asks for a checkpoint at the next step, the second aborts."""
-
-    def __init__(self, quiet: bool) -> None:
-        self.event = threading.Event()
-        self.signum: int | None = None
-        self.quiet = quiet
-        self._previous: dict[int, Any] = {}
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        if self.event.is_set():
-            raise KeyboardInterrupt
-        self.signum = signum
-        self.event.set()
-        if not self.quiet:
-            print(
-                f"\n{signal.Signals(signum).name}: cancelling after the current step and publishing a checkpoint "
-                "(press Ctrl-C again to abort without one)",
-                file=sys.stderr,
-            )
-
-    def __enter__(self) -> _Cancellation:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            self._previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-
-
-def cmd_train_sft_local(args: argparse.Namespace) -> int:
-    """``kiln train sft --local``: admit, train in this process under SIGINT/SIGTERM cancellation, print the result."""
-    from kiln.config import config_value, configured_registry, load_config
-    from kiln.trainers.sft import admit_sft, run_sft
-
-    path = Path(args.file)
-
-    def admit() -> Any:
-        config = training_config(args, "sft")
-        settings = load_config()
-        if "checkpoint_interval" not in config:
-            default_interval = _default_interval(config_value(settings, "training", "checkpoint_interval"))
-            if default_interval is not None:
-                config["checkpoint_interval"] = default_interval
-        examples, dataset_path = read_examples(path)
-        return admit_sft(
-            adapter_name=args.adapter,
-            registry=configured_registry(args.adapter_dir, settings),
-            config=config,
-            examples=examples,
-            dataset_path=dataset_path,
-            model_path=args.model or config_value(settings, "model", "path"),
-        )
-
-    job = prepare(path, admit)
-    if isinstance(job, int):
-        return job
-    cfg = job.config
-    if not args.json:
-        print(
-            f"Training SFT adapter '{args.adapter}' on {job.loaded.path.name} "
-            f"({len(job.ingestion.examples)} conversations x {cfg['epochs']} epoch(s), seed {cfg['seed']})"
-        )
-        if job.resume is not None:
-            print(f"Resuming from {job.resume.path.name} (step {job.start_step} of {job.total_steps}, verified)")
-    bar = None
-    if not args.json:
-        from tqdm import tqdm
-
-        bar = tqdm(total=job.total_steps, initial=job.start_step, unit="step", dynamic_ncols=True, file=sys.stderr)
-    started = time.perf_counter()
-    tokens = [0]
-
-    def progress(event: dict[str, Any]) -> None:
-        tokens[0] += event["tokens"]
-        if bar is not None:
-            rate = tokens[0] / max(time.perf_counter() - started, 1e-9)
-            bar.set_postfix(loss=f"{event['loss']:.4f}", tok_s=f"{rate:,.0f}")
-            bar.update(1)
-
-    cancellation = _Cancellation(quiet=args.json)
-    try:
-        with cancellation:
-            result = run_sft(job, progress=progress, cancel=cancellation.event)
-    except KeyboardInterrupt:
-        if bar is not None:
-            bar.close()
-        print("✗ aborted without a checkpoint; the last published checkpoint is intact", file=sys.stderr)
-        return 130
-    finally:
-        if bar is not None:
-            bar.close()
-    receipt = result.receipt
-    latest = result.latest_checkpoint
-    resume = sft_resume_command(args, latest.name, cfg["checkpoint_interval"]) if latest is not None else None
-    if args.json:
-        print(
-            json.dumps(
-                {
-                    "status": result.status,
-                    "adapter_dir": str(result.adapter_dir),
-                    "receipt": str(result.receipt_path),
-                    "manifest": str(result.manifest_path) if result.manifest_path else None,
-                    "effective_seed": str(cfg["seed"]),
-                    "failure_reason": receipt["failure_reason"],
-                    "failure_message": receipt.get("failure_message"),
-                    "final_loss": result.losses[-1] if result.losses else None,
-                    "cancelled": result.cancelled,
-                    "checkpoints": [str(p) for p in result.checkpoints],
-                    "resume_checkpoint": latest.name if latest is not None and result.status != "success" else None,
-                    "resume_command": resume if result.status != "success" else None,
-                },
-                indent=2,
-            )
-        )
-    elif result.status == "success":
-        print(
-            f"✓ trained {len(result.losses)} steps in {receipt['runtime']['wall_clock_ms'] / 1000:.1f} s, "
-            f"loss {result.losses[0]:.4f} -> {result.losses[-1]:.4f}"
-        )
-        print(f"Adapter:  {result.adapter_dir}")
-        print(f"Receipt:  {result.receipt_path}")
-        print(f"Manifest: {result.manifest_path}")
-        print(f"Effective seed: {cfg['seed']}   Loss route: {receipt['runtime']['sft_loss_route']}")
-        if result.checkpoints:
-            print(f"Checkpoints: {len(result.checkpoints)} published (newest {result.checkpoints[-1].name})")
-    else:
-        print(_failure_line("training", receipt), file=sys.stderr)
-        print(f"Receipt: {result.receipt_path}", file=sys.stderr)
-        if latest is not None:
-            print(f"Checkpoint: {latest}", file=sys.stderr)
-            print(f"Resume with:\n  {resume}", file=sys.stderr)
-    if result.cancelled:
-        return 128 + (cancellation.signum or signal.SIGINT)
-    return 0 if result.status == "success" else 1
+    return cmd_train_local(args, "opd") if args.local else submit(args, "opd")
 
 
 def cmd_create_tiny(args: argparse.Namespace) -> int:
@@ -349,175 +187,3 @@ def cmd_create_tiny(args: argparse.Namespace) -> int:
         return 2
     print(f"✓ tiny model (seed {args.seed}) written to {path}")
     return 0
-
-
-def _admit_local(args: argparse.Namespace, kind: str, path: Path, admit: Any, **extra: Any) -> Any:
-    """The admitted job of a ``--local`` GRPO/OPD run, or the exit status when admission refused it."""
-    from kiln.config import config_value, configured_registry, load_config
-
-    def admitted() -> Any:
-        request = build_request(args, kind, path)
-        request["config"].pop("auto_load", None)  # nothing is served locally
-        settings = load_config()
-        return admit(
-            adapter_name=args.adapter,
-            registry=configured_registry(args.adapter_dir, settings),
-            request=request,
-            model_path=args.model or config_value(settings, "model", "path"),
-            **extra,
-        )
-
-    return prepare(path, admitted)
-
-
-def cmd_train_grpo_local(args: argparse.Namespace) -> int:
-    """``kiln train grpo --local``: admit, train (or dry-run) in this process, print where things are."""
-    from kiln.trainers.grpo import admit_grpo, run_grpo
-
-    path = Path(args.file)
-    job = _admit_local(args, "grpo", path, admit_grpo)
-    if isinstance(job, int):
-        return job
-    groups = job.ingestion.groups
-    completions = sum(len(g.completions) for g in groups)
-    bar = None
-    if not args.json and not job.dry_run:
-        from tqdm import tqdm
-
-        print(
-            f"Training GRPO adapter '{args.adapter}' on {len(groups)} groups ({completions} completions), "
-            f"seed {job.config['seed']}"
-        )
-        bar = tqdm(total=len(groups), unit="group", dynamic_ncols=True, file=sys.stderr)
-
-    result, cancel = _run_with_bar(args, run_grpo, job, bar, "loss")
-    receipt = result.receipt
-    if args.json:
-        _print_summary(result, job, dry_run=job.dry_run, groups_trained=receipt["data"]["groups_trained"])
-    elif result.status == "success" and job.dry_run:
-        data = receipt["data"]
-        print(
-            f"✓ dry run passed: {data['groups_read']} groups, {data['completions_read']} completions; "
-            f"{data['groups_read'] - data['groups_filtered']} would train (no forward pass ran)"
-        )
-        print(f"Receipt: {result.receipt_path}")
-    elif result.status == "success":
-        print(
-            f"✓ trained {receipt['data']['groups_trained']} groups in {receipt['runtime']['wall_clock_ms'] / 1000:.1f} s"
-            + (f", loss {result.losses[0]:.4f} -> {result.losses[-1]:.4f}" if result.losses else "")
-        )
-        print(f"Adapter:  {result.adapter_dir}")
-        print(f"Receipt:  {result.receipt_path}")
-        print(f"Manifest: {result.manifest_path}")
-        print(f"Effective seed: {job.config['seed']}")
-    else:
-        _print_failure("dry run" if job.dry_run else "training", "grpo", args, path, result)
-    return _exit_code(result, cancel)
-
-
-def _run_with_bar(args: argparse.Namespace, run: Any, job: Any, bar: Any, label: str) -> tuple[Any, _Cancellation]:
-    """Run an admitted job under SIGINT/SIGTERM cancellation, one bar tick per progress event."""
-
-    def progress(event: dict[str, Any]) -> None:
-        if bar is not None:
-            if event["loss"] is not None:  # an OPD candidate with an empty rollout has none
-                bar.set_postfix({label: f"{event['loss']:.4f}"})
-            bar.update(1)
-
-    cancel = _Cancellation(quiet=args.json)
-    try:
-        with cancel:
-            result = run(job, progress=progress, cancel=cancel.event)
-    finally:
-        if bar is not None:
-            bar.close()
-    return result, cancel
-
-
-def _print_summary(result: Any, job: Any, **extra: Any) -> None:
-    """``--json``: where the artifacts are and how the run ended."""
-    receipt = result.receipt
-    summary = {
-        "status": result.status,
-        "adapter_dir": str(result.adapter_dir),
-        "receipt": str(result.receipt_path),
-        "manifest": str(result.manifest_path) if result.manifest_path else None,
-        "effective_seed": str(job.config["seed"]),
-        "failure_reason": receipt["failure_reason"],
-        "failure_message": receipt.get("failure_message"),
-        **extra,
-    }
-    print(json.dumps(summary, indent=2))
-
-
-def _failure_line(what: str, receipt: dict[str, Any]) -> str:
-    """How a local run that did not succeed ended, in the receipt's own terms."""
-    if receipt["failure_reason"] == "cancelled":
-        return f"✗ {what} cancelled: its receipt records status failed, failure_reason cancelled"
-    return f"✗ {what} failed ({receipt['failure_reason']}): {receipt.get('failure_message')}"
-
-
-def _print_failure(what: str, kind: str, args: argparse.Namespace, path: Path, result: Any) -> None:
-    """A failed local run: the reason, the receipt, and the exact command that resumes it."""
-    receipt = result.receipt
-    print(_failure_line(what, receipt), file=sys.stderr)
-    print(f"Receipt: {result.receipt_path}", file=sys.stderr)
-    if result.checkpoints:
-        newest = result.checkpoints[-1].name
-        extra = f" --teacher {shlex.quote(args.teacher)}" if kind == "opd" else ""
-        print(f"Checkpoint: {result.checkpoints[-1]}", file=sys.stderr)
-        print(
-            f"Resume with:\n  kiln train {kind} --local -f {shlex.quote(str(path))} --adapter {args.adapter}{extra} "
-            f"--resume-checkpoint {newest}"
-            + (f" --checkpoint-interval {args.checkpoint_interval}" if args.checkpoint_interval else ""),
-            file=sys.stderr,
-        )
-
-
-def _exit_code(result: Any, cancel: _Cancellation) -> int:
-    if cancel.signum is not None and result.status != "success":
-        return 128 + cancel.signum
-    return 0 if result.status == "success" else 1
-
-
-def cmd_train_opd_local(args: argparse.Namespace) -> int:
-    """``kiln train opd --local``: admit against the local teacher registry, train in this process."""
-    from kiln.home import kiln_home
-    from kiln.teachers import teachers_root
-    from kiln.trainers.opd import admit_opd, run_opd
-
-    path = Path(args.file)
-    job = _admit_local(args, "opd", path, admit_opd, teachers_root=teachers_root(kiln_home()))
-    if isinstance(job, int):
-        return job
-    total = job.total_steps
-    bar = None
-    if not args.json:
-        from tqdm import tqdm
-
-        print(
-            f"Distilling teacher '{job.teacher.alias}' into adapter '{args.adapter}': {len(job.candidates)} "
-            f"candidates x {job.config['epochs']} epoch(s), top-K {job.config['top_k']}, seed {job.config['seed']}"
-        )
-        bar = tqdm(total=total, unit="candidate", dynamic_ncols=True, file=sys.stderr)
-
-    result, cancel = _run_with_bar(args, run_opd, job, bar, "kl")
-    receipt = result.receipt
-    if args.json:
-        _print_summary(
-            result, job, optimizer_steps=len(result.losses), checkpoints=[str(c) for c in result.checkpoints]
-        )
-    elif result.status == "success":
-        opd = receipt["opd"]
-        print(
-            f"✓ {len(result.losses)} optimizer steps over {total} candidates in "
-            f"{receipt['runtime']['wall_clock_ms'] / 1000:.1f} s, reverse KL "
-            f"{opd['initial_opd_loss']:.4f} -> {opd['final_opd_loss']:.4f}"
-        )
-        print(f"Adapter:  {result.adapter_dir}")
-        print(f"Receipt:  {result.receipt_path}")
-        print(f"Manifest: {result.manifest_path}")
-        print(f"Effective seed: {job.config['seed']}")
-    else:
-        _print_failure("training", "opd", args, path, result)
-    return _exit_code(result, cancel)
