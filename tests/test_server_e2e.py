@@ -294,3 +294,36 @@ def test_grpo_jobs_train_and_dry_run_over_http(server, tmp_path):
         assert detail["state"] == "completed", detail.get("error")
         assert detail["latest_checkpoint"]["training_kind"] == "grpo"
         assert detail["latest_checkpoint"]["global_step"] == 2
+
+
+def test_a_grpo_job_cancelled_over_http_resumes_over_http_to_the_bytes_of_an_uninterrupted_run(server, tmp_path):
+    """The replay request of a resumed GRPO job keeps its resume_checkpoint, so revalidation at dequeue admits the
+    same resumed run (it once dropped it, and every GRPO resume over HTTP ended revalidation_failed)."""
+    data = tmp_path / "groups.jsonl"
+    groups = [{**GRPO_GROUP, "completions": [{"text": "yes", "reward": 1.0}, {"text": f"no {i}", "reward": 0.0}]}
+              for i in range(120)]  # fmt: skip
+    data.write_text("".join(json.dumps(g) + "\n" for g in groups), encoding="utf-8")
+    config = {"seed": 5, "checkpoint_interval": 4, "auto_load": False}
+
+    def submit(extra):
+        answer = http.post("/v1/train/grpo", json={"dataset_path": str(data), "config": {**config, **extra}})
+        assert answer.status_code == 200, answer.text
+        return _valid("TrainingResponse", answer.json())["job_id"]
+
+    with server.client() as http:
+        first = submit({"output_name": "rl-resumed"})
+        wait_for(lambda: (d := _detail(http, first))["state"] == "running" and d["latest_checkpoint"] is not None)
+        assert http.delete(f"/v1/train/queue/{first}").status_code == 200
+        stopped = _finished(http, first)
+        assert stopped["state"] == "failed"
+        assert stopped["error"].startswith("cancelled:")
+        checkpoint = stopped["latest_checkpoint"]["resume_checkpoint"]
+        resumed = submit({"output_name": "rl-resumed", "resume_checkpoint": checkpoint})
+        assert _detail(http, resumed)["replay_request"]["config"]["resume_checkpoint"] == checkpoint
+        done = _finished(http, resumed)
+        assert done["state"] == "completed", done.get("error")
+        straight = _finished(http, submit({"output_name": "rl-straight"}))
+        assert straight["state"] == "completed", straight.get("error")
+    a = (server.home / "adapters" / "rl-resumed" / "adapter_model.safetensors").read_bytes()
+    b = (server.home / "adapters" / "rl-straight" / "adapter_model.safetensors").read_bytes()
+    assert a == b
