@@ -2,7 +2,9 @@
 
 One method per route, named by its ``operation_id``; request and response types are the
 generated pydantic models (imported from ``.models``, never from ``kiln``). A route with a
-``stream_response`` also gets ``<operation_id>_stream``, which reads server-sent events.
+``stream_response`` also gets ``<operation_id>_stream``, which reads server-sent events. A route
+with a ``request_media_type`` takes its body as raw bytes (or a binary file), sent with that
+``Content-Type``.
 Everything that would make the client wrong -- a duplicate or reserved method name, a
 definition without a generated class, a path parameter that is not an identifier -- is a
 ``SchemaSourceError`` here rather than a surprise at import time.
@@ -197,9 +199,14 @@ class KilnClient:
             message = f"the connection to the Kiln server at {url} failed ({type(exc).__name__}: {exc})"
         return KilnConnectionError(message, url=url)
 
-    def _request(self, method: str, path: str, *, body: Any = None) -> httpx.Response:
+    def _request(
+        self, method: str, path: str, *, body: Any = None, content: Any = None, media_type: str | None = None
+    ) -> httpx.Response:
         try:
-            response = self._http.request(method, path, json=body)
+            if media_type is not None:
+                response = self._http.request(method, path, content=content, headers={"Content-Type": media_type})
+            else:
+                response = self._http.request(method, path, json=body)
         except httpx.TransportError as exc:
             raise self._connection_error(exc, path) from exc
         if not response.is_success:
@@ -366,6 +373,12 @@ def _methods(route: dict[str, Any], owner: dict[str, str], imports: _Imports, ta
     signature = ["self", *(f"{p}: str" for p in params)]
     call = f'self._request("{method}", {path_expr}'
     request_type = None
+    raw_media_type = route.get("request_media_type")
+    if raw_media_type and route.get("request"):
+        raise SchemaSourceError(f"route {method} {route['path']}: a request_media_type body has no request schema")
+    if raw_media_type:
+        signature.append("data: bytes | Iterable[bytes] | BinaryIO")
+        call += f', content=data, media_type="{raw_media_type}"'
     if route.get("request"):
         request_type, module = _body_name(route["request"], route, owner)
         imports.add(request_type, module)
@@ -400,6 +413,10 @@ def _methods(route: dict[str, Any], owner: dict[str, str], imports: _Imports, ta
     if request_type:
         args.append(
             ("body", f"``{request_type}`` (only the fields that were set are sent) or a plain dict (sent as-is).")
+        )
+    if raw_media_type:
+        args.append(
+            ("data", f"the body, sent as ``{raw_media_type}``: bytes, an iterator of chunks, or a binary file.")
         )
     doc = [summary, route_line]
 
@@ -492,8 +509,8 @@ def generate_client(
         + '"""\n\n'
         + "from __future__ import annotations\n\n"
         + "import json\n"
-        + "from collections.abc import Iterator\n"
-        + "from typing import Any, Self\n"
+        + "from collections.abc import Iterable, Iterator\n"
+        + "from typing import Any, BinaryIO, Self\n"
         + "from urllib.parse import quote\n\n"
         + "import httpx\n"
         + "from pydantic import BaseModel\n\n"

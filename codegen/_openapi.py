@@ -45,6 +45,11 @@ def build_openapi(definitions: dict[str, Any], routes: list[dict[str, Any]], ver
                 {"name": p, "in": "path", "required": True, "schema": {"type": "string", "minLength": 1}}
                 for p in params
             ]
+        if route.get("request_media_type"):  # a raw body (an upload), not a JSON document
+            operation["requestBody"] = {
+                "required": True,
+                "content": {route["request_media_type"]: {"schema": {"type": "string", "format": "binary"}}},
+            }
         if route.get("request"):
             operation["requestBody"] = {
                 "required": True,

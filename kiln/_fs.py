@@ -5,8 +5,12 @@
 * ``create_exclusive``: the same, but only when the path does not exist yet (hard link instead of rename), so two
   writers of one name never both succeed;
 * ``staging_dir``: a hidden directory beside its destination, renamed into place once complete;
-* ``publish_dir``: the whole staged publication of a directory (stage, fsync, one rename, fsync the parent);
+* ``publish_dir``: the whole staged publication of a directory (stage, fsync, one rename, fsync the parent), which
+  may supersede an earlier attempt's record at the same name in that one rename;
 * ``fsync_dir``: make a rename or link in a directory durable;
+* ``writable_problem``: why no file can be created in a directory (read-only, permission denied, full), or None;
+* ``within_roots``: whether a path, every symlink resolved, lies inside one of a set of directories (nothing is
+  opened to find out);
 * ``name_problem``: the one rule for every name Kiln turns into a directory entry (registry names and the file
   names inside artifacts), by kind.
 
@@ -17,7 +21,14 @@ server of another). Files that are immutable by contract (checkpoint files) set 
 Names (``name_problem(name, kind=...)``). A name must be exactly one plain directory entry: a non-empty string,
 no ``/``, ``\\``, NUL or other control character (U+0000-U+001F, U+007F), no ``..`` anywhere (so never ``.`` or
 ``..`` either), not starting with ``.`` (hidden names are where Kiln stages: staging directories, temp files, the
-checkpoint sentinel), valid UTF-8 (a lone surrogate, such as an undecodable command-line byte, is not). Its UTF-8
+checkpoint sentinel), not blank and without leading or trailing whitespace (``str.isspace``: a name that looks
+empty, or like another name, in a listing), valid UTF-8 (a lone surrogate, such as an undecodable command-line
+byte, is not). An ``adapter`` name must also not read as a name Kiln derives from another adapter: it never
+contains ``-checkpoint-step-`` (so ``<adapter>-checkpoint-step-<8 digits>.kiln-checkpoint`` parses back to exactly
+one adapter) and never ends in a reserved suffix -- ``.kiln-checkpoint`` (checkpoints), ``.failed`` or
+``.failed-<n>`` (the gate's demotion), ``.incomplete``, ``.restore``, ``.replaced`` or ``.deleting``, alone or
+followed by ``-...`` (staging and deletion directories), in any letter case. ``-checkpoint-`` alone is allowed:
+``victim-checkpoint-keep`` is an adapter of its own, and no checkpoint of ``victim`` can have that name. Its UTF-8
 length is bounded by the 255-byte file-name limit less the longest suffix Kiln adds to it (``name_max_bytes``):
 
 =============  =====  ========================================================================================
@@ -40,11 +51,14 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import re
 import shutil
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
 from typing import Literal
+
+from kiln.errors import storage_condition
 
 __all__ = [
     "NAME_KINDS",
@@ -58,6 +72,9 @@ __all__ = [
     "name_problem",
     "publish_dir",
     "staging_dir",
+    "superseded_entries",
+    "within_roots",
+    "writable_problem",
 ]
 
 NameKind = Literal["adapter", "checkpoint", "teacher", "suite", "file"]
@@ -196,11 +213,40 @@ def _sync_tree(root: Path) -> None:
         fsync_dir(directory)
 
 
-def _rename_into_place(staging: Path, target: Path, *, overwrite: bool) -> Path | None:
-    """Rename ``staging`` to ``target``; return the hidden directory now holding a replaced ``target``, if any."""
+def superseded_entries(target: str | os.PathLike[str], supersede: Collection[str]) -> list[str] | None:
+    """The entries ``publish_dir(target, supersede=...)`` would move aside to replace ``target`` in its one rename:
+    every entry, when ``target`` is a real directory holding nothing but entries named in ``supersede`` and hidden
+    ones (temp files of an interrupted write; no published name starts with ``.``); None when it holds anything else
+    or is not a directory."""
+    path = Path(target)
+    if os.path.islink(path) or not path.is_dir():
+        return None
+    entries = sorted(os.listdir(path))
+    return entries if all(e in supersede or e.startswith(".") for e in entries) else None
+
+
+def _rename_into_place(
+    staging: Path, target: Path, *, overwrite: bool, supersede: Collection[str] | None
+) -> Path | None:
+    """Rename ``staging`` to ``target``; return the hidden directory now holding what it replaced, if anything."""
     if not os.path.lexists(target):
         os.rename(staging, target)
         return None
+    superseded = None if supersede is None else superseded_entries(target, supersede)
+    if superseded is not None:
+        aside = staging_dir(target.parent, target.name, "replaced")
+        moved: list[str] = []
+        try:
+            for entry in superseded:
+                os.rename(target / entry, aside / entry)
+                moved.append(entry)
+            os.rename(staging, target)  # rename(2) replaces an empty directory in the same step
+        except BaseException:
+            for entry in reversed(moved):
+                os.rename(aside / entry, target / entry)
+            aside.rmdir()
+            raise
+        return aside
     if not overwrite:
         raise FileExistsError(errno.EEXIST, "already exists; choose another name or replace it", str(target))
     aside = staging_dir(target.parent, target.name, "replaced")
@@ -220,32 +266,92 @@ def _rename_into_place(staging: Path, target: Path, *, overwrite: bool) -> Path 
 
 @contextlib.contextmanager
 def publish_dir(
-    target: str | os.PathLike[str], *, purpose: str = "incomplete", overwrite: bool = False
+    target: str | os.PathLike[str],
+    *,
+    purpose: str = "incomplete",
+    overwrite: bool = False,
+    supersede: Collection[str] | None = None,
 ) -> Iterator[Path]:
     """Build a directory that appears at ``target`` complete, or not at all.
 
     1. ``staging_dir``: a new hidden ``.<name>.<purpose>-XXXXXXXX`` beside ``target``, yielded for the block to fill;
     2. when the block returns: fsync every file in it, then every directory, the staging directory last;
-    3. one rename to ``target``. An existing ``target`` is refused (``FileExistsError``) unless ``overwrite``: then
-       it is first renamed into a hidden ``.<name>.replaced-XXXXXXXX`` directory (and renamed back if the rename
-       fails), and removed only once the new directory is durable;
+    3. one rename to ``target``. An existing ``target`` is refused (``FileExistsError``), except:
+
+       * ``supersede`` (file names): a ``target`` directory holding nothing but entries of these names -- an earlier
+         attempt's record, such as a failed run's receipt, or nothing at all -- and hidden temp files
+         (``superseded_entries``) is replaced by the same one rename:
+         its entries are first moved into a hidden ``.<name>.replaced-XXXXXXXX`` directory (moved back if the
+         rename fails), which leaves it empty, and rename(2) replaces an empty directory in one step;
+       * ``overwrite``: any other ``target`` is first renamed into a hidden ``.<name>.replaced-XXXXXXXX`` directory
+         (and renamed back if the rename fails);
+
+       what was replaced is removed once the new directory is durable;
     4. fsync the parent, so that the rename survives a crash.
 
     A failure before the rename, the block's own included, removes the staging directory and leaves an existing
-    ``target`` as it was. A crash leaves at most hidden directories, which no reader lists or loads.
+    ``target`` as it was. A crash leaves at most hidden directories, which no reader lists or loads (and, when it
+    strikes between moving superseded entries aside and the rename, an empty ``target``). The replaced entries are
+    removed after the publication is complete; a failure to remove them leaves a hidden directory behind, never a
+    failed publication.
     """
     target = Path(target)
     staging = staging_dir(target.parent, target.name, purpose)
     try:
         yield staging
         _sync_tree(staging)
-        replaced = _rename_into_place(staging, target, overwrite=overwrite)
+        replaced = _rename_into_place(staging, target, overwrite=overwrite, supersede=supersede)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     fsync_dir(target.parent)
     if replaced is not None:
-        shutil.rmtree(replaced)  # removes a replaced symlink itself, never what it points to
+        shutil.rmtree(replaced, ignore_errors=True)  # removes a replaced symlink itself, never what it points to
+
+
+def writable_problem(directory: str | os.PathLike[str], *, probe: bool = False) -> str | None:
+    """Why no new file can be created in ``directory`` -- or, while it does not exist yet, in the nearest existing
+    directory above it, where it would be created -- as a sentence naming the directory; None when one can.
+
+    Without ``probe`` it asks ``os.access`` and nothing is written (a read-only file system or missing permission;
+    ``access`` ignores permissions for root). With ``probe`` it creates a hidden ``.kiln-write-probe.*`` file, writes
+    one byte and removes it, so a full file system and a root-owned process see the truth too.
+    """
+    where = Path(directory)
+    try:
+        while not where.is_dir() and not os.path.lexists(where) and where.parent != where:
+            where = where.parent
+        if not where.is_dir():
+            return f"{where} is not a directory"
+        if not probe:
+            if os.access(where, os.W_OK | os.X_OK):
+                return None
+            read_only = os.statvfs(where).f_flag & os.ST_RDONLY
+            return f"cannot create a file in {where}: {storage_condition(errno.EROFS if read_only else errno.EACCES)}"
+        fd, tmp = tempfile.mkstemp(prefix=".kiln-write-probe.", dir=where)
+        try:
+            os.write(fd, b"\0")  # a full file system refuses the first byte
+        finally:
+            os.close(fd)
+            os.unlink(tmp)
+    except OSError as exc:
+        condition = storage_condition(exc.errno) if exc.errno is not None else str(exc)
+        return f"cannot create a file in {where}: {condition}"
+    return None
+
+
+def within_roots(path: str | os.PathLike[str], roots: Collection[str | os.PathLike[str]]) -> bool:
+    """Whether ``path`` -- absolute, every symlink on the way resolved (``os.path.realpath``) -- is inside one of
+    ``roots`` (themselves resolved) or is one of them. Nothing is opened: a path that does not exist resolves as far
+    as it can, and a symlink inside a root that points out of it is outside."""
+    if not os.path.isabs(path):
+        return False
+    real = os.path.realpath(path)
+    for root in roots:
+        base = os.path.realpath(root)
+        if real == base or real.startswith(base.rstrip(os.sep) + os.sep):
+            return True
+    return False
 
 
 # --- names --------------------------------------------------------------------------------------
@@ -271,6 +377,10 @@ def name_problem(name: object, *, kind: NameKind) -> str | None:
         return "it must not contain '..'"
     if name.startswith("."):
         return "it must not start with '.' (hidden names are reserved for staging and temporary files)"
+    if not name.strip():
+        return "it is blank (nothing but whitespace)"
+    if name != name.strip():
+        return "it must not start or end with whitespace"
     try:
         size = len(name.encode("utf-8"))
     except UnicodeEncodeError:
@@ -279,4 +389,31 @@ def name_problem(name: object, *, kind: NameKind) -> str | None:
         extra, adds = _NAME_SUFFIXES[kind]
         why = f"the file-name limit less {extra} for {adds}" if extra else "the file-name limit"
         return f"it is {size} bytes in UTF-8; at most {limit} are allowed ({why})"
-    return None
+    return _derived_name_problem(name) if kind == "adapter" else None
+
+
+_CHECKPOINT_MARK = "-checkpoint-step-"  # kiln.checkpoints.checkpoint_name: <adapter>-checkpoint-step-<8 digits>...
+_RESERVED_SUFFIX = re.compile(
+    r"\.(?P<suffix>kiln-checkpoint|failed(?:-[0-9]+)?|(?:incomplete|restore|replaced|deleting)(?:-[^.]*)?)$",
+    re.IGNORECASE,
+)
+_RESERVED_WHY = {
+    "kiln-checkpoint": "checkpoint directories end in it",
+    "failed": "the promotion gate renames a demoted adapter <name>.failed",
+}
+
+
+def _derived_name_problem(name: str) -> str | None:
+    """Why an adapter name could be read as a name Kiln derives (a checkpoint, a demotion, a staging directory)."""
+    if _CHECKPOINT_MARK in name:
+        return (
+            f"it must not contain {_CHECKPOINT_MARK!r} (checkpoints are named "
+            "<adapter>-checkpoint-step-<8 digits>.kiln-checkpoint, so it could be read as another adapter's)"
+        )
+    found = _RESERVED_SUFFIX.search(name)
+    if found is None:
+        return None
+    suffix = found["suffix"].lower()
+    base = suffix if suffix == "kiln-checkpoint" else suffix.split("-", 1)[0]
+    why = _RESERVED_WHY.get(base, "Kiln's staging and deletion directories end in it")
+    return f"it must not end in '.{base}', a suffix Kiln reserves ({why})"

@@ -10,7 +10,8 @@ what to do, an optional ``hint`` and, for documents, the JSON pointer of the bad
     │   ├── UnknownDocumentTypeError  no loader for this document
     │   └── IntegrityError       a recomputed digest does not match (fail fast)
     ├── CheckpointError          checkpoint_invalid / _incompatible / _not_resumable / _exists
-    ├── RequestError             training_invalid_request, config_invalid, training_backend_unsupported
+    ├── RequestError             training_invalid_request, config_invalid, training_backend_unsupported,
+    │                            unsupported_media_type
     ├── NotFoundError            not_found, adapter_not_found, teacher_not_found, eval_suite_not_found
     ├── AdapterError             adapter_invalid
     ├── ConflictError            adapter_active, adapter_exists, adapter_revision_conflict,
@@ -18,6 +19,8 @@ what to do, an optional ``hint`` and, for documents, the JSON pointer of the bad
     │                            eval_suite_conflict
     ├── CapacityError            queue_full, memory_budget_exceeded, payload_too_large
     ├── AuthError                unauthorized
+    ├── AccessError              path_not_allowed: a path outside what the server may read
+    ├── RegistryError            registry_unwritable: the adapter registry cannot be written
     └── InternalError            internal_error
 
 A run that fails *after* admission does not raise to its caller: it ends with a failed train receipt whose
@@ -36,17 +39,22 @@ where it was detected, never from message text::
     ├── OutOfMemoryError       oom
     ├── ShapeMismatchError       shape_mismatch
     ├── UnsafeLoraScaleError     unsafe_lora_scale
-    └── BaseAdapterMissingError  base_adapter_missing
+    ├── BaseAdapterMissingError  base_adapter_missing
+    └── StorageFailureError      storage_error: the file system refused a write (read-only or permission denied,
+                                 no space or quota left, a name too long); the message names the path
 
 Only the CLI and the server turn these into exit codes and HTTP statuses.
 """
 
 from __future__ import annotations
 
+import errno as _errno
+import os as _os
 from dataclasses import dataclass
 from typing import ClassVar
 
 __all__ = [
+    "AccessError",
     "AdapterError",
     "AdapterLoadError",
     "AuthError",
@@ -65,8 +73,10 @@ __all__ = [
     "NotFoundError",
     "OutOfMemoryError",
     "Problem",
+    "RegistryError",
     "RequestError",
     "ShapeMismatchError",
+    "StorageFailureError",
     "TrainingFailedError",
     "UnknownDocumentTypeError",
     "UnsafeLoraScaleError",
@@ -75,6 +85,7 @@ __all__ = [
     "ZeroEnvTokensError",
     "ZeroGroupsError",
     "all_failure_reasons",
+    "storage_condition",
 ]
 
 
@@ -207,7 +218,7 @@ class CheckpointError(KilnError):
 
 
 class RequestError(KilnError):
-    codes = ("training_invalid_request", "config_invalid", "training_backend_unsupported")
+    codes = ("training_invalid_request", "config_invalid", "training_backend_unsupported", "unsupported_media_type")
     default_code = "training_invalid_request"
 
 
@@ -244,6 +255,20 @@ class CapacityError(KilnError):
 class AuthError(KilnError):
     codes = ("unauthorized",)
     default_code = "unauthorized"
+
+
+class AccessError(KilnError):
+    """A request names a path outside what the server may read (its data roots, its adapter registry)."""
+
+    codes = ("path_not_allowed",)
+    default_code = "path_not_allowed"
+
+
+class RegistryError(KilnError):
+    """The adapter registry cannot be written (read-only, permission denied, full): nothing can be published."""
+
+    codes = ("registry_unwritable",)
+    default_code = "registry_unwritable"
 
 
 class InternalError(KilnError):
@@ -327,6 +352,49 @@ class UnsafeLoraScaleError(TrainingFailedError):
 
 class BaseAdapterMissingError(TrainingFailedError):
     reason = "base_adapter_missing"
+
+
+# the errno values a run reports as ``storage_error``: the file system refused a write Kiln had to make
+STORAGE_ERRNOS = frozenset(
+    (
+        _errno.EROFS,
+        _errno.EACCES,
+        _errno.EPERM,
+        _errno.ENOSPC,
+        _errno.EDQUOT,
+        _errno.EFBIG,
+        _errno.ENAMETOOLONG,
+        _errno.EIO,
+    )
+)
+
+
+class StorageFailureError(TrainingFailedError):
+    """The file system refused what a run had to write; ``path`` is where, ``errno`` the condition."""
+
+    reason = "storage_error"
+
+    def __init__(self, message: str, *, path: str | None = None, errno: int | None = None):
+        super().__init__(message)
+        self.path = path
+        self.errno = errno
+
+    @classmethod
+    def from_os_error(cls, exc: OSError, *, doing: str, path: object = None) -> StorageFailureError | None:
+        """``exc`` as a storage failure while ``doing`` (e.g. "publishing adapter 'bot'"), naming ``exc.filename``
+        or else ``path``; None when its errno is not a storage condition (``STORAGE_ERRNOS``)."""
+        if exc.errno not in STORAGE_ERRNOS:
+            return None
+        where = exc.filename if exc.filename is not None else path
+        at = f" at {where}" if where is not None else ""
+        return cls(
+            f"{doing}: {storage_condition(exc.errno)}{at}", path=None if where is None else str(where), errno=exc.errno
+        )
+
+
+def storage_condition(err: int) -> str:
+    """What the file system answered, in words and by name: ``Read-only file system (EROFS)``."""
+    return f"{_os.strerror(err)} ({_errno.errorcode.get(err, err)})"
 
 
 def all_failure_reasons() -> set[str]:

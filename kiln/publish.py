@@ -1,68 +1,188 @@
 """Publication of a training result into the adapter registry.
 
-* ``check_target``: the adapter name is one (``kiln.adapters.require_adapter_name``) and
-  holds no adapter yet;
-* ``stage_adapter``: write the PEFT files into a hidden staging directory inside the
-  registry, then rename it to ``<registry>/<adapter>`` (``kiln._fs.publish_dir``: the
-  canonical name is absent before the rename and complete after it);
-* ``write_train_receipt``: the receipt of every attempt, success or failure, written
-  crash-atomically (canonical JSON, temp file, fsync, rename) after strict validation;
-* ``bind_adapter_manifest``: on success only, build the manifest binding the serving files
-  and the receipt to their SHA-256 digests, with lineage copied from the receipt, and write
-  it (``kiln.artifacts.adapter_manifest.write_adapter_manifest`` writes a given manifest).
+* ``check_target``: the adapter name is one (``kiln.adapters.require_adapter_name``) and holds nothing a publication
+  would have to destroy: the name is free, or its directory holds only an earlier attempt's receipt (a failed run,
+  a dry run) -- which the publication supersedes -- or nothing;
+* ``publish_trained_adapter``: the whole adapter directory -- ``adapter_config.json``,
+  ``adapter_model.safetensors``, ``train_receipt.json`` and ``adapter_manifest.json`` -- built in one hidden staging
+  directory of the registry and made visible by one rename (``kiln._fs.publish_dir``): the receipt is computed from
+  the staged files, written, then the manifest binds the files and the receipt's digest, all inside the staging
+  directory. Before the rename nothing of this run is visible at ``<registry>/<adapter>``; after it the adapter is
+  complete. An earlier attempt's receipt there is superseded in that same rename;
+* ``publish_receipt``: the receipt of an attempt that publishes no weights (a failed run, a dry run) alone in
+  ``<registry>/<adapter>/``, where the listing shows it as that attempt (``invalid``, "a failed run ... only its
+  receipt is kept"); written crash-atomically, never over a directory that holds serving files;
+* ``bind_adapter_manifest``: build the manifest binding the serving files and the receipt of a successful run to
+  their SHA-256 digests, with lineage copied from the receipt, and write it
+  (``kiln.artifacts.adapter_manifest.write_adapter_manifest`` writes a given manifest).
+
+A write the file system refuses while publishing (read-only, permission denied, no space or quota left, a name too
+long) raises ``kiln.errors.StorageFailureError`` naming the path, so the run's failed receipt says
+``storage_error`` and where.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 import shlex
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from kiln import contracts
-from kiln._fs import file_mode, publish_dir
+from kiln._fs import file_mode, publish_dir, superseded_entries
 from kiln.adapters import require_adapter_name
 from kiln.digests import file_sha256, prefixed
-from kiln.errors import ConflictError
+from kiln.errors import STORAGE_ERRNOS, ConflictError, StorageFailureError, storage_condition
 
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 RECEIPT = "train_receipt.json"
 MANIFEST = "adapter_manifest.json"
+SUPERSEDED = (RECEIPT,)  # what an earlier attempt that published no weights leaves at the adapter's name
 
-__all__ = ["adapter_file_receipt", "bind_adapter_manifest", "check_target", "stage_adapter", "write_train_receipt"]
+__all__ = [
+    "PublishedAdapter",
+    "adapter_file_receipt",
+    "bind_adapter_manifest",
+    "check_target",
+    "publish_receipt",
+    "publish_trained_adapter",
+]
+
+
+@dataclass(frozen=True)
+class PublishedAdapter:
+    """A complete adapter directory in the registry and the receipt it holds."""
+
+    path: Path
+    receipt_path: Path
+    manifest_path: Path
+    receipt: dict[str, Any]
+
+
+def _delete_hint(registry: Path, name: str) -> str:
+    return (
+        f"choose another adapter name, or delete it first: on this machine "
+        f"`kiln adapters delete {shlex.quote(name)} --adapter-dir {shlex.quote(str(registry))}`, "
+        f"through a server `kiln adapters delete {shlex.quote(name)}` (both also delete its checkpoints)"
+    )
 
 
 def check_target(registry: Path, name: str) -> Path:
-    """Refuse, before any model work, a name that is not path-safe or already holds an adapter."""
+    """Refuse, before any model work, a name that is not path-safe or whose directory a publication could not
+    supersede (anything but an earlier attempt's receipt)."""
     target = registry / require_adapter_name(name)
     if target.is_symlink() or (target.exists() and not target.is_dir()):
         raise ConflictError(f"{target} exists and is not an adapter directory", code="adapter_exists")
+    if not target.exists() or superseded_entries(target, SUPERSEDED) is not None:
+        return target
     if any((target / f).exists() for f in ADAPTER_FILES):
         raise ConflictError(
-            f"adapter {name!r} already exists in {registry}",
-            code="adapter_exists",
-            hint=(
-                f"choose another adapter name, or delete it first: on this machine "
-                f"`kiln adapters delete {shlex.quote(name)} --adapter-dir {shlex.quote(str(registry))}`, "
-                f"through a server `kiln adapters delete {shlex.quote(name)}` (both also delete its checkpoints)"
-            ),
+            f"adapter {name!r} already exists in {registry}", code="adapter_exists", hint=_delete_hint(registry, name)
         )
-    return target
+    others = sorted(e for e in os.listdir(target) if e not in SUPERSEDED and not e.startswith("."))
+    raise ConflictError(
+        f"{target} holds {', '.join(others)}, which is not an earlier attempt's {RECEIPT}; "
+        "publishing an adapter there would replace it",
+        code="adapter_exists",
+        hint=_delete_hint(registry, name) + f", or move those files out of {target}",
+    )
 
 
-def stage_adapter(peft_model: Any, registry: Path, name: str) -> Path:
-    """Save the adapter files and move them into place as ``<registry>/<name>``."""
-    registry.mkdir(parents=True, exist_ok=True)
-    target = check_target(registry, name)
-    # overwrite: a directory left by an earlier failed run holds only its receipt (check_target refuses the rest)
-    with publish_dir(target, overwrite=True) as staging:
-        peft_model.save_pretrained(staging, safe_serialization=True)
-        for extra in staging.iterdir():  # peft adds a model card; the adapter is exactly its two files
-            if extra.name not in ADAPTER_FILES:
-                extra.unlink()
-        for file_name in ADAPTER_FILES:  # safetensors writes 0600: give the files the mode open() would
-            os.chmod(staging / file_name, file_mode())
-    return target
+@contextlib.contextmanager
+def _storage(doing: str, where: list[Path]) -> Iterator[None]:
+    """A refused write inside the block as ``StorageFailureError`` naming its path (else ``where[-1]``)."""
+    try:
+        yield
+    except OSError as exc:
+        failure = StorageFailureError.from_os_error(exc, doing=doing, path=where[-1])
+        if failure is None:
+            raise
+        raise failure from exc
+
+
+_OS_ERROR = re.compile(r"\(os error (\d+)\)")  # how safetensors (Rust std::io::Error) names the errno
+
+
+def _safetensors_refusal(exc: Exception, doing: str, path: Path) -> StorageFailureError | None:
+    """A ``SafetensorError`` whose I/O error is a storage condition ("... No space left on device (os error 28)"),
+    as ``StorageFailureError`` naming ``path`` and the condition; None for anything else (not the file system's)."""
+    found = _OS_ERROR.search(str(exc))
+    if found is None or int(found[1]) not in STORAGE_ERRNOS:
+        return None
+    err = int(found[1])
+    return StorageFailureError(
+        f"{doing}: {storage_condition(err)} at {path} (safetensors: {exc})", path=str(path), errno=err
+    )
+
+
+def _save_adapter_files(peft_model: Any, directory: Path, doing: str, where: list[Path]) -> None:
+    """The two PEFT files of the adapter, with the mode ``open()`` would give them."""
+    from safetensors import SafetensorError
+
+    where.append(directory / ADAPTER_FILES[1])
+    try:
+        peft_model.save_pretrained(directory, safe_serialization=True)
+    except SafetensorError as exc:  # the library writes the weights itself; its I/O errors carry no errno
+        failure = _safetensors_refusal(exc, doing, where[-1])
+        if failure is None:
+            raise
+        raise failure from exc
+    for extra in directory.iterdir():  # peft adds a model card; the adapter is exactly its two files
+        if extra.name not in ADAPTER_FILES:
+            extra.unlink()
+    for file_name in ADAPTER_FILES:  # safetensors writes 0600: give the files the mode open() would
+        os.chmod(directory / file_name, file_mode())
+
+
+def publish_trained_adapter(
+    peft_model: Any, registry: Path, name: str, receipt: Callable[[Path], dict[str, Any]]
+) -> PublishedAdapter:
+    """Stage the adapter files, its receipt (``receipt(staged directory)``) and its manifest, then rename the
+    directory into place as ``<registry>/<name>``, superseding an earlier attempt's receipt there."""
+    target = registry / name
+    doing = f"publishing adapter {name!r} to {target}"
+    where = [registry]
+    with _storage(doing, where):
+        registry.mkdir(parents=True, exist_ok=True)
+    check_target(registry, name)  # nothing appeared at the name since admission that this would replace
+    with _storage(doing, where), publish_dir(target, supersede=SUPERSEDED) as staging:
+        where.append(staging)
+        _save_adapter_files(peft_model, staging, doing, where)
+        body = receipt(staging)
+        body["adapters"]["output"]["path"] = str(target)  # hashed from the staged files, published at the target
+        where.append(staging / RECEIPT)
+        contracts.write("TrainReceipt", staging / RECEIPT, body)
+        where.append(staging / MANIFEST)
+        bind_adapter_manifest(staging, body)
+        where.append(target)  # what remains: fsync the staged tree, the rename, fsync the registry
+    return PublishedAdapter(target, target / RECEIPT, target / MANIFEST, body)
+
+
+def publish_receipt(registry: Path, name: str, receipt: dict[str, Any]) -> Path:
+    """Write the receipt of an attempt without weights to ``<registry>/<name>/train_receipt.json`` (crash-atomic;
+    it replaces an earlier attempt's receipt). A directory holding serving files is never written into."""
+    target = registry / name
+    if os.path.lexists(target) and superseded_entries(target, SUPERSEDED) is None:
+        raise ConflictError(
+            f"{target} holds an adapter (or files other than a receipt); the receipt of this run "
+            f"({receipt['status']}{': ' + receipt['failure_reason'] if receipt.get('failure_reason') else ''}) "
+            "is not written over it",
+            code="adapter_exists",
+            hint=_delete_hint(registry, name),
+        )
+    created = not os.path.lexists(target)
+    target.mkdir(parents=True, exist_ok=True)
+    try:
+        return contracts.write("TrainReceipt", target / RECEIPT, receipt)
+    except BaseException:
+        if created:  # a refused receipt leaves no empty directory at the adapter's name
+            with contextlib.suppress(OSError):
+                target.rmdir()
+        raise
 
 
 def adapter_file_receipt(adapter_dir: Path | None) -> dict[str, Any]:
@@ -76,11 +196,6 @@ def adapter_file_receipt(adapter_dir: Path | None) -> dict[str, Any]:
         }
     digest, size = file_sha256(weights)
     return {"path": str(adapter_dir), "adapter_model_sha256": prefixed(digest), "adapter_model_bytes": size}
-
-
-def write_train_receipt(adapter_dir: Path, receipt: dict[str, Any]) -> Path:
-    adapter_dir.mkdir(parents=True, exist_ok=True)
-    return contracts.write("TrainReceipt", adapter_dir / RECEIPT, receipt)
 
 
 def bind_adapter_manifest(adapter_dir: Path, receipt: dict[str, Any]) -> Path:

@@ -10,8 +10,11 @@ identity, at the cost of a fork instead of a fresh interpreter. The parent only 
 exists when it forks.
 
 Spec keys: ``model``, ``registry``, ``data``, ``adapter``, ``config``, ``resume`` (a
-checkpoint basename or null), ``result`` (where the child writes its outcome) and
-``pause`` (null, or ``[publication, event]``).
+checkpoint basename or null), ``result`` (where the child writes its outcome),
+``pause`` (null, or ``[publication, event]``) and, optionally, ``pause_in``
+(``"checkpoint"``, the default, or ``"adapter"``: the pause counts the calls of the
+adapter's publication -- ``publish_adapter``, always publication 1 -- instead) and
+``cancel_after`` (a step: cooperative cancellation is requested once it is committed).
 
 Stdout protocol, one flushed line (a single write) each:
 
@@ -22,6 +25,7 @@ Stdout protocol, one flushed line (a single write) each:
                                 is published right after this line
 ``PUBLISHED <step> <n> <ops>`` a checkpoint is published; it made ``n`` file-system
                                 calls, ``ops`` their names, comma-separated
+``ADAPTER <n> <ops>``           the adapter is published (with ``pause_in: "adapter"``)
 ``PAUSE <publication> <event> <op>``  the child stopped itself inside a publication
                                 and sleeps, so that a SIGKILL lands exactly there
 ``DONE``                        the child wrote its result
@@ -30,7 +34,8 @@ Stdout protocol, one flushed line (a single write) each:
 A pause point is *before* the ``event``-th file-system call (``os.mkdir``, ``open``,
 ``write``, ``fsync``, ``unlink``, ``rename`` or ``replace``, counted from 1, whichever
 module or thread makes it) of the ``publication``-th checkpoint the child publishes
-(counted from 1); a pause before a ``write`` writes half of it first. The calls are
+(counted from 1), or of the adapter's publication; a pause before a ``write`` writes
+half of it first. The calls are
 counted at the ``os`` level, not by the engine's helper functions, so the points follow
 the protocol as implemented (staging directory, sentinel, state files, manifest, fsyncs,
 sentinel removal, rename, registry fsync) without naming its internals. The wrappers only
@@ -57,30 +62,34 @@ def _say(line: str) -> None:
     _WRITE(1, (line + "\n").encode())  # one write: a kill never leaves half a line
 
 
-def _instrument(pause: list[int] | None) -> None:
-    """Count (and maybe stop at) every file-system call made while a checkpoint is published.
+def _instrument(pause: list[int] | None, where: str = "checkpoint") -> None:
+    """Count (and maybe stop at) every file-system call made while a checkpoint -- or, with
+    ``where="adapter"``, the adapter -- is published.
 
-    Only this child's ``os`` module is wrapped, and only inside ``publish_checkpoint``: the
-    wrappers count, and at the pause point print, sleep and wait for the kill. A pause
-    before a ``write`` first writes half the buffer, so the kill tears the file.
+    Only this child's ``os`` module is wrapped, and only inside ``publish_checkpoint`` (or the
+    SFT trainer's ``publish_adapter``): the wrappers count, and at the pause point print, sleep
+    and wait for the kill. A pause before a ``write`` first writes half the buffer, so the kill
+    tears the file.
     """
     import kiln.trainers._checkpointing as checkpointing  # where every trainer publishes its checkpoints
+    import kiln.trainers.sft as sft  # whose publish_adapter publishes the adapter
 
     state = {"publication": 0, "events": [], "active": False}
     lock = threading.Lock()  # the engine may fsync on worker threads
-    real_publish = checkpointing.publish_checkpoint
 
-    def publish_checkpoint(*args, **kwargs):
-        state["publication"] += 1
-        state["events"] = []
-        state["active"] = True
-        try:
-            published = real_publish(*args, **kwargs)
-        finally:
-            state["active"] = False
-        events = state["events"]
-        _say(f"PUBLISHED {published.manifest['progress']['global_step']} {len(events)} {','.join(events)}")
-        return published
+    def counted(real, report):
+        def publish(*args, **kwargs):
+            state["publication"] += 1
+            state["events"] = []
+            state["active"] = True
+            try:
+                published = real(*args, **kwargs)
+            finally:
+                state["active"] = False
+            _say(report(published, state["events"]))
+            return published
+
+        return publish
 
     def hooked(op, real):
         def call(*args, **kwargs):
@@ -99,14 +108,20 @@ def _instrument(pause: list[int] | None) -> None:
 
     for op in OPS:
         setattr(os, op, hooked(op, getattr(os, op)))
-    checkpointing.publish_checkpoint = publish_checkpoint
+    if where == "adapter":
+        sft.publish_adapter = counted(sft.publish_adapter, lambda _, e: f"ADAPTER {len(e)} {','.join(e)}")
+    else:
+        checkpointing.publish_checkpoint = counted(
+            checkpointing.publish_checkpoint,
+            lambda p, e: f"PUBLISHED {p.manifest['progress']['global_step']} {len(e)} {','.join(e)}",
+        )
 
 
 def _run(spec: dict) -> int:
     from kiln.trainers.sft import admit_sft, run_sft
 
     _say(f"PID {os.getpid()}")
-    _instrument(spec["pause"])
+    _instrument(spec["pause"], spec.get("pause_in", "checkpoint"))
     config = dict(spec["config"])
     if spec["resume"] is not None:
         config["resume_checkpoint"] = spec["resume"]
@@ -118,9 +133,17 @@ def _run(spec: dict) -> int:
         model_path=spec["model"],
     )
     _say("ADMITTED")
-    result = run_sft(job, progress=lambda p: _say(f"STEP {p['step']}"), keep_final_state=True)
+    cancel = threading.Event()
+
+    def progress(p: dict) -> None:
+        _say(f"STEP {p['step']}")
+        if p["step"] == spec.get("cancel_after"):
+            cancel.set()
+
+    result = run_sft(job, progress=progress, cancel=cancel, keep_final_state=True)
     outcome = {
         "status": result.status,
+        "failure_reason": result.receipt.get("failure_reason"),
         "failure": result.receipt.get("failure_message"),
         "resumed_from": result.resumed_from.name if result.resumed_from else None,
         "losses": result.losses,

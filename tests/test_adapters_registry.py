@@ -119,12 +119,12 @@ def test_an_unreadable_canary_quarantines(registry):
 
 def test_delete_removes_the_adapter_and_its_checkpoints_only(registry):
     shutil.copytree(registry / "bot", registry / "bot2")
-    (registry / ".bot-checkpoint-step-00000009.kiln-checkpoint.incomplete-xyz").mkdir()
+    (registry / ".bot-checkpoint-step-00000009.kiln-checkpoint.incomplete-x1y2z3w4").mkdir()
     planned = delete_adapter(registry, "bot", dry_run=True)
     assert {p.name for p in planned} == {
         "bot",
         "bot-checkpoint-step-00000001.kiln-checkpoint",
-        ".bot-checkpoint-step-00000009.kiln-checkpoint.incomplete-xyz",
+        ".bot-checkpoint-step-00000009.kiln-checkpoint.incomplete-x1y2z3w4",
     }
     assert (registry / "bot").is_dir()  # a dry run removes nothing
     removed = delete_adapter(registry, "bot")

@@ -138,7 +138,7 @@ def test_a_target_name_that_is_not_path_safe_is_refused(tmp_path, trained_adapte
     with pytest.raises(RequestError) as info:
         restore_adapter(trained_adapter / "adapter_manifest.json", registry, name=name)
     assert info.value.code == "training_invalid_request"
-    assert "path-safe" in info.value.message
+    assert "refused by the registry name rule" in info.value.message
     assert not registry.exists()
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import threading
 from dataclasses import dataclass
@@ -31,7 +32,7 @@ from kiln.checkpoints import (
     publish_checkpoint,
     resolve_checkpoint_path,
 )
-from kiln.errors import SCHEMA_CODES, CheckpointError, KilnError
+from kiln.errors import SCHEMA_CODES, CheckpointError, KilnError, StorageFailureError
 
 ADAPTER = "bot"
 STEP2 = "bot-checkpoint-step-00000002.kiln-checkpoint"
@@ -651,8 +652,12 @@ def test_a_failure_while_writing_leaves_neither_the_canonical_name_nor_a_staging
     manifest, files = _encoded(trained.step4)
     registry = tmp_path / "registry"
     message = fault(monkeypatch)
-    with pytest.raises(OSError, match=message):
+    with pytest.raises(StorageFailureError) as refused:  # the file system's refusal, typed and naming the path
         publish_checkpoint(registry, lambda: None, _publisher(manifest, files))
+    assert isinstance(refused.value.__cause__, OSError)
+    assert re.search(message, str(refused.value.__cause__))
+    assert str(registry) in refused.value.message
+    assert refused.value.reason == "storage_error"
     monkeypatch.undo()
     assert list(registry.iterdir()) == []
     assert orphaned_staging_dirs(registry) == []
@@ -681,7 +686,7 @@ def test_a_writer_that_wins_the_name_during_publication_is_never_overwritten(tra
 
 def test_an_orphaned_staging_directory_is_invisible_and_does_not_block_publication(trained, tmp_path):
     registry = tmp_path / "registry"
-    orphan = _copy(trained.step4, registry, f".{STEP4}.incomplete-xyz")
+    orphan = _copy(trained.step4, registry, f".{STEP4}.incomplete-x1y2z3w4")
     (orphan / ".incomplete").write_bytes(b"")
     assert list_checkpoints(registry) == []
     assert latest_checkpoint(registry, ADAPTER) is None

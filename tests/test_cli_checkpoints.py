@@ -154,7 +154,7 @@ def test_verify_and_validate_agree(tamper, reason, inspect_ok, copy, capsys):
 def test_list_reports_invalid_checkpoints_and_unfinished_publications(copy, capsys):
     registry, names = copy
     _tamper_sentinel(registry / names[1])
-    (registry / f".{names[1]}.incomplete-abc123").mkdir()
+    (registry / f".{names[1]}.incomplete-abc12345").mkdir()
     assert main(["checkpoints", "list", "--adapter-dir", str(registry)]) == 0
     out = capsys.readouterr().out
     assert "INVALID (sentinel_present)" in out

@@ -6,6 +6,7 @@ Commands run in-process through ``kiln.cli.main`` (a subprocess where a signal m
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -97,7 +98,9 @@ def trained(server):
 # ----------------------------------------------------------------------------- train sft
 
 
-def test_sft_from_a_jsonl_file_is_submitted_as_its_path_and_followed_to_completion(server, tmp_path, capsys):
+def test_sft_from_a_jsonl_file_is_uploaded_submitted_as_the_stored_path_and_followed_to_completion(
+    server, tmp_path, capsys
+):
     data = _jsonl(tmp_path / "rows.jsonl")
     code, out, err = _run(
         capsys, "train", "sft", "-f", data, "--adapter", "from-jsonl", "--epochs", 2, "--seed", 5,
@@ -112,7 +115,11 @@ def test_sft_from_a_jsonl_file_is_submitted_as_its_path_and_followed_to_completi
     assert f"✓ job {job_id} completed: adapter from-jsonl" in out
     assert "%|" in err  # the progress bar
     detail = _json(capsys, "TrainingJobDetail", "train", "status", "--job-id", job_id, "--url", server.url)
-    assert detail["replay_request"]["dataset_path"] == str(data.resolve())
+    digest = hashlib.sha256(data.read_bytes()).hexdigest()
+    stored = server.home / "data" / "uploads" / f"{digest}.jsonl"  # the server reads only inside its data roots
+    assert f"Uploaded {data} ({data.stat().st_size} bytes, sha256:{digest})" in err
+    assert detail["replay_request"]["dataset_path"] == str(stored)
+    assert stored.read_bytes() == data.read_bytes()
     assert detail["replay_request"]["config"]["auto_load"] is False
     assert detail["replay_request"]["config"]["epochs"] == 2
 
@@ -179,6 +186,86 @@ def test_a_cancelled_job_reports_its_resume_checkpoint_and_a_working_resume_comm
     resumed = re.search(r"Job ID: (job-\w+)", out)[1]
     cancel = _json(capsys, "CancelTrainingJobResponse", "train", "cancel", "--job-id", resumed, "--url", server.url)
     assert cancel["job_id"] == resumed
+
+
+def _kind_source(kind, tmp_path, capsys, server):
+    """(file, extra flags) of a run of ``kind`` long enough to be cancelled after its first checkpoint."""
+    if kind == "sft":
+        rows = _jsonl(tmp_path / "rows.jsonl", ADAPTER_CONVERSATIONS * 2)
+        return rows, ["--epochs", "60", "--checkpoint-interval", "5"]
+    if kind == "grpo":
+        groups = [{**GRPO_REQUEST["groups"][0], "completions": [{"text": "51", "reward": 1.0},
+                                                                {"text": f"4{i}", "reward": 0.0}]}
+                  for i in range(120)]  # fmt: skip
+        return _jsonl(tmp_path / "groups.jsonl", groups), ["--checkpoint-interval", "4"]
+    from kiln.model import create_tiny
+
+    teacher = create_tiny(tmp_path / "teacher-model", seed=2)
+    code, _, err = _run(capsys, "teachers", "add", "cli-tutor", "--kind", "local", "--model", teacher,
+                        "--server", server.url)  # fmt: skip
+    assert code == 0, err
+    prompts = tmp_path / "prompts.json"
+    config = {"samples_per_prompt": 2, "max_tokens": 8, "top_k": 16}
+    prompts.write_text(json.dumps({"prompts": OPD_PROMPTS * 2, "config": config}), encoding="utf-8")
+    return prompts, ["--teacher", "cli-tutor", "--epochs", "30", "--checkpoint-interval", "3"]
+
+
+@pytest.mark.parametrize("kind", ["sft", "grpo", "opd"])
+def test_a_job_cancelled_through_the_cli_resumes_with_the_printed_command_to_the_bytes_of_an_uninterrupted_run(
+    kind, server, tmp_path, capsys
+):
+    source, extra = _kind_source(kind, tmp_path, capsys, server)
+    name = f"cli-{kind}-resumed"
+    argv = ["train", kind, "-f", source, *extra, "--seed", 9, "--no-auto-load", "--url", server.url]
+    result = {}
+    follower = threading.Thread(
+        target=lambda: result.setdefault("code", main([str(a) for a in [*argv, "--adapter", name, "--wait"]]))
+    )
+    follower.start()
+    with KilnClient(server.url) as client:
+
+        def running_with_checkpoint():
+            jobs = [j for j in client.list_training_status() if j.adapter_name == name]
+            detail = jobs and client.get_training_job(jobs[-1].job_id)
+            return detail and detail.state.value == "running" and detail.latest_checkpoint is not None and detail
+
+        job_id = wait_for(running_with_checkpoint).job_id
+    assert main(["train", "cancel", "--job-id", job_id, "--url", server.url]) == 0
+    follower.join(120)
+    assert result["code"] == 1
+    _, err = capsys.readouterr()
+    assert f"✗ job {job_id} failed: cancelled" in err
+    checkpoint = re.search(rf"Resume checkpoint: ({name}-checkpoint-step-\d{{8}}\.kiln-checkpoint) \(step ", err)
+    assert checkpoint, err
+    resume = shlex.split(err.split("Resume with:\n", 1)[1].strip().splitlines()[0])
+    assert resume[:3] == ["kiln", "train", kind]
+    assert "--local" not in resume
+    assert "--seed" not in resume  # the checkpoint holds the seed
+    assert resume[-2:] == ["--resume-checkpoint", checkpoint[1]]
+
+    code, out, err = _run(capsys, *resume[1:], "--wait")
+    assert code == 0, err
+    resumed = re.search(r"Job ID: (job-\w+)", out)[1]
+    assert f"✓ job {resumed} completed: adapter {name}" in out
+    code, out, err = _run(capsys, *argv, "--adapter", f"cli-{kind}-straight", "--wait")
+    assert code == 0, err
+    a = (server.home / "adapters" / name / "adapter_model.safetensors").read_bytes()
+    b = (server.home / "adapters" / f"cli-{kind}-straight" / "adapter_model.safetensors").read_bytes()
+    assert a == b
+
+    # a completed job still shows the checkpoint its run left, and what that checkpoint is for
+    detail = _json(capsys, "TrainingJobDetail", "train", "status", "--job-id", resumed, "--url", server.url)
+    last = detail["latest_checkpoint"]
+    assert detail["state"] == "completed"
+    assert last is not None
+    code, out, err = _run(capsys, "train", "status", "--job-id", resumed, "--url", server.url)
+    assert code == 0, err
+    assert "State: completed" in out
+    line = f"Resume checkpoint: {last['resume_checkpoint']} (step {last['global_step']}/{last['total_steps']})"
+    assert line in out
+    after = out.split(line, 1)[1]
+    assert "the run completed" in after
+    assert f"kiln adapters delete {name}" in after
 
 
 def test_ctrl_c_during_wait_stops_watching_and_leaves_the_job_running(server, tmp_path):

@@ -121,7 +121,7 @@ def test_an_adapter_name_an_old_checker_accepted_is_refused_at_admission_deletio
     with pytest.raises(RequestError) as caught:
         check_target(tmp_path / "adapters", name)
     assert caught.value.code == "training_invalid_request"
-    assert "is not path-safe: it " in caught.value.message
+    assert "is refused by the registry name rule: it " in caught.value.message
     assert caught.value.message.endswith(name_problem(name, kind="adapter"))
     with pytest.raises(RequestError) as caught:
         delete_adapter(tmp_path / "adapters", name)
@@ -172,7 +172,8 @@ def test_the_adapters_package_exports_its_public_names():
         "restore_adapter", "verify_adapter",
     ]  # fmt: skip
     assert sorted(kiln.publish.__all__) == [
-        "adapter_file_receipt", "bind_adapter_manifest", "check_target", "stage_adapter", "write_train_receipt",
+        "PublishedAdapter", "adapter_file_receipt", "bind_adapter_manifest", "check_target", "publish_receipt",
+        "publish_trained_adapter",
     ]  # fmt: skip
     assert not hasattr(kiln.publish, "write_adapter_manifest")  # the name of kiln.artifacts.adapter_manifest's writer
 

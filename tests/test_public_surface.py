@@ -16,12 +16,12 @@ def test_public_modules_export_exactly_their_declared_names():
         "ValidationReport", "detect_type", "document_types", "load", "problems", "render", "validate_path", "write",
     ]  # fmt: skip
     assert sorted(kiln.errors.__all__) == [
-        "AdapterError", "AdapterLoadError", "AuthError", "BaseAdapterMissingError", "CancelledError",
+        "AccessError", "AdapterError", "AdapterLoadError", "AuthError", "BaseAdapterMissingError", "CancelledError",
         "CapacityError", "CheckpointError", "ConflictError", "ContractError", "DataSchemaError", "DocumentReadError",
         "IntegrityError", "InternalError", "KilnError", "NonFiniteLossError", "NotFoundError", "OutOfMemoryError",
-        "Problem", "RequestError", "ShapeMismatchError", "TrainingFailedError", "UnknownDocumentTypeError",
-        "UnsafeLoraScaleError", "UnsupportedLossConfigError", "ZeroActionTokensError", "ZeroEnvTokensError",
-        "ZeroGroupsError", "all_failure_reasons",
+        "Problem", "RegistryError", "RequestError", "ShapeMismatchError", "StorageFailureError",
+        "TrainingFailedError", "UnknownDocumentTypeError", "UnsafeLoraScaleError", "UnsupportedLossConfigError",
+        "ZeroActionTokensError", "ZeroEnvTokensError", "ZeroGroupsError", "all_failure_reasons", "storage_condition",
     ]  # fmt: skip
     assert kiln.cli.__all__ == ["build_parser", "main"]  # the console script is kiln.cli:main
     assert sorted(kiln.digests.__all__) == [

@@ -49,7 +49,8 @@ def _call(client: KilnClient, op: dict, body: object = None, *, suffix: str = ""
     """Call the method of an operation with placeholder path parameters and the given body."""
     args: list[object] = ["x"] * len([p for p in op.get("parameters", []) if p["in"] == "path"])
     if "requestBody" in op:
-        args.append({} if body is None else body)
+        raw = "application/json" not in op["requestBody"]["content"]  # an upload takes bytes
+        args.append((b"{}\n" if raw else {}) if body is None else body)
     return getattr(client, op["operationId"] + suffix)(*args)
 
 

@@ -13,13 +13,18 @@ from __future__ import annotations
 import concurrent.futures
 import http.server
 import json
+import os
+import shutil
+import subprocess
+import sys
 import threading
 
 import pytest
-from _server import ServerProcess, wait_for
+from _server import ServerProcess, free_port, wait_for
 from conftest import ADAPTER_CONVERSATIONS
 
 from kiln import contracts
+from kiln.cli import main
 
 pytestmark = pytest.mark.slow
 
@@ -50,7 +55,9 @@ def _finished(http, job_id):
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, tiny_model_dir):
-    with ServerProcess(tmp_path_factory.mktemp("serve") / "home", tiny_model_dir) as proc:
+    # the tests' files live under pytest's temporary directory: a configured data root (<home>/data is the other)
+    roots = {"KILN_TRAINING_DATA_ROOTS": str(tmp_path_factory.getbasetemp())}
+    with ServerProcess(tmp_path_factory.mktemp("serve") / "home", tiny_model_dir, env=roots) as proc:
         yield proc
 
 
@@ -158,6 +165,7 @@ def test_restart_mid_queue_keeps_every_job(tmp_path, tiny_model_dir):
             assert interrupted["state"] == "failed"
             assert interrupted["error"].startswith("interrupted:")
             assert interrupted["latest_checkpoint"]["resume_checkpoint"].startswith("first-checkpoint-step-")
+            assert f"{interrupted['latest_checkpoint']['resume_checkpoint']} " in interrupted["error"]
             for job_id in waiting:
                 assert _finished(http, job_id)["state"] == "completed"
             listed = [s["job_id"] for s in http.get("/v1/train/status").json()]
@@ -327,3 +335,168 @@ def test_a_grpo_job_cancelled_over_http_resumes_over_http_to_the_bytes_of_an_uni
     a = (server.home / "adapters" / "rl-resumed" / "adapter_model.safetensors").read_bytes()
     b = (server.home / "adapters" / "rl-straight" / "adapter_model.safetensors").read_bytes()
     assert a == b
+
+
+OPD_PROMPTS = [
+    {"messages": [{"role": "user", "content": "Describe a river."}]},
+    {"messages": [{"role": "user", "content": "Describe a hill."}]},
+]
+
+
+def test_an_opd_job_cancelled_over_http_resumes_over_http_to_the_bytes_of_an_uninterrupted_run(server, tmp_path):
+    """OPD with a local teacher registered on the server: cancel after the first checkpoint, resume, compare."""
+    from kiln.model import create_tiny
+
+    teacher_dir = create_tiny(tmp_path / "teacher-model", seed=2)
+    config = {"seed": 3, "samples_per_prompt": 2, "max_tokens": 8, "top_k": 16, "epochs": 30,
+              "checkpoint_interval": 3, "auto_load": False}  # fmt: skip
+
+    def submit(extra):
+        body = {"teacher": "resume-tutor", "prompts": OPD_PROMPTS, "config": {**config, **extra}}
+        answer = http.post("/v1/train/opd", json=body)
+        assert answer.status_code == 200, answer.text
+        return _valid("TrainingResponse", answer.json())["job_id"]
+
+    with server.client() as http:
+        registered = http.post(
+            "/v1/teachers", json={"alias": "resume-tutor", "kind": "local", "model_id": str(teacher_dir)}
+        )
+        assert registered.status_code == 200, registered.text
+        first = submit({"output_name": "opd-resumed"})
+        wait_for(lambda: (d := _detail(http, first))["state"] == "running" and d["latest_checkpoint"] is not None)
+        assert http.delete(f"/v1/train/queue/{first}").status_code == 200
+        stopped = _finished(http, first)
+        assert stopped["state"] == "failed"
+        assert stopped["error"].startswith("cancelled:")
+        checkpoint = stopped["latest_checkpoint"]
+        assert checkpoint["training_kind"] == "opd"
+        assert 0 < checkpoint["global_step"] < checkpoint["total_steps"]
+        name = checkpoint["resume_checkpoint"]
+        resumed = submit({"output_name": "opd-resumed", "resume_checkpoint": name})
+        assert _detail(http, resumed)["replay_request"]["config"]["resume_checkpoint"] == name
+        done = _finished(http, resumed)
+        assert done["state"] == "completed", done.get("error")
+        assert done["train_receipt"]["opd"]["teacher_id"] == "resume-tutor"
+        straight = _finished(http, submit({"output_name": "opd-straight"}))
+        assert straight["state"] == "completed", straight.get("error")
+    a = (server.home / "adapters" / "opd-resumed" / "adapter_model.safetensors").read_bytes()
+    b = (server.home / "adapters" / "opd-straight" / "adapter_model.safetensors").read_bytes()
+    assert a == b
+
+
+def _plain_peft_adapter(target, trained_adapter):
+    """A plain PEFT directory (config, weights, model card), as peft's save_pretrained leaves it: no Kiln files."""
+    target.mkdir(parents=True)
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        shutil.copy2(trained_adapter / name, target / name)
+    (target / "README.md").write_text("# a LoRA adapter saved by peft\n", encoding="utf-8")
+    return target
+
+
+def test_a_plain_peft_adapter_without_a_manifest_is_listed_loaded_and_served(server, trained_adapter):
+    plain = _plain_peft_adapter(server.home / "adapters" / "plain-peft", trained_adapter)
+    with server.client() as http:
+        listed = {a["name"]: a for a in _valid("AdaptersResponse", http.get("/v1/adapters").json())["available"]}
+        entry = listed["plain-peft"]
+        assert entry["status"] == "available"
+        assert (entry["adapter_manifest"], entry["adapter_manifest_error"], entry["error"]) == (None, None, None)
+        assert entry["adapter_model_sha256"] is None  # nothing binds the weights; the listing never hashes
+        assert entry["canary_status"] == "unknown"  # the canary runs after training, never on a copied directory
+
+        loaded = http.post("/v1/adapters/load", json={"name": "plain-peft"})
+        assert loaded.status_code == 200, loaded.text
+        body = _valid("LoadAdapterResponse", loaded.json())
+        assert body["name"] == "plain-peft"
+        listing = _valid("AdaptersResponse", http.get("/v1/adapters").json())
+        assert listing["active_adapter"] == "plain-peft"
+        answer = http.post(
+            "/v1/chat/completions",
+            json={"messages": [{"role": "user", "content": "How do I reset my password?"}], "max_tokens": 8},
+        )
+        assert answer.status_code == 200, answer.text
+        weights = _valid("ChatCompletionResponse", answer.json())["kiln"]
+        assert weights == {"adapter": "plain-peft", "adapter_manifest_sha256": None}
+        assert http.post("/v1/adapters/unload").status_code == 200
+
+        # a directory that holds a Kiln receipt is a Kiln publication: without its manifest it is refused
+        (plain / "train_receipt.json").write_bytes((trained_adapter / "train_receipt.json").read_bytes())
+        refused = http.post("/v1/adapters/load", json={"name": "plain-peft"})
+        assert refused.status_code == 400, refused.text
+        error = _valid("ErrorEnvelope", refused.json())["error"]
+        assert error["code"] == "adapter_invalid"
+        assert "adapter_manifest.json is missing" in error["message"]
+
+
+def test_a_job_interrupted_before_its_first_checkpoint_says_there_is_none_and_what_to_do(tmp_path, tiny_model_dir):
+    home = tmp_path / "home"
+    proc = ServerProcess(home, tiny_model_dir).start()
+    try:
+        with proc.client() as http:
+            config = {"epochs": 2000, "seed": 3, "checkpoint_interval": 100000, "auto_load": False}
+            job = _submit(http, {**config, "output_name": "no-ckpt"})["job_id"]
+            wait_for(lambda: _detail(http, job)["progress"] > 0)
+    finally:
+        proc.kill()
+    proc = ServerProcess(home, tiny_model_dir, port=proc.port).start()
+    try:
+        with proc.client() as http:
+            interrupted = _detail(http, job)
+    finally:
+        proc.stop()
+    assert interrupted["state"] == "failed"
+    assert interrupted["latest_checkpoint"] is None
+    error = interrupted["error"]
+    assert error.startswith("interrupted:")
+    assert "resumes it" not in error
+    assert "no checkpoint" in error
+    assert "replay_request" in error  # what to do: submit the admitted request again, from the start
+
+
+def _sharded_copy(tiny_model_dir, target):
+    """The tiny model saved in several safetensors shards with their index, as large checkpoints ship."""
+    from transformers import AutoModelForCausalLM
+
+    shutil.copytree(tiny_model_dir, target)
+    (target / "model.safetensors").unlink()
+    AutoModelForCausalLM.from_pretrained(tiny_model_dir).save_pretrained(target, max_shard_size="200KB")
+    shards = sorted(target.glob("model-*-of-*.safetensors"))
+    assert len(shards) > 1
+    assert (target / "model.safetensors.index.json").is_file()
+    return target, shards
+
+
+@pytest.mark.parametrize("layout", ["sharded", "single"])
+def test_a_renamed_weight_shard_stops_serve_and_local_admission_naming_the_missing_file(
+    layout, tmp_path, tiny_model_dir, capsys
+):
+    if layout == "sharded":  # one shard of the index renamed: the others are still there
+        model, shards = _sharded_copy(tiny_model_dir, tmp_path / "model")
+        missing, renamed = shards[1].name, shards[1].name + ".bak"
+    else:  # the one weight file renamed: a *.safetensors file is there, but not the one transformers reads
+        model = tmp_path / "model"
+        shutil.copytree(tiny_model_dir, model)
+        missing, renamed = "model.safetensors", "weights.safetensors"
+    (model / missing).rename(model / renamed)
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KILN_")}
+    env.update(KILN_HOME=str(tmp_path / "home"), PYTHONUNBUFFERED="1")
+    served = subprocess.run(
+        [sys.executable, "-m", "kiln.cli", "serve", "--model", str(model), "--port", str(free_port())],
+        env=env, capture_output=True, text=True, timeout=180, check=False,
+    )  # fmt: skip
+    assert served.returncode == 1, served.stdout + served.stderr
+    assert "Traceback" not in served.stderr
+    first = next((line for line in served.stderr.splitlines() if line.startswith("error")), served.stderr)
+    assert first.startswith("error [training_invalid_request]: "), served.stderr
+    assert missing in first
+    assert str(model) in first
+
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in ROWS), encoding="utf-8")
+    code = main(["train", "sft", "--local", "-f", str(data), "--adapter", "shard-bot", "--model", str(model)])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "Traceback" not in err
+    assert err.startswith("error [training_invalid_request]: ")
+    assert missing in err.splitlines()[0]
+    assert not (tmp_path / "kiln-home" / "adapters" / "shard-bot").exists()

@@ -22,7 +22,7 @@ def test_flags_beat_environment_beat_file_beat_defaults(tmp_path, monkeypatch):
     assert settings.get("server", "host") == "127.0.0.3"
     assert settings.origins["server.host"]["source"] == "environment"
     assert settings.get("training", "max_queued_jobs") == 7
-    assert settings.get("server", "max_request_bytes") == 67108864
+    assert settings.get("server", "max_request_bytes") == 8 * 1024 * 1024
     assert settings.origins["server.max_request_bytes"]["source"] == "default"
     body = settings.response()
     assert contracts.problems("ConfigResponse", body) == []

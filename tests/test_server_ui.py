@@ -300,6 +300,116 @@ def test_the_dashboard_follows_a_job_cancels_it_and_resumes_it_from_a_prepared_r
     assert all(url.startswith((f"{server.url}/", "data:")) for url in tab.requests), tab.requests
 
 
+GRPO_GROUPS = [
+    {"messages": [{"role": "user", "content": "Is the sky blue?"}],
+     "completions": [{"text": "yes", "reward": 1.0}, {"text": f"no {i}", "reward": 0.0}]}
+    for i in range(120)
+]  # fmt: skip
+OPD_PROMPTS = [
+    {"messages": [{"role": "user", "content": "Describe a river."}]},
+    {"messages": [{"role": "user", "content": "Describe a hill."}]},
+]
+OPD_CONFIG = {"samples_per_prompt": 2, "max_tokens": 8, "top_k": 16, "epochs": 30, "checkpoint_interval": 3}
+
+
+def _finished(http, job_id) -> dict:
+    return wait_for(
+        lambda: (d := http.get(f"/v1/train/jobs/{job_id}").json())["state"] in ("completed", "failed") and d,
+        timeout=300,
+    )
+
+
+def test_the_prepared_resume_continues_grpo_and_opd_jobs_to_the_bytes_of_uninterrupted_runs(
+    tab, tmp_path, tiny_model_dir
+):
+    """GRPO from a dataset_path (kept in the prepared request) and OPD from inline prompts (cleared, pasted back)."""
+    from kiln.model import create_tiny
+
+    home = tmp_path / "home"
+    page = tab.page
+    groups = home / "data" / "groups.jsonl"  # inside the server's default data root
+    groups.parent.mkdir(parents=True)
+    groups.write_text("".join(json.dumps(g) + "\n" for g in GRPO_GROUPS), encoding="utf-8")
+    teacher = create_tiny(tmp_path / "teacher-model", seed=2)
+    runs = {
+        "grpo": ({"dataset_path": str(groups)}, {"seed": 5, "checkpoint_interval": 4, "auto_load": False}),
+        "opd": ({"teacher": "ui-tutor", "prompts": OPD_PROMPTS}, {"seed": 3, **OPD_CONFIG, "auto_load": False}),
+    }
+    with ServerProcess(home, tiny_model_dir) as server, server.client() as http:
+        registered = http.post("/v1/teachers", json={"alias": "ui-tutor", "kind": "local", "model_id": str(teacher)})
+        assert registered.status_code == 200, registered.text
+        page.goto(f"{server.url}/ui")
+        for kind, (source, config) in runs.items():
+            name = f"ui-{kind}"
+            answer = http.post(f"/v1/train/{kind}", json={**source, "config": {**config, "output_name": name}})
+            assert answer.status_code == 200, answer.text
+            job_id = answer.json()["job_id"]
+
+            def checkpointed(job_id=job_id):
+                detail = http.get(f"/v1/train/jobs/{job_id}").json()
+                return detail["state"] == "running" and detail["latest_checkpoint"] is not None
+
+            wait_for(checkpointed)
+            assert http.delete(f"/v1/train/queue/{job_id}").status_code == 200
+            served = _finished(http, job_id)
+            assert served["error"].startswith("cancelled")
+            checkpoint = served["latest_checkpoint"]
+            assert checkpoint["training_kind"] == kind
+            assert 0 < checkpoint["global_step"] < checkpoint["total_steps"]
+
+            row = page.locator(f'#jobs tbody tr[data-job-id="{job_id}"]')
+            expect(row).to_have_attribute("data-state", "failed")
+            row.click()
+            expect(page.locator("#job-detail")).to_have_attribute("data-job-id", job_id)
+            expect(page.locator("#detail-kind")).to_contain_text(kind)
+            page.click("#prepare-resume")
+            expect(page.locator("#resume")).to_have_attribute("data-source-job", job_id)
+            expect(page.locator("#resume-route")).to_have_text(f"POST /v1/train/{kind}")
+            expect(page.locator("#resume-checkpoint")).to_have_text(checkpoint["resume_checkpoint"])
+            prepared = json.loads(page.locator("#resume-request").input_value())
+            assert prepared["config"] == {
+                **served["replay_request"]["config"],
+                "resume_checkpoint": checkpoint["resume_checkpoint"],
+            }
+            if kind == "grpo":
+                assert {k: v for k, v in prepared.items() if k != "config"} == {"dataset_path": str(groups.resolve())}
+                expect(page.locator('#resume-notices li[data-field="dataset_path"]')).to_contain_text("kept")
+            else:
+                assert prepared["prompts"] == []
+                assert prepared["teacher"] == "ui-tutor"
+                notice = page.locator('#resume-notices li[data-field="prompts"]')
+                expect(notice).to_contain_text("prompts was cleared")
+                expect(notice).to_contain_text(checkpoint["data_content_sha256"])
+                _edit_request(page, lambda r: r.update(prompts=OPD_PROMPTS))
+            tab.shot(f"{kind}-resume-prepared")
+
+            page.click("#resume-submit")
+            queued = page.locator("#resume-queued")
+            expect(queued).to_be_visible()
+            resumed_id = queued.get_attribute("data-job-id")
+            assert resumed_id
+            assert resumed_id != job_id
+            expect(page.locator("#job-detail")).to_have_attribute("data-job-id", resumed_id)
+            resumed_row = page.locator(f'#jobs tbody tr[data-job-id="{resumed_id}"]')
+            expect(resumed_row).to_have_attribute("data-state", "completed", timeout=120_000)
+            done = http.get(f"/v1/train/jobs/{resumed_id}").json()
+            assert done["state"] == "completed", done.get("error")
+            assert done["replay_request"]["config"]["resume_checkpoint"] == checkpoint["resume_checkpoint"]
+            page.click("#resume-close")
+
+            straight = http.post(
+                f"/v1/train/{kind}", json={**source, "config": {**config, "output_name": f"{name}-straight"}}
+            )
+            assert straight.status_code == 200, straight.text
+            assert _finished(http, straight.json()["job_id"])["state"] == "completed"
+            a = (home / "adapters" / name / "adapter_model.safetensors").read_bytes()
+            b = (home / "adapters" / f"{name}-straight" / "adapter_model.safetensors").read_bytes()
+            assert a == b, kind
+
+    assert tab.page_errors == []
+    assert tab.unexpected_console_errors() == []
+
+
 def test_the_dashboard_views_loads_unloads_and_deletes_an_adapter_and_shows_the_servers_identity(
     tab, tmp_path, tiny_model_dir, trained_adapter
 ):

@@ -16,12 +16,12 @@ from importlib import resources
 from typing import Any
 
 SCHEMA_DIGESTS: dict[str, str] = {
-    "kiln-artifacts-v1.schema.json": "sha256:062ba81a413d0158ee41d8fb42449a0e7f3a5c7a7e979c5766cd6ae9d697f454",
+    "kiln-artifacts-v1.schema.json": "sha256:1733b16eb607aefaf3524ea411f4e6c77475328fb418c9500bfd75f24cf33f17",
     "kiln-checkpoint-v1.schema.json": "sha256:74af4e1585bafc06ce891558189cb949a07ace144edf9c26034e0ea47545e6a3",
     "kiln-common-v1.schema.json": "sha256:578fb0867921ff18b61214d1e6a909abccdcc2532c6c6bd5a1c1aada83583c73",
-    "kiln-config-v1.schema.json": "sha256:fe225dfed3f0b89e9f92aa718d8aa56c2473d29fb9b71d99ab178444d1ddb443",
-    "kiln-control-plane-v1.schema.json": "sha256:2fb31a67ff810af9ca16f81d78936dff8596ac0b3cd0ddb511f182288743eb37",
-    "kiln-observability-v1.schema.json": "sha256:f2577529d90ec5b8426f93f2fe6f869a6a95ee86838974a450e002caeeacccbd"
+    "kiln-config-v1.schema.json": "sha256:90fb1826182bb468ad29c24ca9e84c62134aed459f49b194e5860513b5957ec6",
+    "kiln-control-plane-v1.schema.json": "sha256:dcdddc70af37611507592bbeb85e4cfd22410567a090196b7af1b81275c9ddd2",
+    "kiln-observability-v1.schema.json": "sha256:293548d5c3345d3afaeb8f409dc1dc6b1313a3b040595bcd5fa2a55a9c29ba7a"
 }
 
 __all__ = ["ENTRYPOINTS", "SCHEMA_DIGESTS", "load_bundle", "openapi_document"]

@@ -11,11 +11,16 @@ config (rank, alpha, targets, base model), the canary result, and the manifest p
 and validated -- or why it was rejected (a malformed manifest is surfaced, never hidden).
 It never rehashes files: the weights digest shown is the manifest's.
 
-Deletion removes the adapter directory and every sibling ``<name>-checkpoint-*``
-directory (and the hidden leftovers of that adapter's unfinished checkpoint
-publications). Each directory is first renamed to a hidden name, then removed, so an
-interrupted deletion never leaves something that looks like a valid adapter or
-checkpoint.
+Deletion removes the adapter directory and exactly the checkpoints it owns: the siblings
+whose names parse strictly as ``<name>-checkpoint-step-<8 digits>.kiln-checkpoint``
+(``kiln.checkpoints.parse_checkpoint_name``), and the hidden leftovers made from those names
+(``.<checkpoint name>.incomplete-XXXXXXXX`` of an unfinished publication,
+``.<checkpoint name>.deleting-XXXXXXXX`` of an interrupted deletion). A prefix never counts:
+``victim`` owns nothing of ``victim-checkpoint-keep``. A name with nothing of its own is
+``adapter_not_found`` and nothing is touched. A listed directory whose name the rule refuses
+today (a demoted ``<name>.failed``, say) can still be deleted by that name; it owns no
+checkpoint. Each directory is first renamed to a hidden name, then removed, so an
+interrupted deletion never leaves something that looks like a valid adapter or checkpoint.
 """
 
 from __future__ import annotations
@@ -29,8 +34,9 @@ from pathlib import Path
 from typing import Any
 
 from kiln import contracts
-from kiln._fs import fsync_dir, name_problem
+from kiln._fs import fsync_dir, name_max_bytes, name_problem
 from kiln._jsonio import read_json_file
+from kiln.checkpoints import parse_checkpoint_name, parse_checkpoint_staging_name
 from kiln.digests import raw_hex
 from kiln.errors import KilnError, NotFoundError, RequestError
 
@@ -47,7 +53,12 @@ def require_adapter_name(name: str) -> str:
     """``name`` when it can name an adapter in the registry, else ``RequestError`` with the reason."""
     why = name_problem(name, kind="adapter")
     if why is not None:
-        raise RequestError(f"adapter name {name!r} is not path-safe: {why}", code="training_invalid_request")
+        raise RequestError(
+            f"adapter name {name!r} is refused by the registry name rule: {why}",
+            code="training_invalid_request",
+            hint=f"an adapter name is one plain, non-blank file name of at most {name_max_bytes('adapter')} UTF-8 "
+            "bytes that no checkpoint, staging or demotion name can be mistaken for (docs/server.md, Names)",
+        )
     return name
 
 
@@ -191,16 +202,16 @@ def adapter_entry(directory: Path, *, loaded: bool = False) -> dict[str, Any]:
     return entry
 
 
+def _is_listed(entry: os.DirEntry[str]) -> bool:
+    """Whether listing shows this registry entry as an adapter directory."""
+    hidden_or_checkpoint = entry.name.startswith(".") or entry.name.endswith(CHECKPOINT_SUFFIX)
+    return not hidden_or_checkpoint and entry.is_dir(follow_symlinks=False)
+
+
 def _adapter_dirs(registry: Path) -> list[Path]:
     if not registry.is_dir():
         return []
-    out = []
-    for entry in os.scandir(registry):
-        if entry.name.startswith(".") or entry.name.endswith(CHECKPOINT_SUFFIX):
-            continue
-        if entry.is_dir(follow_symlinks=False):
-            out.append(Path(entry.path))
-    return sorted(out, key=lambda p: p.name)
+    return sorted((Path(entry.path) for entry in os.scandir(registry) if _is_listed(entry)), key=lambda p: p.name)
 
 
 def _stat_key(directory: Path) -> tuple[Any, ...] | None:
@@ -260,30 +271,43 @@ def list_adapters(
     }
 
 
-def _doomed(registry: Path, name: str) -> list[Path]:
-    """The adapter directory, its checkpoints and its unfinished checkpoint publications."""
-    prefix = f"{name}-checkpoint-"
+def _owned_by(entry_name: str, name: str) -> bool:
+    """Whether a registry entry is one of ``name``'s checkpoints or a hidden leftover made from one's name."""
+    parsed = parse_checkpoint_staging_name(entry_name) if entry_name.startswith(".") else None
+    owner = parsed[0] if parsed else (parse_checkpoint_name(entry_name) or (None,))[0]
+    return owner == name
+
+
+def _doomed(registry: Path, name: str, *, owns_checkpoints: bool) -> list[Path]:
+    """The adapter directory (when listing shows it), its checkpoints and their hidden leftovers."""
     found = []
-    target = registry / name
-    if target.is_dir() and not target.is_symlink():
-        found.append(target)
     for entry in os.scandir(registry):
-        named = entry.name.startswith(prefix) or entry.name.startswith(f".{prefix}")
-        if named and entry.is_dir(follow_symlinks=False):
+        if entry.name == name:
+            if _is_listed(entry):
+                found.append(Path(entry.path))
+        elif owns_checkpoints and _owned_by(entry.name, name) and entry.is_dir(follow_symlinks=False):
             found.append(Path(entry.path))
-    return found
+    return sorted(found)
 
 
 def delete_adapter(registry: str | os.PathLike[str], name: str, *, dry_run: bool = False) -> list[Path]:
-    """Remove ``name`` and every ``<name>-checkpoint-*`` directory; return what was (or would be) removed."""
+    """Remove ``name`` and exactly the checkpoints it owns; return what was (or would be) removed.
+
+    A name the registry rule refuses is ``training_invalid_request`` unless listing shows a directory of that
+    name (which is then removed alone); a name with nothing to remove is ``adapter_not_found``.
+    """
     root = Path(registry)
-    require_adapter_name(name)
+    if name_problem(name, kind="file") is not None:  # not even one plain directory entry: never near the disk
+        require_adapter_name(name)
     target = root / name
     if target.is_symlink():
         raise RequestError(
             f"{target} is a symlink, not an adapter directory; remove it by hand", code="training_invalid_request"
         )
-    doomed = _doomed(root, name) if root.is_dir() else []
+    valid = name_problem(name, kind="adapter") is None
+    doomed = _doomed(root, name, owns_checkpoints=valid) if root.is_dir() else []
+    if not valid and not doomed:
+        require_adapter_name(name)  # the rule, named
     if not doomed:
         raise NotFoundError(f"no adapter {name!r} (and no checkpoints of it) in {root}", code="adapter_not_found")
     if dry_run:

@@ -9,6 +9,8 @@ for bit, or is refused with the exact reason. It is never a warm start (that is
 ``load_checkpoint``      full strict load: sizes, SHA-256, loop state, with verified bytes
 ``list_checkpoints``     the checkpoints of a registry (optionally of one adapter)
 ``latest_checkpoint``    the newest valid checkpoint of an adapter, as a summary
+``orphaned_staging_dirs``  the hidden staging directories of unfinished publications (per adapter)
+``clean_unfinished_publications``  remove those that can no longer complete (``kiln checkpoints clean``)
 ``resolve_checkpoint_path``  where a ``resume_checkpoint`` value may point
 ``require_compatible``   resume admission: every difference named by field path
 
@@ -20,12 +22,21 @@ dotted field path).
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+import shutil
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kiln.artifacts.checkpoint_manifest import INCOMPLETE_SENTINEL
 from kiln.checkpoints._admission import incompatibilities, require_compatible
-from kiln.checkpoints._names import checkpoint_id, checkpoint_name, parse_checkpoint_name, resolve_checkpoint_path
+from kiln.checkpoints._names import (
+    checkpoint_id,
+    checkpoint_name,
+    parse_checkpoint_name,
+    parse_checkpoint_staging_name,
+    resolve_checkpoint_path,
+)
 from kiln.checkpoints._publish import PublishedCheckpoint, PublishTimings, publish_checkpoint
 from kiln.checkpoints._read import (
     MAX_FILES,
@@ -70,15 +81,19 @@ REASONS = {
 }
 
 __all__ = [
+    "ABANDONED_AFTER_SECONDS",
     "MAX_FILES",
     "REASONS",
     "CheckpointInfo",
     "CheckpointListing",
+    "CleanResult",
     "LoadedCheckpoint",
     "PublishTimings",
     "PublishedCheckpoint",
+    "UnfinishedPublication",
     "checkpoint_id",
     "checkpoint_name",
+    "clean_unfinished_publications",
     "error_problems",
     "incompatibilities",
     "inspect_checkpoint",
@@ -87,6 +102,7 @@ __all__ = [
     "load_checkpoint",
     "orphaned_staging_dirs",
     "parse_checkpoint_name",
+    "parse_checkpoint_staging_name",
     "publish_checkpoint",
     "require_compatible",
     "resolve_checkpoint_path",
@@ -146,16 +162,105 @@ def latest_checkpoint(registry: str | os.PathLike[str], adapter: str) -> dict[st
     return None
 
 
-def orphaned_staging_dirs(registry: str | os.PathLike[str]) -> list[Path]:
-    """Hidden staging directories left by publications that never finished (safe to delete)."""
-    root = Path(registry)
-    if not root.is_dir():
+def _staging_entries(registry: Path, adapter: str | None) -> list[tuple[os.DirEntry[str], tuple[str, int, str]]]:
+    """The real directories of ``registry`` named ``.<checkpoint name>.incomplete-XXXXXXXX`` (of ``adapter``)."""
+    if not registry.is_dir():
         return []
-    return sorted(
-        Path(e.path)
-        for e in os.scandir(root)
-        if e.name.startswith(".") and ".kiln-checkpoint.incomplete-" in e.name and e.is_dir(follow_symlinks=False)
-    )
+    found = []
+    for entry in os.scandir(registry):
+        parsed = parse_checkpoint_staging_name(entry.name)
+        if parsed is None or parsed[2] != "incomplete" or (adapter is not None and parsed[0] != adapter):
+            continue
+        if entry.is_dir(follow_symlinks=False):
+            found.append((entry, parsed))
+    return found
+
+
+def orphaned_staging_dirs(registry: str | os.PathLike[str], adapter: str | None = None) -> list[Path]:
+    """Hidden staging directories of checkpoint publications that have not finished, all or ``adapter``'s own
+    (the exact parse of ``.<checkpoint name>.incomplete-XXXXXXXX``; another adapter's never). Never loaded."""
+    return sorted(Path(entry.path) for entry, _ in _staging_entries(Path(registry), adapter))
+
+
+ABANDONED_AFTER_SECONDS = 3600.0  # idle this long, a publication is taken as abandoned (a live one writes steadily)
+
+
+@dataclass(frozen=True)
+class UnfinishedPublication:
+    """One hidden staging directory of a checkpoint publication that has not finished."""
+
+    path: Path
+    checkpoint: str  # the canonical name it was being published as
+    adapter: str
+    global_step: int
+    idle_seconds: float  # since anything in it last changed (the newest mtime of the directory and its entries)
+    superseded: bool  # that name is published since: this directory can never be renamed into place
+    sentinel: bool  # the ``.incomplete`` sentinel is still there (absent: killed between its removal and the rename)
+
+    def abandoned(self, older_than: float) -> bool:
+        return self.superseded or self.idle_seconds >= older_than
+
+
+@dataclass(frozen=True)
+class CleanResult:
+    removed: list[UnfinishedPublication] = field(default_factory=list)  # or, in a dry run, what would be
+    kept: list[UnfinishedPublication] = field(default_factory=list)  # changed too recently: perhaps still written
+    errors: list[tuple[UnfinishedPublication, str]] = field(default_factory=list)  # removal failed, with the reason
+
+
+def _newest_mtime(root: str) -> float:
+    """The newest mtime of ``root`` and of every entry below it (links themselves, never followed)."""
+    newest = os.lstat(root).st_mtime
+    for directory, dirs, files in os.walk(root):
+        for name in (*dirs, *files):
+            newest = max(newest, os.lstat(os.path.join(directory, name)).st_mtime)
+    return newest
+
+
+def _unfinished(registry: Path, adapter: str | None, now: float) -> list[UnfinishedPublication]:
+    found = []
+    for entry, (owner, step, _) in _staging_entries(registry, adapter):
+        name = checkpoint_name(owner, step)
+        try:
+            idle = max(0.0, now - _newest_mtime(entry.path))
+        except FileNotFoundError:  # finished (renamed) or removed while we looked
+            continue
+        sentinel = os.path.lexists(os.path.join(entry.path, INCOMPLETE_SENTINEL))
+        superseded = os.path.lexists(registry / name)
+        found.append(UnfinishedPublication(Path(entry.path), name, owner, step, idle, superseded, sentinel))
+    return sorted(found, key=lambda u: (u.adapter, u.global_step, u.path.name))
+
+
+def clean_unfinished_publications(
+    registry: str | os.PathLike[str],
+    adapter: str | None = None,
+    *,
+    older_than: float = ABANDONED_AFTER_SECONDS,
+    dry_run: bool = False,
+) -> CleanResult:
+    """Remove the staging directories of checkpoint publications that can no longer complete.
+
+    A staging directory (the exact ``.<checkpoint name>.incomplete-XXXXXXXX`` of a real directory, never a
+    link; of ``adapter`` only when given) is removed when its checkpoint name has been published since (the
+    rename can never happen: names are never reused) or when nothing in it changed for ``older_than`` seconds:
+    a live publication writes its files one after another and renames within seconds, so only a killed one
+    stays idle. Younger ones are kept and reported. Nothing else of the registry is touched: canonical
+    checkpoints, adapters and their own staging directories stay. ``older_than=0`` takes every one, and is
+    right only while no job publishes into this registry.
+    """
+    result = CleanResult()
+    for unfinished in _unfinished(Path(registry), adapter, time.time()):
+        if not unfinished.abandoned(older_than):
+            result.kept.append(unfinished)
+            continue
+        if not dry_run:
+            try:
+                shutil.rmtree(unfinished.path)  # removes links inside as links, never what they point to
+            except OSError as exc:
+                result.errors.append((unfinished, f"{exc.strerror or exc}: {exc.filename or unfinished.path}"))
+                continue
+        result.removed.append(unfinished)
+    return result
 
 
 def error_problems(exc: CheckpointError) -> list[Problem]:

@@ -4,6 +4,18 @@ A checkpoint is the directory ``<adapter>-checkpoint-step-<8 digits>.kiln-checkp
 a direct child of the adapter registry. A resume names it by that basename, or by an
 absolute path whose parent is the registry itself; anything else (``..``, nesting, a
 relative path with a separator, a symlink) is refused before any model work.
+
+The parse is strict, so an adapter owns exactly the checkpoints whose names parse back to
+it: the name is exactly ``checkpoint_name(adapter, step)`` (the step zero-padded to 8
+digits, more only from step 100,000,000 on, never a leading zero beyond 8) and ``adapter``
+passes the registry's name rule (``kiln._fs.name_problem``, kind ``adapter``), which refuses
+``-checkpoint-step-`` inside an adapter name -- so the first ``-checkpoint-step-`` of a
+checkpoint name is where its adapter ends. ``victim-checkpoint-keep`` is no checkpoint of
+``victim``; ``victim-checkpoint-step-00000001.kiln-checkpoint`` is one, and of no one else.
+
+``parse_checkpoint_staging_name`` reads the hidden entries made from a checkpoint name:
+``.<checkpoint name>.<purpose>-XXXXXXXX`` -- ``incomplete`` for a publication in progress
+(``kiln._fs.staging_dir``), ``deleting`` for a deletion in progress.
 """
 
 from __future__ import annotations
@@ -12,14 +24,22 @@ import os
 import re
 from pathlib import Path
 
+from kiln._fs import name_problem
 from kiln.errors import CheckpointError
 
 SUFFIX = ".kiln-checkpoint"
 STEP_MARK = "-checkpoint-step-"
-_NAME = re.compile(r"(?P<adapter>[^./\\][^/\\]*)-checkpoint-step-(?P<step>[0-9]{8,})\.kiln-checkpoint")
+_NAME = re.compile(r"(?P<adapter>.+?)-checkpoint-step-(?P<step>[0-9]{8,})\.kiln-checkpoint")
+_STAGING = re.compile(r"\.(?P<target>.+)\.(?P<purpose>[a-z]+)-[a-z0-9_]{8}")  # mkdtemp: 8 of [a-z0-9_]
 MAX_NAME_BYTES = 255
 
-__all__ = ["checkpoint_id", "checkpoint_name", "parse_checkpoint_name", "resolve_checkpoint_path"]
+__all__ = [
+    "checkpoint_id",
+    "checkpoint_name",
+    "parse_checkpoint_name",
+    "parse_checkpoint_staging_name",
+    "resolve_checkpoint_path",
+]
 
 
 def checkpoint_name(adapter_name: str, global_step: int) -> str:
@@ -31,13 +51,25 @@ def checkpoint_id(training_kind: str, global_step: int) -> str:
 
 
 def parse_checkpoint_name(name: str) -> tuple[str, int] | None:
-    """``(adapter, global_step)`` of a canonical basename, or None when it is not one."""
-    if len(name.encode("utf-8")) > MAX_NAME_BYTES or ".." in name:
+    """``(adapter, global_step)`` of a canonical basename, or None when it is not one (see the module docstring)."""
+    if not isinstance(name, str) or len(name.encode("utf-8", "surrogatepass")) > MAX_NAME_BYTES:
         return None
     match = _NAME.fullmatch(name)
     if match is None:
         return None
-    return match["adapter"], int(match["step"])
+    adapter, step = match["adapter"], int(match["step"])
+    if checkpoint_name(adapter, step) != name or name_problem(adapter, kind="adapter") is not None:
+        return None
+    return adapter, step
+
+
+def parse_checkpoint_staging_name(name: str) -> tuple[str, int, str] | None:
+    """``(adapter, global_step, purpose)`` of a hidden ``.<checkpoint name>.<purpose>-XXXXXXXX`` entry, or None."""
+    match = _STAGING.fullmatch(name) if isinstance(name, str) else None
+    parsed = parse_checkpoint_name(match["target"]) if match else None
+    if match is None or parsed is None:
+        return None
+    return parsed[0], parsed[1], match["purpose"]
 
 
 def resolve_checkpoint_path(registry: str | os.PathLike[str], value: str) -> Path:

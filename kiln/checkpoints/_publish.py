@@ -9,7 +9,9 @@
 6. rename staging to the canonical name, fsync the registry.
 
 The canonical name is absent before step 6 and complete after it; a crash leaves at most
-a hidden staging directory, which no reader lists or loads. The manifest (with its
+a hidden staging directory, which no reader lists or loads. A write the file system refuses
+(read-only, permission denied, no space or quota left, a name too long) removes the staging
+directory and raises ``kiln.errors.StorageFailureError`` naming the checkpoint and the path. The manifest (with its
 digests pending) and the loop state are validated before the first byte is written, so a
 bad manifest never reaches the disk.
 
@@ -33,7 +35,7 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from kiln import _documents
 from kiln._fs import fsync_dir, staging_dir
@@ -41,7 +43,7 @@ from kiln._jsonio import canonical_json
 from kiln.artifacts.checkpoint_manifest import DOC, INCOMPLETE_SENTINEL, MANIFEST_FILE
 from kiln.checkpoints._names import checkpoint_name
 from kiln.checkpoints._read import MAX_FILES, check_loop_state
-from kiln.errors import CheckpointError
+from kiln.errors import CheckpointError, StorageFailureError
 
 log = logging.getLogger("kiln.checkpoints")
 
@@ -116,6 +118,14 @@ def _with_files(manifest: dict[str, Any], files: Files, digests: Mapping[str, st
     return {**manifest, "files": entries}
 
 
+def _refused(exc: OSError, doing: str, path: Path) -> NoReturn:
+    """Raise ``exc`` as the storage failure it is (naming ``path`` when it names none), or as it is."""
+    failure = StorageFailureError.from_os_error(exc, doing=doing, path=path)
+    if failure is None:
+        raise exc
+    raise failure from exc
+
+
 def publish_checkpoint(
     registry: str | os.PathLike[str],
     capture: Callable[[], Any],
@@ -154,8 +164,13 @@ def publish_checkpoint(
             hint="to rerun from an older checkpoint, first archive (move out of the registry) every later "
             f"checkpoint of {manifest['adapter_name']!r}, including {name}",
         )
-    root.mkdir(parents=True, exist_ok=True)
-    staging = staging_dir(root, name)
+    doing = f"publishing checkpoint {name} in {root}"
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        staging = staging_dir(root, name)
+    except OSError as exc:
+        _refused(exc, doing, root)
+    writing = staging  # the file being written, for a refusal that names none (write, fsync)
     try:
         fds: list[int] = []
         pool = _pool()
@@ -163,13 +178,15 @@ def publish_checkpoint(
         sentinel = pool.submit(_write_sentinel, staging)
         try:
             for rel, (_, data) in sorted(files.items()):
-                path = staging / rel
+                path = writing = staging / rel
                 if path.parent != staging:
                     path.parent.mkdir(parents=True, exist_ok=True)
                 fds.append(_create(path, data))
             manifest = _with_files(manifest, files, {rel: future.result() for rel, future in hashing.items()})
             # validated above with the digests pending; hex digests cannot change the verdict
-            fds.append(_create(staging / MANIFEST_FILE, canonical_json(manifest)))
+            writing = staging / MANIFEST_FILE
+            fds.append(_create(writing, canonical_json(manifest)))
+            writing = staging
             # the sentinel is durable before any state file is synced, and every file is synced
             # before the sentinel goes; concurrent fsyncs share journal commits
             sentinel.result()
@@ -189,10 +206,16 @@ def publish_checkpoint(
                 reason="checkpoint_exists",
             )
         os.rename(staging, target)
+    except OSError as exc:
+        shutil.rmtree(staging, ignore_errors=True)
+        _refused(exc, doing, writing)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    fsync_dir(root)
+    try:
+        fsync_dir(root)
+    except OSError as exc:
+        _refused(exc, doing, root)
     t3 = time.perf_counter()
     timings = PublishTimings((t1 - t0) * 1000, (t2 - t1) * 1000, (t3 - t2) * 1000)
     log.info(

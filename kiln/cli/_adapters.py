@@ -151,6 +151,10 @@ def _print_listing(args: argparse.Namespace, listing: dict[str, Any]) -> int:
         print(f"{e['name']:28} {e['status']:12} {rank:>4} {alpha:>6} {size:>10}  {weights:21}  {manifest}")
         if e["error"]:
             print(f"  {e['error']}")
+    print(
+        "\nListing is metadata only: no file is hashed, so `available` and a manifest marked ok do not mean the "
+        "files match it; `kiln adapters verify NAME` hashes every file (a load on the server does too)."
+    )
     return 0
 
 

@@ -1,8 +1,10 @@
-"""``kiln checkpoints list|inspect|verify``: read-only views of exact-resume checkpoints.
+"""``kiln checkpoints list|inspect|verify|clean``: views of exact-resume checkpoints, and cleanup.
 
 No torch here: these commands read manifests and hash files, nothing more. ``inspect``
 is the metadata-only read (bounded, flat cost); ``verify`` is the full strict load that a
-resume performs, and exits 0 only when every file's size and SHA-256 match.
+resume performs, and exits 0 only when every file's size and SHA-256 match. ``clean``
+removes the hidden staging directories of publications that can no longer complete
+(``kiln.checkpoints.clean_unfinished_publications``) and never touches a checkpoint.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from kiln.errors import CheckpointError, KilnError
 def add_checkpoints_parser(sub: Any) -> None:
     cp = sub.add_parser(
         "checkpoints",
-        help="list, inspect and verify exact-resume checkpoints",
+        help="list, inspect, verify and clean up exact-resume checkpoints",
         description="Exact-resume checkpoints live in the adapter registry as "
         "<adapter>-checkpoint-step-<8 digits>.kiln-checkpoint directories. They are immutable: never edit one.",
     )
@@ -38,6 +40,27 @@ def add_checkpoints_parser(sub: Any) -> None:
         p.add_argument("--adapter-dir", help="registry to look a basename up in (default: $KILN_HOME/adapters)")
         p.add_argument("--json", action="store_true", help="print the result as JSON")
         p.set_defaults(func=cmd_inspect if verb == "inspect" else cmd_verify)
+    text = (
+        "remove the hidden staging directories that killed publications left behind: those whose checkpoint name "
+        "was published since, and those nothing changed in for --older-than seconds (a live publication writes "
+        "steadily and renames within seconds). Checkpoints, adapters and younger staging directories stay."
+    )
+    p = verbs.add_parser(
+        "clean", help="remove leftovers of checkpoint publications that can no longer complete", description=text
+    )
+    p.add_argument("--adapter", help="only this adapter's leftovers")
+    p.add_argument("--adapter-dir", help="adapter registry directory (default: $KILN_HOME/adapters)")
+    p.add_argument("--dry-run", action="store_true", help="print what would be removed; remove nothing")
+    p.add_argument(
+        "--older-than",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="idle time after which a staging directory counts as abandoned (default: 3600); 0 takes every one, "
+        "which is right only while no job publishes into this registry",
+    )
+    p.add_argument("--json", action="store_true", help="print {removed, kept, errors} as JSON")
+    p.set_defaults(func=cmd_clean)
 
 
 def _registry(args: argparse.Namespace) -> Path:
@@ -109,15 +132,70 @@ def cmd_list(args: argparse.Namespace) -> int:
             nxt = f"{s['next_epoch_index']}/{s['next_cursor_in_epoch']}"
             print(f"{c.path.name:60} {step:>15} {nxt:>18}  {s['created_at']:24} ok (metadata)")
         print("\nStatus is a metadata-only read; `kiln checkpoints verify PATH` hashes every file.")
-    orphans = orphaned_staging_dirs(registry)
+    orphans = orphaned_staging_dirs(registry, args.adapter)
     if orphans:
         print(
-            f"\n{len(orphans)} unfinished publication(s) left by an interrupted run (hidden, never loaded, "
-            "safe to delete):"
+            f"\n{len(orphans)} unfinished publication(s) (hidden, never loaded; "
+            "`kiln checkpoints clean` removes those that can no longer complete):"
         )
         for orphan in orphans:
             print(f"  {orphan}")
     return 0
+
+
+def _idle(seconds: float) -> str:
+    return f"{seconds / 3600:.1f} h" if seconds >= 3600 else f"{seconds:.0f} s"
+
+
+def _unfinished_json(u: Any) -> dict[str, Any]:
+    return {
+        "path": str(u.path),
+        "checkpoint": u.checkpoint,
+        "adapter": u.adapter,
+        "global_step": u.global_step,
+        "idle_seconds": round(u.idle_seconds, 3),
+        "superseded": u.superseded,
+        "sentinel": u.sentinel,
+    }
+
+
+def cmd_clean(args: argparse.Namespace) -> int:
+    from kiln.checkpoints import ABANDONED_AFTER_SECONDS, clean_unfinished_publications
+
+    older_than = ABANDONED_AFTER_SECONDS if args.older_than is None else args.older_than
+    if older_than < 0:
+        print("error: --older-than is a number of seconds, 0 or more", file=sys.stderr)
+        return 2
+    try:
+        registry = _registry(args)
+    except KilnError as exc:
+        print(f"error [{exc.code}]: {exc.message}", file=sys.stderr)
+        return 2
+    result = clean_unfinished_publications(registry, args.adapter, older_than=older_than, dry_run=args.dry_run)
+    if args.json:
+        body = {
+            "dry_run": args.dry_run,
+            "older_than_seconds": older_than,
+            "removed": [_unfinished_json(u) for u in result.removed],
+            "kept": [_unfinished_json(u) for u in result.kept],
+            "errors": [{**_unfinished_json(u), "error": why} for u, why in result.errors],
+        }
+        print(json.dumps(body, indent=2, ensure_ascii=False))
+        return 1 if result.errors else 0
+    verb = "would remove" if args.dry_run else "removed"
+    for u in result.removed:
+        why = "its name was published since" if u.superseded else f"idle {_idle(u.idle_seconds)}"
+        print(f"{verb} {u.path} (unfinished publication of {u.checkpoint}; {why})")
+    for u in result.kept:
+        print(
+            f"kept {u.path} (changed {_idle(u.idle_seconds)} ago: a publication may still be writing it; "
+            "--older-than 0 takes it once no job is publishing)"
+        )
+    for u, why in result.errors:
+        print(f"✗ could not remove {u.path}: {why}", file=sys.stderr)
+    if not (result.removed or result.kept or result.errors):
+        print(f"no unfinished publications in {registry}" + (f" for adapter {args.adapter!r}" if args.adapter else ""))
+    return 1 if result.errors else 0
 
 
 def _read(reader: Any, path: Path, as_json: bool) -> Any:

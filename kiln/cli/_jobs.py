@@ -3,13 +3,15 @@
 The request is built from the file and the flags by ``kiln.cli._requests`` (the same flags build the
 same config as ``--local``), submitted with the generated SDK (``kiln_contracts.client``); the answer is
 printed as the short human lines of spec/60, or as the server's JSON with ``--json``.
-``--wait`` follows the job with a progress bar until it ends. ``kiln.cli._train`` holds the parsers
+``--wait`` follows the job with a progress bar until it ends; a job of any kind that fails with a
+checkpoint prints the command that resumes it on the same server. ``kiln.cli._train`` holds the parsers
 and sends every command here that has no ``--local``.
 """
 
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 from pathlib import Path
 from typing import Any
@@ -45,6 +47,8 @@ def submit(args: argparse.Namespace, kind: str) -> int:
             "grpo": client.submit_grpo_training,
             "opd": client.submit_opd_training,
         }[kind]
+        if request.get("dataset_path") is not None:
+            request["dataset_path"] = _upload(client, args, Path(request["dataset_path"]))
         answer = body(method(request))
         job_id = answer["job_id"]
         if args.json and not args.wait:
@@ -58,6 +62,17 @@ def submit(args: argparse.Namespace, kind: str) -> int:
         return _follow(client, args, job_id, kind) if args.wait else 0
 
     return run(args, submit)
+
+
+def _upload(client: Any, args: argparse.Namespace, path: Path) -> str:
+    """Upload a JSONL file to the server (which reads training files only inside its data roots); the
+    ``dataset_path`` of the stored copy, named by its digest (the same bytes always get the same path)."""
+    with path.open("rb") as handle:
+        stored = body(client.upload_dataset(handle))
+    if not args.json:
+        again = "" if stored["created"] else ", already stored"
+        print(f"Uploaded {path} ({stored['bytes']} bytes, {stored['sha256']}{again})", file=sys.stderr)
+    return stored["dataset_path"]
 
 
 def _follow(client: Any, args: argparse.Namespace, job_id: str, kind: str) -> int:
@@ -119,10 +134,30 @@ def _outcome(args: argparse.Namespace, detail: dict[str, Any], kind: str) -> int
     checkpoint = detail["latest_checkpoint"]
     if checkpoint is not None:
         print(_checkpoint_line(checkpoint), file=sys.stderr)
-        if kind == "sft":
-            command = sft_resume_command(args, checkpoint["resume_checkpoint"], args.checkpoint_interval, local=False)
-            print(f"Resume with:\n  {command}", file=sys.stderr)
+        print(f"Resume with:\n  {_resume_command(args, kind, checkpoint['resume_checkpoint'])}", file=sys.stderr)
     return 1
+
+
+def _resume_command(args: argparse.Namespace, kind: str, checkpoint: str) -> str:
+    """The command that continues this job on the server from ``checkpoint``: the same file and flags, no seed
+    (the checkpoint holds it)."""
+    if kind == "sft":
+        return sft_resume_command(args, checkpoint, args.checkpoint_interval, local=False)
+    argv = ["kiln", "train", kind, "-f", str(Path(args.file).resolve()), "--adapter", args.adapter]
+    flags = {
+        "--teacher": getattr(args, "teacher", None),
+        "--url": args.url,
+        "--epochs": getattr(args, "epochs", None),
+        "--lr": args.lr,
+        "--optimizer": args.optimizer,
+        "--lora-rank": args.lora_rank,
+        "--lora-alpha": args.lora_alpha,
+        "--checkpoint-interval": args.checkpoint_interval,
+    }
+    argv += [part for flag, value in flags.items() if value is not None for part in (flag, str(value))]
+    if args.no_auto_load:
+        argv.append("--no-auto-load")
+    return shlex.join([*argv, "--resume-checkpoint", checkpoint])
 
 
 def _percent(progress: float) -> str:
@@ -172,8 +207,14 @@ def cmd_train_status(args: argparse.Namespace) -> int:
         elif (detail.get("replay_request") or {}).get("post_eval") and detail["state"] in ("queued", "running"):
             print("Gate: pending (the adapter goes live only if the evaluation gate promotes it)")
         checkpoint = detail["latest_checkpoint"]
-        if checkpoint is not None and detail["state"] != "completed":
+        if checkpoint is not None:
             print(_checkpoint_line(checkpoint))
+            if detail["state"] == "completed":  # never the final step: the run published its adapter instead
+                delete = f"kiln adapters delete {shlex.quote(detail['adapter_name'] or 'NAME')}{url_flag(args)}"
+                print(
+                    "  the run completed and published its adapter: nothing needs resuming. This is the last "
+                    f"checkpoint it wrote on the way; it stays on disk until `{delete}` removes it with the adapter"
+                )
         elif detail["checkpoint_error"]:
             print(f"Checkpoint: unusable ({detail['checkpoint_error']})")
         return 0

@@ -33,9 +33,19 @@ from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Res
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kiln import __version__, contracts
+from kiln._fs import writable_problem
 from kiln._jsonio import parse_json
-from kiln.errors import AuthError, CapacityError, ContractError, InternalError, KilnError, NotFoundError, Problem
-from kiln.server import _evals, _training
+from kiln.errors import (
+    AuthError,
+    CapacityError,
+    ContractError,
+    InternalError,
+    KilnError,
+    NotFoundError,
+    Problem,
+    RequestError,
+)
+from kiln.server import _datasets, _evals, _training
 from kiln.server._jobs import JobManager, JobStore
 from kiln.server._settings import Settings, resolve_settings
 
@@ -148,6 +158,7 @@ def build_server(settings: Settings) -> Server:
         max_queued=int(settings.get("training", "max_queued_jobs")),
         runner=lambda job, cancel, report: _training.run(engine, job, cancel, report),
         on_terminal=_notify(settings, ref),
+        interrupted=lambda job: interrupted_reason(settings.registry, job),
     )
     engine.jobs = jobs
     server = Server(
@@ -167,19 +178,44 @@ def build_server(settings: Settings) -> Server:
 # ----------------------------------------------------------------------------- the app
 
 
+def _json_media_type(content_type: str | None) -> bool:
+    """``application/json`` or ``application/<anything>+json``, any parameters; an absent header reads as JSON."""
+    if content_type is None:
+        return True
+    kind, _, subtype = content_type.partition(";")[0].strip().lower().partition("/")
+    return kind == "application" and (subtype == "json" or subtype.endswith("+json"))
+
+
+def _too_large(size: str, limit: int) -> CapacityError:
+    return CapacityError(
+        f"request body {size} exceeds server.max_request_bytes ({limit} bytes)",
+        code="payload_too_large",
+        hint="send the rows as a dataset_path file, or raise server.max_request_bytes (KILN_SERVER_MAX_REQUEST_BYTES)",
+    )
+
+
 async def _body(request: Request, server: Server) -> Any:
+    """The JSON body, bounded before it is buffered: a declared length over the limit is refused before a byte is
+    read, a chunked body as soon as the bytes read pass it; a body declared as anything but JSON is refused."""
+    content_type = request.headers.get("content-type")
+    if not _json_media_type(content_type):
+        raise RequestError(
+            f"the body is declared as {content_type!r}; this route reads application/json",
+            code="unsupported_media_type",
+            hint="send Content-Type: application/json",
+        )
     limit = int(server.settings.get("server", "max_request_bytes"))
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise CapacityError(f"request body of {declared} bytes exceeds {limit}", code="payload_too_large")
-    data = b""
+    declared = request.headers.get("content-length", "").strip()
+    if declared.isdigit() and int(declared) > limit:
+        raise _too_large(f"of {declared} bytes", limit)
+    data = bytearray()
     async for chunk in request.stream():
         data += chunk
         if len(data) > limit:
-            raise CapacityError(f"request body exceeds {limit} bytes", code="payload_too_large")
+            raise _too_large(f"of more than {limit} bytes", limit)
     if not data.strip():
         raise ContractError([Problem("missing_field", "", "the request needs a JSON body")])
-    return parse_json(data, source="request body", limit=limit)
+    return parse_json(bytes(data), source="request body", limit=limit)
 
 
 def _check(definition: str, body: Any) -> None:
@@ -260,6 +296,11 @@ def create_app(server: Server, *, own_lifecycle: bool = True) -> FastAPI:
     @app.post("/v1/train/opd")
     async def submit_opd(request: Request) -> JSONResponse:
         return JSONResponse(await _threaded(submit, "opd", await _body(request, server)))
+
+    @app.post("/v1/datasets")
+    async def upload_dataset(request: Request) -> JSONResponse:
+        limit = int(server.settings.get("server", "max_upload_bytes"))
+        return JSONResponse(await _datasets.receive(request, server.settings.uploads, limit))
 
     @app.get("/v1/train/status")
     def list_status() -> JSONResponse:
@@ -460,6 +501,12 @@ def create_app(server: Server, *, own_lifecycle: bool = True) -> FastAPI:
         doc = health_body(server)
         return JSONResponse(doc, status_code=200 if doc["status"] == "ok" else 503)
 
+    @app.head("/health")
+    def health_head() -> Response:
+        """What a GET would answer, without the body (load balancers and probes send HEAD)."""
+        ok = health_body(server)["status"] == "ok"
+        return Response(status_code=200 if ok else 503, media_type="application/json")
+
     @app.get("/metrics")
     def metrics() -> PlainTextResponse:
         return PlainTextResponse(metrics_text(server), media_type="text/plain; version=0.0.4")
@@ -547,6 +594,29 @@ def detail(server: Server, job_id: str) -> dict[str, Any]:
     return out
 
 
+def interrupted_reason(registry: Path, job: Any) -> str:
+    """Why a job that was running when the server stopped failed, and what continues it: its adapter's newest
+    checkpoint, or -- when it published none -- a fresh submission of its replay request."""
+    from kiln.checkpoints import latest_checkpoint
+    from kiln.errors import CheckpointError
+
+    stopped = "interrupted: the server stopped while this job was running"
+    try:
+        checkpoint = latest_checkpoint(registry, job.adapter_name)
+    except (CheckpointError, OSError) as exc:
+        return f"{stopped}; its checkpoints cannot be read ({exc}): see checkpoint_error in the job detail"
+    if checkpoint is None:
+        return (
+            f"{stopped}, before it published a checkpoint: there is no checkpoint to resume it from; submit its "
+            "replay_request again (without config.resume_checkpoint) to train it from the start"
+        )
+    return (
+        f"{stopped}; its newest checkpoint {checkpoint['resume_checkpoint']} (step {checkpoint['global_step']}/"
+        f"{checkpoint['total_steps']}) resumes it: submit its replay_request with config.resume_checkpoint set to "
+        "that name"
+    )
+
+
 def adapter_receipt(server: Server, name: str) -> dict[str, Any]:
     from kiln.adapters import require_adapter_name as _safe_name
 
@@ -590,6 +660,15 @@ def _memory() -> dict[str, Any]:
     }
 
 
+def _registry_check(registry: Path) -> dict[str, Any]:
+    """``registry_writable``: a file can be created (one byte written, then removed) in the adapter registry."""
+    problem = writable_problem(registry, probe=True)
+    if problem is None:
+        return {"name": "registry_writable", "pass": True}
+    detail = f"{problem}; adapters, checkpoints and receipts cannot be published"
+    return {"name": "registry_writable", "pass": False, "detail": detail}
+
+
 def health_body(server: Server) -> dict[str, Any]:
     """``HealthResponse``: readiness checks, identities, training queue and memory."""
     identity = server.identity
@@ -603,6 +682,7 @@ def health_body(server: Server) -> dict[str, Any]:
         {"name": "base_weights_identified", "pass": bool(shards.get("shards"))},
         {"name": "job_store_writable", "pass": server.jobs.store.writable()},
         {"name": "training_worker_alive", "pass": server.jobs.alive()},
+        _registry_check(server.engine.registry),
     ]
     return {
         "status": "ok" if all(c["pass"] for c in checks) else "degraded",

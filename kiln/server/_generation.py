@@ -23,7 +23,10 @@ Adapters
     directory exists (``adapter_not_found``); ``adapter_manifest.json`` loads strictly,
     binds ``adapter_model.safetensors`` and ``adapter_config.json``, and every file digest
     it records (weights, config, train receipt) matches the bytes read
-    (``manifest.file-hashes``); the config is a plain LoRA config; every tensor is a
+    (``manifest.file-hashes``) -- or, for a plain PEFT directory (no manifest and no
+    ``train_receipt.json``: spec/50's legacy adapter), there is nothing to bind and these
+    checks are skipped, while a directory holding a Kiln receipt but no manifest is refused
+    (Kiln binds every adapter it publishes); the config is a plain LoRA config; every tensor is a
     complete ``lora_A``/``lora_B`` pair of a declared target ``nn.Linear`` of the served
     model with matching shapes; the canary has not quarantined it
     (``adapter_canary_status.json``, read as ``kiln adapters list`` reads it: an invalid
@@ -97,6 +100,7 @@ __all__ = ["CANARY_FILE", "Generator", "content_revision"]
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 CANARY_FILE = "adapter_canary_status.json"
+RECEIPT_FILE = "train_receipt.json"
 CHECKPOINT_SUFFIX = ".kiln-checkpoint"
 REQUEST = "ChatCompletionRequest"
 
@@ -144,7 +148,7 @@ class _Lora:
 class _Adapter:
     name: str
     content_revision: str
-    manifest_sha256: str  # sha256:<hex> of adapter_manifest.json as read
+    manifest_sha256: str | None  # sha256:<hex> of adapter_manifest.json as read; None for a plain PEFT directory
     weights_sha256: str  # sha256:<hex> of adapter_model.safetensors as read
     layers: tuple[_Lora, ...]
 
@@ -539,7 +543,46 @@ class Generator:
                 code="adapter_not_found",
                 hint="GET /v1/adapters lists the installed adapters",
             )
-        manifest_bytes = _read_file(directory, MANIFEST_FILE, MAX_DOCUMENT_BYTES)
+        manifest_bytes = self._manifest_bytes(directory)
+        config_bytes = _read_file(directory, CONFIG_FILE, MAX_DOCUMENT_BYTES)
+        weights_bytes = _read_file(directory, WEIGHTS_FILE, None)
+        if manifest_bytes is not None:
+            self._check_manifest(name, directory, manifest_bytes, config_bytes, weights_bytes)
+        if not allow_quarantined and (directory / CANARY_FILE).exists():
+            canary = _read_canary(directory / CANARY_FILE)
+            if canary["status"] == "quarantined":
+                raise AdapterError(
+                    f"adapter {name!r} is quarantined by its serving canary: {canary['failure_reason']}",
+                    hint="load it explicitly with allow_quarantined: true to serve it anyway",
+                )
+        layers = self._lora_layers(name, config_bytes, weights_bytes)
+        return _Adapter(
+            name=name,
+            content_revision=content_revision(config_bytes, weights_bytes),
+            manifest_sha256=None if manifest_bytes is None else prefixed(hashlib.sha256(manifest_bytes).hexdigest()),
+            weights_sha256=prefixed(hashlib.sha256(weights_bytes).hexdigest()),
+            layers=layers,
+        )
+
+    @staticmethod
+    def _manifest_bytes(directory: Path) -> bytes | None:
+        """The manifest as read; None for a plain PEFT directory (neither a manifest nor a Kiln receipt)."""
+        manifest, receipt = directory / MANIFEST_FILE, directory / RECEIPT_FILE
+        if manifest.exists() or manifest.is_symlink():
+            return _read_file(directory, MANIFEST_FILE, MAX_DOCUMENT_BYTES)
+        if receipt.exists() or receipt.is_symlink():
+            raise AdapterError(
+                f"adapter {directory.name!r}: {MANIFEST_FILE} is missing, but {RECEIPT_FILE} is here: Kiln binds "
+                "every adapter it publishes with a manifest, so this one is unfinished or was altered",
+                hint="retrain it, or restore it from a copy that has its manifest (kiln adapters restore)",
+            )
+        return None
+
+    @staticmethod
+    def _check_manifest(
+        name: str, directory: Path, manifest_bytes: bytes, config_bytes: bytes, weights_bytes: bytes
+    ) -> None:
+        """The manifest loads strictly, names the canonical serving files and every digest it records matches."""
         try:
             load_adapter_manifest(manifest_bytes)  # strict: schema, semantic rules, embedded records
         except KilnError as exc:
@@ -551,8 +594,6 @@ class Generator:
                 raise AdapterError(
                     f"adapter {name!r}: {MANIFEST_FILE} files.{role} is {files[role]!r}, not {expected!r}"
                 )
-        config_bytes = _read_file(directory, CONFIG_FILE, MAX_DOCUMENT_BYTES)
-        weights_bytes = _read_file(directory, WEIGHTS_FILE, None)
         bound = [
             (WEIGHTS_FILE, weights_bytes, manifest["safetensors_hash"]),
             (CONFIG_FILE, config_bytes, manifest["config_hash"]),
@@ -567,21 +608,6 @@ class Generator:
                     f"adapter {name!r}: {file_name} hashes to {actual} but {MANIFEST_FILE} records {recorded}",
                     hint="the files changed after publication; restore the adapter or retrain it",
                 )
-        if not allow_quarantined and (directory / CANARY_FILE).exists():
-            canary = _read_canary(directory / CANARY_FILE)
-            if canary["status"] == "quarantined":
-                raise AdapterError(
-                    f"adapter {name!r} is quarantined by its serving canary: {canary['failure_reason']}",
-                    hint="load it explicitly with allow_quarantined: true to serve it anyway",
-                )
-        layers = self._lora_layers(name, config_bytes, weights_bytes)
-        return _Adapter(
-            name=name,
-            content_revision=content_revision(config_bytes, weights_bytes),
-            manifest_sha256=prefixed(hashlib.sha256(manifest_bytes).hexdigest()),
-            weights_sha256=prefixed(hashlib.sha256(weights_bytes).hexdigest()),
-            layers=layers,
-        )
 
     def _lora_layers(self, name: str, config_bytes: bytes, weights_bytes: bytes) -> tuple[_Lora, ...]:
         import torch

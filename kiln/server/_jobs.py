@@ -1,10 +1,11 @@
 """Training jobs: the SQLite store, the FIFO queue and the one training worker.
 
-Every job lives in memory (status reads never touch the disk) and is mirrored to one
-SQLite row written on each transition and, throttled, on progress. On start the store is
-read back: queued jobs queue again in submission order; a job that was running when the
-process died becomes ``failed`` with reason ``interrupted``, and its detail offers the
-newest checkpoint of its adapter for resume.
+Every job lives in memory (status reads never touch the disk) and is mirrored to SQLite on
+each transition and, at most twice a second, on progress. A request's inline data is
+stored once, by digest, and each job row refers to it, so a progress tick writes the small
+job row and the new loss points, never the dataset again. On start the store is read back: queued jobs queue again in submission order; a job that was running when the
+process died becomes ``failed`` with reason ``interrupted``, naming the newest checkpoint of
+its adapter that resumes it -- or saying it published none, so only a fresh run continues it.
 
 States: ``queued → running → completed | failed``. Cancelling a queued job fails it at
 once (``cancelled: removed from the queue``); cancelling a running job sets its cancel
@@ -14,6 +15,7 @@ event: the trainer finishes the step, publishes a checkpoint and fails with reas
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import sqlite3
@@ -22,11 +24,13 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from kiln._jsonio import canonical_json
+from kiln.digests import prefixed
 from kiln.errors import CapacityError, ConflictError, KilnError, NotFoundError
 
 log = logging.getLogger("kiln.server.jobs")
@@ -126,45 +130,170 @@ class Job:
                 self.loss_history.append(newest)
 
 
+INLINE_FIELDS = ("examples", "groups", "agentic_groups", "prompts")  # a request's inline data, stored by digest
+
+
+@dataclass
+class _Persisted:
+    """What the store last wrote for one job: each inline list (by identity) with its digest, and the loss curve's
+    length and last point (by identity), so the next save writes only what changed."""
+
+    inline: dict[str, tuple[Any, str]] = field(default_factory=dict)
+    points: int = 0
+    last_point: Any = None
+
+
 class JobStore:
-    """SQLite mirror of the jobs: one row per job, the job as JSON."""
+    """SQLite mirror of the jobs.
+
+    * ``jobs``: one row per job, the job as JSON without its inline data and its loss curve;
+    * ``inline_data``: each inline list (``examples``, ``groups``, ``agentic_groups``, ``prompts``) once, as
+      canonical JSON under its SHA-256, whatever number of jobs name it (``job_inline`` holds the references);
+    * ``loss_points``: the loss curve, appended point by point (rewritten only when the curve is thinned).
+
+    A save is one transaction; a progress tick therefore writes the small job row and the new loss points, never
+    the dataset. ``load`` checks every inline blob against its digest before a job is rebuilt from it.
+    """
 
     def __init__(self, path: Path):
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
         self._lock = threading.Lock()
+        self._persisted: dict[str, _Persisted] = {}
         self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=FULL")
-        self._db.execute(
-            "CREATE TABLE IF NOT EXISTS jobs (job_id TEXT PRIMARY KEY, seq INTEGER NOT NULL, state TEXT NOT NULL, "
-            "doc TEXT NOT NULL)"
-        )
+        for table in (
+            "jobs (job_id TEXT PRIMARY KEY, seq INTEGER NOT NULL, state TEXT NOT NULL, doc TEXT NOT NULL)",
+            "inline_data (sha256 TEXT PRIMARY KEY, body BLOB NOT NULL)",
+            "job_inline (job_id TEXT NOT NULL, field TEXT NOT NULL, sha256 TEXT NOT NULL, "
+            "PRIMARY KEY (job_id, field)) WITHOUT ROWID",
+            "loss_points (job_id TEXT NOT NULL, position INTEGER NOT NULL, point TEXT NOT NULL, "
+            "PRIMARY KEY (job_id, position)) WITHOUT ROWID",
+        ):
+            self._db.execute(f"CREATE TABLE IF NOT EXISTS {table}")
 
     def save(self, job: Job) -> None:
-        doc = json.dumps(asdict(job), sort_keys=True)
         with self._lock:
-            self._db.execute(
-                "INSERT INTO jobs (job_id, seq, state, doc) VALUES (?, ?, ?, ?) "
-                "ON CONFLICT(job_id) DO UPDATE SET state = excluded.state, doc = excluded.doc",
-                (job.job_id, job.seq, job.state, doc),
+            before = self._persisted.get(job.job_id, _Persisted())
+            after = _Persisted(points=before.points, last_point=before.last_point)
+            request = {k: v for k, v in job.request.items() if k not in INLINE_FIELDS}
+            blobs: list[tuple[str, bytes]] = []
+            for key in INLINE_FIELDS:
+                if key not in job.request:
+                    continue
+                value = job.request[key]
+                known = before.inline.get(key)
+                if known is not None and known[0] is value:
+                    after.inline[key] = known
+                    continue
+                body = canonical_json(value)
+                digest = prefixed(hashlib.sha256(body).hexdigest())
+                after.inline[key] = (value, digest)
+                blobs.append((digest, body))
+            doc = {f.name: getattr(job, f.name) for f in fields(Job) if f.name != "loss_history"}
+            doc["request"] = request
+            doc["inline_data"] = {key: digest for key, (_, digest) in after.inline.items()}
+            history = list(job.loss_history)
+            appended = before.points <= len(history) and (
+                before.points == 0 or history[before.points - 1] is before.last_point
             )
+            start = before.points if appended else 0
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                if blobs or set(after.inline) != set(before.inline):
+                    self._db.execute("DELETE FROM job_inline WHERE job_id = ?", (job.job_id,))
+                    for digest, body in blobs:
+                        self._db.execute(
+                            "INSERT OR IGNORE INTO inline_data (sha256, body) VALUES (?, ?)", (digest, body)
+                        )
+                    self._db.executemany(
+                        "INSERT INTO job_inline (job_id, field, sha256) VALUES (?, ?, ?)",
+                        [(job.job_id, key, digest) for key, (_, digest) in after.inline.items()],
+                    )
+                if not appended:
+                    self._db.execute("DELETE FROM loss_points WHERE job_id = ?", (job.job_id,))
+                self._db.executemany(
+                    "INSERT INTO loss_points (job_id, position, point) VALUES (?, ?, ?)",
+                    [(job.job_id, i, json.dumps(history[i], sort_keys=True)) for i in range(start, len(history))],
+                )
+                self._db.execute(
+                    "INSERT INTO jobs (job_id, seq, state, doc) VALUES (?, ?, ?, ?) "
+                    "ON CONFLICT(job_id) DO UPDATE SET state = excluded.state, doc = excluded.doc",
+                    (job.job_id, job.seq, job.state, json.dumps(doc, sort_keys=True)),
+                )
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            after.points = len(history)
+            after.last_point = history[-1] if history else None
+            self._persisted[job.job_id] = after
 
     def delete(self, job_id: str) -> bool:
         with self._lock:
-            return self._db.execute("DELETE FROM jobs WHERE job_id = ?", (job_id,)).rowcount > 0
+            self._persisted.pop(job_id, None)
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                removed = self._db.execute("DELETE FROM jobs WHERE job_id = ?", (job_id,)).rowcount > 0
+                self._db.execute("DELETE FROM loss_points WHERE job_id = ?", (job_id,))
+                self._db.execute("DELETE FROM job_inline WHERE job_id = ?", (job_id,))
+                self._db.execute("DELETE FROM inline_data WHERE sha256 NOT IN (SELECT sha256 FROM job_inline)")
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            return removed
 
     def load(self) -> tuple[list[Job], list[tuple[str, str]]]:
         """Every readable job in submission order, and (job_id, error) for rows that cannot be read."""
         jobs, broken = [], []
         with self._lock:
             rows = self._db.execute("SELECT job_id, doc FROM jobs ORDER BY seq").fetchall()
-        for job_id, doc in rows:
-            try:
-                jobs.append(Job(**json.loads(doc)))
-            except (TypeError, ValueError) as exc:
-                broken.append((job_id, f"stored job record is unreadable: {exc}"))
+            refs: dict[str, dict[str, str]] = {}
+            for job_id, key, digest in self._db.execute("SELECT job_id, field, sha256 FROM job_inline"):
+                refs.setdefault(job_id, {})[key] = digest
+            points: dict[str, list[str]] = {}
+            for job_id, point in self._db.execute("SELECT job_id, point FROM loss_points ORDER BY job_id, position"):
+                points.setdefault(job_id, []).append(point)
+            blobs = {digest: self._inline(digest) for digest in {d for r in refs.values() for d in r.values()}}
+            for job_id, doc in rows:
+                try:
+                    job = self._job(json.loads(doc), refs.get(job_id, {}), blobs, points.get(job_id))
+                except (TypeError, ValueError) as exc:
+                    broken.append((job_id, f"stored job record is unreadable: {exc}"))
+                    continue
+                history = job.loss_history
+                self._persisted[job_id] = _Persisted(
+                    inline={key: (job.request[key], digest) for key, digest in refs.get(job_id, {}).items()},
+                    points=len(history) if points.get(job_id) is not None else 0,
+                    last_point=history[-1] if history and points.get(job_id) is not None else None,
+                )
+                jobs.append(job)
         return jobs, broken
+
+    def _inline(self, digest: str) -> Any:
+        """One stored inline list, checked against its digest; a ``ValueError`` names what is wrong."""
+        row = self._db.execute("SELECT body FROM inline_data WHERE sha256 = ?", (digest,)).fetchone()
+        if row is None:
+            return ValueError(f"inline data {digest} is missing")
+        body = bytes(row[0])
+        if prefixed(hashlib.sha256(body).hexdigest()) != digest:
+            return ValueError(f"inline data {digest} does not match its digest")
+        return json.loads(body)
+
+    @staticmethod
+    def _job(doc: dict[str, Any], refs: dict[str, str], blobs: dict[str, Any], points: list[str] | None) -> Job:
+        declared = doc.pop("inline_data", {})
+        if declared != refs:
+            raise ValueError(f"inline data references {sorted(refs.items())} differ from the record's {declared}")
+        for key, digest in refs.items():
+            if isinstance(blobs[digest], ValueError):
+                raise blobs[digest]
+            doc["request"][key] = blobs[digest]
+        if points is not None:
+            doc["loss_history"] = [json.loads(p) for p in points]
+        return Job(**doc)
 
     def writable(self) -> bool:
         try:
@@ -202,6 +331,7 @@ class JobManager:
         max_queued: int,
         runner: Runner,
         on_terminal: Callable[[Job], None] | None = None,
+        interrupted: Callable[[Job], str] | None = None,
     ):
         self.store = store
         self.max_queued = max_queued
@@ -219,6 +349,7 @@ class JobManager:
         self.step_seconds: list[float] = []  # recent step durations, for /metrics
         self.checkpoint_seconds: list[float] = []
         self.tokens_per_second: float = 0.0
+        self._interrupted = interrupted  # the reason of a job the server stopped under, with what continues it
         self._recover()
         self._thread = threading.Thread(target=self._work, name="kiln-training-worker", daemon=True)
 
@@ -233,8 +364,9 @@ class JobManager:
                 job.state = "failed"
                 job.finished_ms = _now_ms()
                 job.error = (
-                    "interrupted: the server stopped while this job was running; its newest checkpoint "
-                    "(latest_checkpoint in the job detail) resumes it"
+                    self._interrupted(job)
+                    if self._interrupted
+                    else "interrupted: the server stopped while this job was running"
                 )
                 self.store.save(job)
             self.jobs[job.job_id] = job

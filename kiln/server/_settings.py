@@ -50,6 +50,20 @@ class Settings:
         return Path(value).expanduser() if value else self.home / "adapters"
 
     @property
+    def data_roots(self) -> tuple[Path, ...]:
+        """The directories a training request's ``dataset_path`` may lie in: ``training.data_roots``, else
+        ``<home>/data`` (where ``POST /v1/datasets`` stores uploads, which are therefore always readable)."""
+        configured = self.get("training", "data_roots")
+        roots = [Path(r).expanduser() for r in configured] if configured is not None else []
+        uploads = self.home / "data"
+        return tuple(roots) if any(_inside(uploads, r) for r in roots) else (*roots, uploads)
+
+    @property
+    def uploads(self) -> Path:
+        """Where ``POST /v1/datasets`` stores uploaded files, by digest."""
+        return self.home / "data" / "uploads"
+
+    @property
     def job_store(self) -> Path:
         return self.home / "server" / JOB_STORE_NAME
 
@@ -78,11 +92,20 @@ class Settings:
                 "adapter_dir": str(self.registry),
                 "model_dir": str(self.home / "models"),
                 "job_store": str(self.job_store),
+                "data_roots": [str(r) for r in self.data_roots],
+                "uploads": str(self.uploads),
             },
         }
 
 
+def _inside(path: Path, root: Path) -> bool:
+    real, base = os.path.realpath(path), os.path.realpath(root)
+    return real == base or real.startswith(base.rstrip(os.sep) + os.sep)
+
+
 def _coerce(raw: str, schema: dict[str, Any], name: str) -> Any:
+    if schema.get("type") == "array":  # a list of paths: separated like PATH
+        return [part for part in raw.split(os.pathsep) if part]
     if schema.get("type") == "integer":
         try:
             return int(raw)

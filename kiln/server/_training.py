@@ -16,7 +16,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
-import os
 import threading
 import uuid
 from collections.abc import Callable
@@ -25,9 +24,9 @@ from pathlib import Path
 from typing import Any
 
 from kiln import contracts
-from kiln.errors import CapacityError, ConflictError, ContractError, Problem, RequestError
+from kiln.errors import CapacityError, ConflictError, ContractError, RequestError
 from kiln.server._jobs import Job, Outcome
-from kiln.trainers import TRAINERS, TrainingContext
+from kiln.trainers import TRAINERS, TrainingContext, check_sources
 
 log = logging.getLogger("kiln.server.training")
 
@@ -56,6 +55,7 @@ class Engine:
             loaded=self.base,
             teachers_root=teachers_root(self.settings.home),
             checkpoint_interval=self.settings.get("training", "checkpoint_interval"),
+            data_roots=self.settings.data_roots,
         )
 
 
@@ -67,26 +67,20 @@ def check_request(kind: str, body: Any) -> None:
         raise ContractError(found, document=request_type)
 
 
-def _check_source(kind: str, body: dict[str, Any]) -> None:
-    """No named datasets; a ``dataset_path`` is absolute, without '..' (and, for SFT, a readable file)."""
+def _check_source(kind: str, body: dict[str, Any], context: TrainingContext) -> None:
+    """No named datasets; what the request may read (``kiln.trainers._sources``: ``dataset_path`` inside the data
+    roots, ``base_adapter`` in the registry), before anything else reads a file it names."""
     if body.get("dataset") is not None or "dataset_split" in body:
         raise RequestError(
             "named datasets (dataset, dataset_split) are not supported: Kiln has no dataset registry",
             code="training_backend_unsupported",
-            hint="send the rows inline as examples, or a server-local JSONL file as dataset_path",
+            hint="send the rows inline as examples, or upload a JSONL file (POST /v1/datasets) and send its "
+            "dataset_path",
         )
-    path = body.get("dataset_path")
-    if path is None:
-        return
-    if not os.path.isabs(path) or ".." in Path(path).parts:
-        raise ContractError(
-            [Problem("unsafe_path", "/dataset_path", f"dataset_path {path!r} must be an absolute path without '..'")],
-            document=TRAINERS[kind].request_type,
-        )
-    if not Path(path).is_file():
-        raise RequestError(
-            f"dataset_path {path} is not a readable regular file on the server", code="training_invalid_request"
-        )
+    try:
+        check_sources(body, context)
+    except ContractError as exc:
+        raise ContractError(exc.problems, document=TRAINERS[kind].request_type) from None
 
 
 def _available_memory() -> int | None:
@@ -109,7 +103,7 @@ def admit(engine: Engine, kind: str, body: Any, jobs: Any) -> dict[str, Any]:
 
     check_request(kind, body)
     jobs.check_capacity()  # cheap, before the expensive part
-    _check_source(kind, body)  # named datasets are refused before the suite is read
+    _check_source(kind, body, engine.context())  # before the suite (or anything else) reads a file it names
     post, suite_sha256 = _evals.check_post_eval(engine, kind, body)
     body = _evals.without_gate(body)
     config = dict(body.get("config") or {})

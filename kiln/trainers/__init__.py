@@ -12,12 +12,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from kiln.trainers import grpo, opd, sft
 from kiln.trainers._admission import AdmittedJob, TrainingContext
 from kiln.trainers._kit import FinalState, TrainResult
+from kiln.trainers._sources import check_sources
 
-__all__ = ["TRAINERS", "AdmittedJob", "FinalState", "TrainResult", "Trainer", "TrainingContext"]
+__all__ = ["TRAINERS", "AdmittedJob", "FinalState", "TrainResult", "Trainer", "TrainingContext", "check_sources"]
 
 
 @dataclass(frozen=True)
@@ -26,8 +28,14 @@ class Trainer:
 
     kind: str  # a TrainingJobType value
     request_type: str  # the schema definition of its HTTP request body
-    admit: Callable[..., AdmittedJob]  # (request, *, adapter_name, context) -> admitted job; raises KilnError
+    admit_kind: Callable[..., AdmittedJob]  # the kind's own admission, after ``check_sources``
     run: Callable[..., TrainResult]  # (job, *, progress=None, cancel=None, on_checkpoint=None) -> result
+
+    def admit(self, request: dict[str, Any], *, adapter_name: str, context: TrainingContext) -> AdmittedJob:
+        """Admit ``request``: what it may read (``kiln.trainers._sources``), then the kind's own rules; raises
+        ``KilnError``."""
+        check_sources(request, context)
+        return self.admit_kind(request, adapter_name=adapter_name, context=context)
 
 
 TRAINERS: dict[str, Trainer] = {

@@ -23,13 +23,16 @@ __all__ = ["AdmittedJob", "TrainingContext", "base_model", "job_fields"]
 @dataclass(frozen=True)
 class TrainingContext:
     """Where a job trains and what its caller configured: the registry, the base model (loaded, or a path), the
-    teacher registry, and the checkpoint interval a request that omits one gets."""
+    teacher registry, the checkpoint interval a request that omits one gets, and where a request may read."""
 
     registry: Path
     model_path: str | None = None
     loaded: Any = None  # kiln.model.LoadedModel: admit against it instead of loading model_path
     teachers_root: Path | None = None
     checkpoint_interval: int | None = None
+    # the only directories a dataset_path may lie in, and base_adapter only in the registry (kiln.trainers._sources);
+    # None: no restriction (a --local run reads its user's own files)
+    data_roots: tuple[Path, ...] | None = None
 
 
 @dataclass(kw_only=True)

@@ -19,7 +19,8 @@ sub-objects (``GrpoLossConfig``, ``EchoConfig``, the ``ema`` branch of ``KlRefer
 the learning rate by optimizer kind through ``default_by``.
 
 The request-level rules (data source, ``dry_run`` needs ``dataset_path``, named datasets,
-``post_eval``) are checked by ``check_grpo_request``.
+``post_eval``) are checked by ``check_grpo_request``; the bounds that need the tokenised groups
+(total optimizer steps, each prompt + completion within the model's context) by ``check_grpo_data``.
 """
 
 from __future__ import annotations
@@ -28,11 +29,12 @@ from typing import Any
 
 from kiln import contracts
 from kiln.errors import RequestError
+from kiln.trainers._sft_config import check_run_bounds, context_length
 from kiln.training import default_by, effective_optimizer, resolve_seed, schema_defaults
 
 MAX_ALPHA_OVER_RANK = 2.0
 
-__all__ = ["check_grpo_request", "effective_echo", "effective_grpo_config", "optimizer_seed_lora"]
+__all__ = ["check_grpo_data", "check_grpo_request", "effective_echo", "effective_grpo_config", "optimizer_seed_lora"]
 
 
 def _refuse(field: str, message: str, *, code: str = "training_invalid_request", hint: str | None = None) -> None:
@@ -203,3 +205,19 @@ def check_grpo_request(body: dict[str, Any]) -> None:
             code="training_invalid_request",
             hint="write the groups to a .jsonl file (one group per line) and send its absolute path",
         )
+
+
+def check_grpo_data(job: Any) -> None:
+    """An admitted GRPO job (``AdmittedGrpo``) within the run bounds: its optimizer steps and, per completion, the
+    prompt + completion tokens against the model's context length."""
+    per = "completions" if job.config["loss_aggregation"] == "per_sample" else "groups"
+    check_run_bounds(
+        total_steps=job.total_steps,
+        steps_rule=f"one per kept {per[:-1]}",
+        rows=(
+            (f"group {group.index + 1} completion {completion.index + 1}", len(completion.input_ids))
+            for group in job.ingestion.groups
+            for completion in group.completions
+        ),
+        context=context_length(job.loaded),
+    )

@@ -2,10 +2,12 @@
 
 * ``TrainResult``: the one result type of a run, successful or failed;
 * ``guarded``: a run's body under the failure contract -- any exception after admission becomes a failed receipt
-  whose ``failure_reason`` comes from the exception's type (``kiln.training.classify_failure``); Ctrl-C without
-  cooperative cancellation still writes that receipt, then propagates;
-* ``publish_adapter``: the adapter, its receipt and its manifest, in that order (``publish_receipt_only``: a
-  successful run without an adapter);
+  whose ``failure_reason`` comes from the exception's type (``kiln.training.classify_failure``; a write the file
+  system refused is ``storage_error`` naming the path); Ctrl-C without cooperative cancellation still writes that
+  receipt, then propagates. When not even the receipt can be written, the run raises ``RegistryError``
+  (``registry_unwritable``) saying why the run failed and why its receipt is missing;
+* ``publish_adapter``: the adapter, its receipt and its manifest, staged together and made visible by one rename
+  (``kiln.publish.publish_trained_adapter``; ``publish_receipt_only``: a successful run without an adapter);
 * ``Policy``: the LoRA policy of a run -- adapter attached with the seeded initialisation, optimizer built, state
   restored from a checkpoint or warm-started from ``base_adapter``; ``Policy.step`` is one optimizer step with the
   non-finite-loss check and the phase timings;
@@ -24,8 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from kiln.checkpoints import checkpoint_name, list_checkpoints
-from kiln.errors import CancelledError, NonFiniteLossError
-from kiln.publish import bind_adapter_manifest, stage_adapter, write_train_receipt
+from kiln.errors import CancelledError, NonFiniteLossError, RegistryError, StorageFailureError, storage_condition
+from kiln.publish import RECEIPT, publish_receipt, publish_trained_adapter
 from kiln.training import (
     attach_lora,
     base_adapter_dir,
@@ -87,19 +89,20 @@ def guarded(
     partial: Callable[[], dict[str, Any]],
 ) -> TrainResult:
     """Run ``train``; on any exception write ``failed_receipt((reason, message), exc)`` and return a failed result
-    carrying ``partial()`` (losses, checkpoints so far). ``KeyboardInterrupt`` is re-raised after the receipt."""
+    carrying ``partial()`` (losses, checkpoints so far). ``KeyboardInterrupt`` is re-raised after the receipt; a
+    receipt the file system refuses raises ``RegistryError`` instead."""
     try:
         return train()
-    except BaseException as exc:
+    except BaseException as raised:
+        exc = _as_failure(raised, job)
         failure = classify_failure(exc)
-        adapter_dir = job.registry / job.adapter_name
         receipt = failed_receipt(failure, exc)
-        receipt_path = write_train_receipt(adapter_dir, receipt)
+        receipt_path = _write_failed_receipt(job, receipt, failure)
         if isinstance(exc, KeyboardInterrupt):
             raise
         return TrainResult(
             "failed",
-            adapter_dir,
+            job.registry / job.adapter_name,
             receipt_path,
             None,
             receipt,
@@ -107,6 +110,28 @@ def guarded(
             resumed_from=job.resume.path if job.resume is not None else None,
             **partial(),
         )
+
+
+def _as_failure(exc: BaseException, job: Any) -> BaseException:
+    """A write the file system refused anywhere in the run, as the storage failure it is (naming its path)."""
+    if isinstance(exc, OSError):
+        return StorageFailureError.from_os_error(exc, doing=f"training adapter {job.adapter_name!r}") or exc
+    return exc
+
+
+def _write_failed_receipt(job: Any, receipt: dict[str, Any], failure: tuple[str, str]) -> Any:
+    target = job.registry / job.adapter_name
+    try:
+        return publish_receipt(job.registry, job.adapter_name, receipt)
+    except OSError as exc:
+        where = exc.filename if exc.filename is not None else target / RECEIPT  # a refused write names no file
+        condition = storage_condition(exc.errno) if exc.errno is not None else str(exc)
+        raise RegistryError(
+            f"the run of adapter {job.adapter_name!r} failed ({failure[0]}: {failure[1]}), and its failed receipt "
+            f"could not be written to {target}: {condition} at {where}",
+            hint=f"make {job.registry} writable (or free space there), then run again; checkpoints published "
+            "before the failure are kept and resume it",
+        ) from exc
 
 
 def check_pin(path: Any, pin: str | None) -> None:
@@ -118,17 +143,14 @@ def check_pin(path: Any, pin: str | None) -> None:
 
 
 def publish_adapter(job: Any, model: Any, receipt: Callable[[Path], dict[str, Any]], **result: Any) -> TrainResult:
-    """Publish the trained adapter, then its receipt (``receipt(adapter_dir)``), then its manifest."""
-    adapter_dir = stage_adapter(model, job.registry, job.adapter_name)
-    body = receipt(adapter_dir)
-    receipt_path = write_train_receipt(adapter_dir, body)
-    manifest_path = bind_adapter_manifest(adapter_dir, body)
+    """Publish the trained adapter with its receipt (``receipt(staged adapter directory)``) and manifest."""
+    published = publish_trained_adapter(model, job.registry, job.adapter_name, receipt)
     return TrainResult(
         "success",
-        adapter_dir,
-        receipt_path,
-        manifest_path,
-        body,
+        published.path,
+        published.receipt_path,
+        published.manifest_path,
+        published.receipt,
         resumed_from=job.resume.path if job.resume is not None else None,
         **result,
     )
@@ -136,9 +158,8 @@ def publish_adapter(job: Any, model: Any, receipt: Callable[[Path], dict[str, An
 
 def publish_receipt_only(job: Any, receipt: dict[str, Any], **result: Any) -> TrainResult:
     """A successful run that publishes no adapter (a dry run; a filter that left nothing to train): its receipt."""
-    adapter_dir = job.registry / job.adapter_name
-    path = write_train_receipt(adapter_dir, receipt)
-    return TrainResult("success", adapter_dir, path, None, receipt, **result)
+    path = publish_receipt(job.registry, job.adapter_name, receipt)
+    return TrainResult("success", job.registry / job.adapter_name, path, None, receipt, **result)
 
 
 class Policy:

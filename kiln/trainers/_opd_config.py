@@ -16,7 +16,9 @@ capped by it (a rollout also stops where prefix + rollout would exceed it), and 
 is min(requested, the teacher's ``max_top_k``).
 
 ``check_opd_request`` holds the request-level rules (schema, ``post_eval``, exactly one
-source matching ``training_mode``).
+source matching ``training_mode``, and epochs x prompts x samples within the step bound before
+any prompt is rendered); ``check_opd_data`` the bounds that need the tokenised source (total
+steps, each prompt short enough to leave the rollout at least one token of the context).
 """
 
 from __future__ import annotations
@@ -26,11 +28,12 @@ from typing import Any
 from kiln import contracts
 from kiln.errors import RequestError
 from kiln.trainers._grpo_config import effective_echo, optimizer_seed_lora
+from kiln.trainers._sft_config import check_run_bounds, context_length
 from kiln.training import default_by, schema_defaults
 
 EXECUTABLE_TOP_K = (16, 32)
 
-__all__ = ["check_opd_request", "effective_opd_config"]
+__all__ = ["check_opd_data", "check_opd_request", "effective_opd_config"]
 
 
 def _refuse(field: str, message: str, *, code: str = "training_invalid_request", hint: str | None = None) -> None:
@@ -149,4 +152,35 @@ def check_opd_request(body: dict[str, Any]) -> str:
             code="training_invalid_request",
             pointer="/dataset_path",
         )
+    if "prompts" in body:  # bounded before the candidates (prompts x samples) are listed
+        config, defaults = body.get("config") or {}, schema_defaults("OpdConfig")
+        epochs, samples = (int(config.get(k, defaults[k])) for k in ("epochs", "samples_per_prompt"))
+        check_run_bounds(
+            total_steps=epochs * len(body["prompts"]) * samples,
+            steps_rule=f"{epochs} epochs x {len(body['prompts'])} prompts x {samples} samples_per_prompt",
+            rows=(),
+            context=None,
+        )
     return mode
+
+
+def check_opd_data(job: Any) -> None:
+    """An admitted OPD job (``AdmittedOpd``) within the run bounds: its optimizer steps, and each prompt short enough
+    (student and teacher prefix) to leave a rollout token, or each pre-scored row (prefix + response) within the
+    model's context length."""
+    if job.route == "prompts":
+        rows = (
+            (f"prompt {item.index + 1}", max(len(item.student_prefix), len(item.teacher_prefix)))
+            for item in job.source.items
+        )
+        margin = 1
+    else:
+        rows = ((f"line {row.line}", len(row.student_prefix) + len(row.action_ids)) for row in job.source.rows)
+        margin = 0
+    check_run_bounds(
+        total_steps=job.total_steps,
+        steps_rule=f"{job.config['epochs']} epochs x {len(job.candidates)} candidates",
+        rows=rows,
+        context=context_length(job.loaded),
+        margin=margin,
+    )

@@ -3,8 +3,9 @@
 * ``resume_metadata``: the cheap first half, before any model work -- a path-safe target, the checkpoint named by
   ``resume_checkpoint`` read metadata-only, its kind and adapter checked, and the seed taken from its ``lora-init``
   stream (a conflicting explicit seed is refused);
-* ``claim_target``: a free adapter name and no checkpoint of it past where this run starts (checkpoints are
-  never overwritten);
+* ``claim_target``: a free adapter name (or one an earlier attempt's receipt holds, which the publication
+  supersedes), a registry the process can write, and no checkpoint of it past where this run starts (checkpoints
+  are never overwritten);
 * ``load_resume``: the second half, once the trainer knows its own identity -- every byte of the checkpoint loaded
   and compared with what this run would write, field by field (the progress-dependent members a trainer names are
   taken from the checkpoint, since its loop state binds them).
@@ -16,6 +17,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from kiln._fs import writable_problem
 from kiln.checkpoints import (
     LoadedCheckpoint,
     inspect_checkpoint,
@@ -24,7 +26,7 @@ from kiln.checkpoints import (
     require_compatible,
     resolve_checkpoint_path,
 )
-from kiln.errors import CheckpointError, Problem, RequestError
+from kiln.errors import CheckpointError, Problem, RegistryError, RequestError
 from kiln.publish import check_target
 from kiln.training import resolve_seed
 
@@ -67,8 +69,14 @@ def resume_metadata(registry: Path, adapter_name: str, config: dict[str, Any], k
 
 
 def claim_target(registry: Path, adapter_name: str, checkpoint_path: Path | None) -> None:
-    """A free, path-safe adapter name, and no checkpoint of it past where this run starts."""
+    """A free, path-safe adapter name in a writable registry, and no checkpoint of it past where this run starts."""
     check_target(registry, adapter_name)
+    problem = writable_problem(registry)  # os.access: nothing is written at admission
+    if problem is not None:
+        raise RegistryError(
+            f"adapter {adapter_name!r} cannot be published: {problem}",
+            hint=f"make {registry} writable, or train into another registry (model.adapter_dir, --adapter-dir)",
+        )
     start = inspect_checkpoint(checkpoint_path).manifest["progress"]["global_step"] if checkpoint_path else 0
     refuse_later_checkpoints(registry, adapter_name, start)
 

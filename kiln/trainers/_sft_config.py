@@ -5,20 +5,34 @@ depends on (receipts, checkpoints and resume comparisons see one canonical objec
 learning rate, and refuses what the profile does not execute (MTP, shape conversion, anomaly detection, the
 post-training smoke test) and a LoRA scale above the guardrail unless ``allow_high_lora_scale``. The defaults
 are the schema's (``schema_defaults("SftConfig")``, the learning rate by optimizer kind through ``default_by``).
+
+The bounds that need the data live here too, for every kind (``check_run_bounds``): at most ``MAX_TOTAL_STEPS``
+optimizer steps per job, and no row longer than the model's context length in tokens. The schema bounds the rest
+(inline items, epochs, the learning rate).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 from kiln import contracts
-from kiln.errors import RequestError
+from kiln.errors import InternalError, RequestError
 from kiln.training import default_by, effective_optimizer, resolve_seed, schema_defaults
 
 PROFILE = schema_defaults("SftConfig")["training_profile"]  # the only SftTrainingProfile
 MAX_ALPHA_OVER_RANK = 2.0
+MAX_TOTAL_STEPS = 1_000_000  # optimizer steps of one job (epochs x rows); 100,000 epochs are the schema's bound
 
-__all__ = ["MAX_ALPHA_OVER_RANK", "PROFILE", "effective_config"]
+__all__ = [
+    "MAX_ALPHA_OVER_RANK",
+    "MAX_TOTAL_STEPS",
+    "PROFILE",
+    "check_run_bounds",
+    "check_sft_data",
+    "context_length",
+    "effective_config",
+]
 
 
 def effective_config(config: dict[str, Any], adapter_name: str) -> dict[str, Any]:
@@ -69,3 +83,50 @@ def effective_config(config: dict[str, Any], adapter_name: str) -> dict[str, Any
         "seed": seed,
         "optimizer": optimizer,
     }
+
+
+def context_length(loaded: Any) -> int | None:
+    """The model's context length in tokens (None when the model declares none)."""
+    from kiln.model import max_positions
+
+    try:
+        return max_positions(loaded.model, loaded.tokenizer)
+    except InternalError:
+        return None
+
+
+def check_run_bounds(
+    *, total_steps: int, steps_rule: str, rows: Iterable[tuple[str, int]], context: int | None, margin: int = 0
+) -> None:
+    """Refuse a job of more than ``MAX_TOTAL_STEPS`` optimizer steps, or with a row longer than ``context`` tokens
+    (``rows`` yields a label and a token count; ``margin`` tokens must stay free, e.g. for a rollout)."""
+    if total_steps > MAX_TOTAL_STEPS:
+        raise RequestError(
+            f"total_steps: this job would run {total_steps} optimizer steps ({steps_rule}); the limit is "
+            f"{MAX_TOTAL_STEPS}",
+            code="training_invalid_request",
+            hint="train fewer epochs or fewer rows per job",
+        )
+    if context is None:
+        return
+    limit = context - margin
+    for label, tokens in rows:
+        if tokens > limit:
+            room = f" with room for {margin} generated token" if margin else ""
+            raise RequestError(
+                f"tokens_per_row: {label} has {tokens} tokens; the limit is the model's context length of {context} "
+                f"tokens{room}",
+                code="training_invalid_request",
+                hint="shorten or split the conversation",
+            )
+
+
+def check_sft_data(config: dict[str, Any], examples: Iterable[Any], loaded: Any) -> None:
+    """The SFT bounds that need the data: epochs x kept rows, and each kept row's tokens against the context."""
+    examples = tuple(examples)
+    check_run_bounds(
+        total_steps=config["epochs"] * len(examples),
+        steps_rule=f"{config['epochs']} epochs x {len(examples)} rows",
+        rows=((f"row {ex.row_index + 1}", len(ex.input_ids)) for ex in examples),
+        context=context_length(loaded),
+    )

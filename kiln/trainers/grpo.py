@@ -47,7 +47,7 @@ from kiln.digests import json_sha256, raw_hex
 from kiln.errors import ZeroGroupsError
 from kiln.trainers._admission import AdmittedJob, TrainingContext, base_model, job_fields
 from kiln.trainers._checkpointing import CheckpointProgress, manifest_head, publish_state, restore_policy
-from kiln.trainers._grpo_config import check_grpo_request, effective_grpo_config
+from kiln.trainers._grpo_config import check_grpo_data, check_grpo_request, effective_grpo_config
 from kiln.trainers._grpo_parts import ReferencePolicy, filter_groups, logprobs, plan_groups
 from kiln.trainers._kit import (
     Cadence,
@@ -162,6 +162,7 @@ def admit_grpo(
         dry_run=bool(request.get("dry_run")),
         pin=pin,
     )
+    check_grpo_data(job)
     job.resume = load_resume(checkpoint_path, job.identity_manifest(), progress_auxiliary=PROGRESS_AUX)
     return job
 

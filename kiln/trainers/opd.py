@@ -57,7 +57,7 @@ from kiln.trainers._checkpointing import (
 )
 from kiln.trainers._kit import Cadence, Policy, Progress, TrainResult, check_pin, guarded, publish_adapter
 from kiln.trainers._loop_states import OpdLoop
-from kiln.trainers._opd_config import check_opd_request, effective_opd_config
+from kiln.trainers._opd_config import check_opd_data, check_opd_request, effective_opd_config
 from kiln.trainers._opd_teacher import admitted_source, pinned_teacher
 from kiln.trainers._receipts import data_block, echo_block, envelope, token_counts_block
 from kiln.trainers._resume import claim_target, load_resume, resume_metadata
@@ -188,6 +188,7 @@ def admit_opd(
         pin=admitted.pin,
         teachers_root=teachers_root,
     )
+    check_opd_data(job)
     job.resume = load_resume(
         checkpoint_path,
         job.identity_manifest(),

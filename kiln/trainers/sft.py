@@ -42,7 +42,7 @@ from kiln.trainers._kit import Cadence, FinalState, Policy, Progress, TrainResul
 from kiln.trainers._loop_states import SftLoop
 from kiln.trainers._receipts import data_block, envelope, token_counts_block
 from kiln.trainers._resume import claim_target, load_resume, resume_metadata
-from kiln.trainers._sft_config import effective_config
+from kiln.trainers._sft_config import check_sft_data, effective_config
 from kiln.training import (
     LORA_INIT_ALGORITHM,
     adapter_tensors,
@@ -162,6 +162,7 @@ def admit_sft(
         invalid_row_policy=cfg["invalid_row_policy"],
     )
     tokenize_ms = (time.perf_counter() - start) * 1000
+    check_sft_data(cfg, ingestion.examples, loaded)
     fields = job_fields(adapter_name, registry, cfg, loaded)
     head = loaded.model.get_output_embeddings().weight
     choice = choose_loss_route(

@@ -1,0 +1,82 @@
+"""What a training request may read -- its dataset file and its warm-start adapter -- checked before anything is
+opened, for every kind and at every admission (the server's, the worker's re-admission at dequeue, ``--local``).
+
+* ``dataset_path``: absolute and without ``..``. When the caller restricts reads (``TrainingContext.data_roots``:
+  the server passes its ``training.data_roots``; ``--local`` passes None and reads the user's own files), its real
+  path -- every symlink resolved -- must lie inside one of the roots. That is decided before the file is opened
+  or even looked at, so a refusal says nothing about the file: not whether it exists, nor its size, rows, digests
+  or where a symlink points. Only then must it be a regular file.
+* ``config.base_adapter``: when reads are restricted, an adapter of the registry -- a registry name, or an
+  absolute path whose real path is a direct child of the registry. Always, it must hold
+  ``adapter_model.safetensors`` when the job is admitted (a run that finds it gone later still fails
+  ``base_adapter_missing``).
+
+Refusals of a path outside what the caller allows raise ``AccessError`` (``path_not_allowed``, HTTP 403).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from kiln._fs import name_problem, within_roots
+from kiln.errors import AccessError, ContractError, Problem, RequestError
+from kiln.training import base_adapter_dir
+
+__all__ = ["check_sources"]
+
+
+def check_sources(request: dict[str, Any], context: Any) -> None:
+    """Refuse a ``dataset_path`` or ``base_adapter`` the caller does not allow, or that is not there."""
+    roots = getattr(context, "data_roots", None)
+    path = request.get("dataset_path")
+    if path is not None:
+        _check_dataset_path(path, roots)
+    base = (request.get("config") or {}).get("base_adapter")
+    if base:
+        _check_base_adapter(str(base), context.registry, restricted=roots is not None)
+
+
+def _check_dataset_path(path: Any, roots: tuple[Path, ...] | None) -> None:
+    if not isinstance(path, str) or not os.path.isabs(path) or ".." in Path(path).parts:
+        raise ContractError(
+            [Problem("unsafe_path", "/dataset_path", f"dataset_path {path!r} must be an absolute path without '..'")]
+        )
+    if roots is not None and not within_roots(path, roots):
+        listed = ", ".join(str(r) for r in roots) or "none are configured"
+        raise AccessError(
+            f"dataset_path {path!r} is not inside the server's data roots: the server reads training files only "
+            f"inside training.data_roots ({listed}), every symlink resolved",
+            pointer="/dataset_path",
+            hint="upload the file (POST /v1/datasets; `kiln train … -f FILE` does it for you) and send the "
+            "dataset_path it answers, or ask the operator to add its directory to training.data_roots",
+        )
+    if not os.path.isfile(path):
+        raise RequestError(
+            f"dataset_path {path} is not a readable regular file on the server",
+            code="training_invalid_request",
+            pointer="/dataset_path",
+        )
+
+
+def _check_base_adapter(base: str, registry: Path, *, restricted: bool) -> None:
+    if restricted and name_problem(base, kind="adapter") is not None:
+        inside = os.path.isabs(base) and os.path.dirname(os.path.realpath(base)) == os.path.realpath(registry)
+        if not inside:
+            raise AccessError(
+                f"base_adapter {base!r} is not an adapter of this server's registry: a warm start reads only "
+                f"adapters in {registry}, named by their registry name",
+                pointer="/config/base_adapter",
+                hint="name an adapter that `GET /v1/adapters` lists",
+            )
+    weights = base_adapter_dir(registry, base) / "adapter_model.safetensors"
+    if not weights.is_file():
+        raise RequestError(
+            f"base_adapter {base!r} has no adapter_model.safetensors"
+            + ("" if restricted else f" ({weights} does not exist)"),
+            code="training_invalid_request",
+            pointer="/config/base_adapter",
+            hint="name an existing adapter (`kiln adapters list`), or omit base_adapter to start from fresh LoRA "
+            "weights",
+        )
