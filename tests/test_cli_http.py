@@ -76,7 +76,8 @@ def _no_client_environment(monkeypatch):
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, tiny_model_dir):
-    with ServerProcess(tmp_path_factory.mktemp("cli-http") / "home", tiny_model_dir) as proc:
+    roots = {"KILN_TRAINING_DATA_ROOTS": str(tmp_path_factory.getbasetemp())}  # the tests' teacher models
+    with ServerProcess(tmp_path_factory.mktemp("cli-http") / "home", tiny_model_dir, env=roots) as proc:
         yield proc
 
 

@@ -237,3 +237,24 @@ def test_live_the_cli_uploads_a_jsonl_file_from_any_directory(server, tmp_path, 
     assert config["resolved_paths"]["data_roots"] == [str(server.home / "data")]
     assert config["resolved_paths"]["uploads"] == str(server.home / "data" / "uploads")
     assert os.path.isfile(receipt["training_data"]["path"])
+
+
+@pytest.mark.slow
+def test_live_a_local_teacher_is_read_only_from_the_data_roots_the_models_directory_or_the_served_model(
+    server, tmp_path
+):
+    elsewhere = tmp_path / "elsewhere-model"
+    elsewhere.mkdir()
+    (elsewhere / "config.json").write_text("{}", encoding="utf-8")
+    with server.client() as http:
+        for model_id in ("/etc", str(elsewhere), str(tmp_path / "missing-model")):
+            answer = http.post("/v1/teachers", json={"alias": "outsider", "kind": "local", "model_id": model_id})
+            assert answer.status_code == 403, (model_id, answer.text)
+            error = answer.json()["error"]
+            assert error["code"] == "path_not_allowed"
+            assert error["pointer"] == "/model_id"
+            assert "config.json" not in error["message"], "nothing is said about the directory"
+        assert http.get("/v1/teachers").json()["teachers"] == []
+        served = http.post("/v1/teachers", json={"alias": "self", "kind": "local", "model_id": str(server.model)})
+        assert served.status_code == 200, served.text  # the served model may teach
+        assert http.delete("/v1/teachers/self").status_code == 200

@@ -330,7 +330,7 @@ def test_the_prepared_resume_continues_grpo_and_opd_jobs_to_the_bytes_of_uninter
     groups = home / "data" / "groups.jsonl"  # inside the server's default data root
     groups.parent.mkdir(parents=True)
     groups.write_text("".join(json.dumps(g) + "\n" for g in GRPO_GROUPS), encoding="utf-8")
-    teacher = create_tiny(tmp_path / "teacher-model", seed=2)
+    teacher = create_tiny(home / "models" / "teacher-model", seed=2)  # where the server may read models
     runs = {
         "grpo": ({"dataset_path": str(groups)}, {"seed": 5, "checkpoint_interval": 4, "auto_load": False}),
         "opd": ({"teacher": "ui-tutor", "prompts": OPD_PROMPTS}, {"seed": 3, **OPD_CONFIG, "auto_load": False}),

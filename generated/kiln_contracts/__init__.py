@@ -20,7 +20,7 @@ SCHEMA_DIGESTS: dict[str, str] = {
     "kiln-checkpoint-v1.schema.json": "sha256:74af4e1585bafc06ce891558189cb949a07ace144edf9c26034e0ea47545e6a3",
     "kiln-common-v1.schema.json": "sha256:578fb0867921ff18b61214d1e6a909abccdcc2532c6c6bd5a1c1aada83583c73",
     "kiln-config-v1.schema.json": "sha256:90fb1826182bb468ad29c24ca9e84c62134aed459f49b194e5860513b5957ec6",
-    "kiln-control-plane-v1.schema.json": "sha256:dcdddc70af37611507592bbeb85e4cfd22410567a090196b7af1b81275c9ddd2",
+    "kiln-control-plane-v1.schema.json": "sha256:ae1810314091c93fbb62d07410001c47c01b2f470f1ee50e0c6f8672f5882bfb",
     "kiln-observability-v1.schema.json": "sha256:293548d5c3345d3afaeb8f409dc1dc6b1313a3b040595bcd5fa2a55a9c29ba7a"
 }
 

@@ -88,6 +88,7 @@ class Server:
     adapter_cache: dict[str, Any] = field(default_factory=dict)  # registry entries by stat key
     adapter_lock: threading.Lock = field(default_factory=threading.Lock)  # one listing at a time
     teacher_protocol: Any = None  # kiln.server._teacher_protocol.TeacherProtocol (GET /v1/models, /v1/completions)
+    model_path: Path | None = None  # the served model's directory
 
     @property
     def registry(self) -> Path:
@@ -98,7 +99,12 @@ class Server:
         """The teacher registry under the server's home (``kiln.teachers.TeacherRegistry``)."""
         from kiln.teachers import TeacherRegistry, teachers_root
 
-        return TeacherRegistry(teachers_root(self.settings.home), adapter_registry=self.settings.registry)
+        roots = (*self.settings.data_roots, self.settings.home / "models")
+        if self.model_path is not None:
+            roots = (*roots, self.model_path)  # the served model may teach
+        return TeacherRegistry(
+            teachers_root(self.settings.home), adapter_registry=self.settings.registry, model_roots=roots
+        )
 
 
 # ----------------------------------------------------------------------------- building the server
@@ -170,6 +176,7 @@ def build_server(settings: Settings) -> Server:
         model_name=model_name,
         model_source="builtin_default" if is_default else "local_path",
         teacher_protocol=protocol,
+        model_path=Path(path),
     )
     ref.append(server)
     return server

@@ -31,10 +31,19 @@ from pathlib import Path
 from typing import Any
 
 from kiln import contracts
-from kiln._fs import create_exclusive, fsync_dir, name_problem
+from kiln._fs import create_exclusive, fsync_dir, name_problem, within_roots
 from kiln._jsonio import parse_json, read_json_file
 from kiln.digests import file_sha256, json_sha256, prefixed, teacher_identity_revision
-from kiln.errors import ConflictError, ContractError, IntegrityError, KilnError, NotFoundError, Problem, RequestError
+from kiln.errors import (
+    AccessError,
+    ConflictError,
+    ContractError,
+    IntegrityError,
+    KilnError,
+    NotFoundError,
+    Problem,
+    RequestError,
+)
 from kiln.teachers._identity import (
     identity_differences,
     model_limits,
@@ -221,9 +230,13 @@ class TeacherRegistry:
     """Teachers by alias under ``root``; ``adapter_registry`` is where ``local`` teachers' adapters live
     (default: the adapter registry ``kiln.home`` resolves)."""
 
-    def __init__(self, root: Path, *, adapter_registry: Path | None = None):
+    def __init__(
+        self, root: Path, *, adapter_registry: Path | None = None, model_roots: tuple[Path, ...] | None = None
+    ):
         self.root = Path(root)
         self._adapters = Path(adapter_registry) if adapter_registry is not None else None
+        # where a local teacher's model directory may be (the server's data roots and models); None: anywhere
+        self.model_roots = model_roots
 
     @property
     def adapter_registry(self) -> Path:
@@ -348,6 +361,15 @@ class TeacherRegistry:
             raise _refuse(
                 f"a local teacher's model_id is the absolute path of its model directory; got {model_id!r}",
                 hint="for example /srv/models/teacher (the CLI resolves --model PATH for you)",
+            )
+        if self.model_roots is not None and not within_roots(model_id, self.model_roots):
+            listed = ", ".join(str(r) for r in self.model_roots)
+            raise AccessError(
+                f"model_id {model_id!r} is not inside a directory this server may read models from ({listed}), "
+                "every symlink resolved",
+                pointer="/model_id",
+                hint="put the teacher's model directory under one of them (training.data_roots adds more), or "
+                "register it on this machine with `kiln teachers add --local`",
             )
         model_dir = Path(model_id)
         if not (model_dir / "config.json").is_file():
