@@ -45,7 +45,8 @@ def teacher_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, teacher_dir):
-    with ServerProcess(tmp_path_factory.mktemp("serve") / "home", teacher_dir) as proc:
+    roots = {"KILN_TRAINING_DATA_ROOTS": str(tmp_path_factory.getbasetemp())}  # the tests' teacher models
+    with ServerProcess(tmp_path_factory.mktemp("serve") / "home", teacher_dir, env=roots) as proc:
         yield proc
 
 
