@@ -30,27 +30,19 @@ import json
 import os
 import platform
 import shutil
-import socket
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import httpx
 from _machine import cpu_model
+from bench_server import Server
 
 LIMIT_BYTES = 33_554_432  # the admitted case's server.max_request_bytes: 32 MiB
 MAX_ROWS = 10_000  # SftRequest.examples maxItems
 WORDS = ("press", "the", "key", "then", "choose", "open", "and", "read", "the", "panel", "before", "you", "close")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def proc_status(pid: int) -> dict[str, int]:
@@ -115,53 +107,6 @@ def row_tokens(model: Path, body: bytes) -> dict[str, int]:
 
 
 # ----------------------------------------------------------------------------- the server
-
-
-class Server:
-    """``python -m kiln.cli serve`` with its own KILN_HOME, ready once it prints ``Ready on``."""
-
-    def __init__(self, home: Path, model: Path, env: dict[str, str]):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        full = {k: v for k, v in os.environ.items() if not k.startswith("KILN_")}
-        full.update({"KILN_HOME": str(home), "KILN_MODEL_PATH": str(model), "PYTHONUNBUFFERED": "1", **env})
-        self.output: list[str] = []
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kiln.cli", "serve", "--port", str(self.port)],
-            env=full,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        self.pid = self.proc.pid
-        ready = threading.Event()
-
-        def pump() -> None:
-            assert self.proc.stdout is not None
-            for line in self.proc.stdout:
-                self.output.append(line)
-                if line.startswith("Ready on "):
-                    ready.set()
-
-        self._pump = threading.Thread(target=pump, daemon=True)
-        self._pump.start()
-        deadline = time.monotonic() + 300
-        while not ready.wait(0.2):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise SystemExit("kiln serve did not become ready:\n" + "".join(self.output))
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(30)
-        self._pump.join(10)
-        if self.proc.stdout is not None:
-            self.proc.stdout.close()
 
 
 def wait_terminal(http: httpx.Client, job_id: str, timeout: float = 120.0) -> str:

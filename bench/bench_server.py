@@ -164,11 +164,12 @@ def build_registry(work: Path, count: int, sweep_steps: int) -> dict[str, Any]:
 class Server:
     """``python -m kiln.cli serve`` with its own KILN_HOME, ready once it prints ``Ready on``."""
 
-    def __init__(self, home: Path, model: Path):
+    def __init__(self, home: Path, model: Path, env: dict[str, str] | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        extra = env or {}
         env = {k: v for k, v in os.environ.items() if not k.startswith("KILN_")}
-        env.update({"KILN_HOME": str(home), "KILN_MODEL_PATH": str(model), "PYTHONUNBUFFERED": "1"})
+        env.update({"KILN_HOME": str(home), "KILN_MODEL_PATH": str(model), "PYTHONUNBUFFERED": "1", **extra})
         self.output: list[str] = []
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kiln.cli", "serve", "--port", str(self.port)],

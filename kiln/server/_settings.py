@@ -17,6 +17,7 @@ from typing import Any
 import kiln_contracts
 
 from kiln import contracts
+from kiln._fs import within_roots
 from kiln.digests import json_sha256
 from kiln.errors import RequestError
 from kiln.home import kiln_home
@@ -56,7 +57,7 @@ class Settings:
         configured = self.get("training", "data_roots")
         roots = [Path(r).expanduser() for r in configured] if configured is not None else []
         uploads = self.home / "data"
-        return tuple(roots) if any(_inside(uploads, r) for r in roots) else (*roots, uploads)
+        return tuple(roots) if within_roots(str(uploads), roots) else (*roots, uploads)
 
     @property
     def uploads(self) -> Path:
@@ -96,11 +97,6 @@ class Settings:
                 "uploads": str(self.uploads),
             },
         }
-
-
-def _inside(path: Path, root: Path) -> bool:
-    real, base = os.path.realpath(path), os.path.realpath(root)
-    return real == base or real.startswith(base.rstrip(os.sep) + os.sep)
 
 
 def _coerce(raw: str, schema: dict[str, Any], name: str) -> Any:
