@@ -240,8 +240,8 @@ def test_default_chunk_is_the_largest_power_of_two_within_the_budget():
 
 def test_public_surface_of_kernels_is_pinned():
     assert kiln.kernels.__all__ == [
-        "ACTIVE_ROWS", "FULL_LOGITS", "FUSED_CHUNKED_LINEAR_CE", "LOSS_ROUTES", "ROUTE_IMPLEMENTATIONS",
-        "LossRouteChoice", "choose_loss_route", "default_chunk_size", "select_loss_route", "sft_loss",
+        "ACTIVE_ROWS", "FULL_LOGITS", "FUSED_CHUNKED_LINEAR_CE", "IDENTITY", "LOSS_ROUTES", "ROUTE_IMPLEMENTATIONS",
+        "LogitMap", "LossRouteChoice", "choose_loss_route", "default_chunk_size", "select_loss_route", "sft_loss",
     ]  # fmt: skip
 
 
@@ -336,3 +336,89 @@ def test_fused_route_peak_memory_is_below_half_of_full_logits_on_a_long_sequence
         peaks[FULL_LOGITS] > 3 * 4096 * 32000 * 4 // 2
     )  # at least 1.5 logits-sized tensors: the probe sees the reference
     assert peaks[FUSED_CHUNKED_LINEAR_CE] < 0.5 * peaks[FULL_LOGITS], peaks
+
+
+# ----------------------------------------------------------------------------- the model's logit post-processing
+
+LOGIT_MAPS = {
+    "softcap": kiln.kernels.LogitMap(softcap=1.5),
+    "scale": kiln.kernels.LogitMap(scale=0.25),
+    "scale-and-softcap": kiln.kernels.LogitMap(scale=3.0, softcap=2.0),
+}
+
+
+def reference_loss(hidden, weight, labels, bias, logit_map):
+    """The definition, spelled out with plain autograd: y = c tanh(s (h W^T + b) / c), masked mean CE."""
+    z = hidden.double() @ weight.double().T
+    if bias is not None:
+        z = z + bias.double()
+    z = z * logit_map.scale
+    if logit_map.softcap is not None:
+        z = logit_map.softcap * torch.tanh(z / logit_map.softcap)
+    return torch.nn.functional.cross_entropy(z, labels, ignore_index=-100)
+
+
+@pytest.mark.parametrize("with_bias", [False, True], ids=["no-bias", "bias"])
+@pytest.mark.parametrize("name", LOGIT_MAPS)
+@pytest.mark.parametrize("route", LOSS_ROUTES)
+def test_every_route_applies_the_models_logit_post_processing(route, name, with_bias):
+    logit_map = LOGIT_MAPS[name]
+    hidden, weight, labels = make_problem(40, 1000, 8, supervised=23)
+    weight = weight * 6  # logits of a few units: the soft-cap bends them
+    bias = torch.randn(1000, generator=torch.Generator().manual_seed(5)) if with_bias else None
+    leaf = hidden.double().requires_grad_()
+    expected = reference_loss(leaf, weight, labels, bias, logit_map)
+    (want,) = torch.autograd.grad(expected, leaf)
+    plain, _ = loss_and_grad(route, hidden, weight, labels, **chunk_kwargs(route, 96))
+    loss, grad = loss_and_grad(route, hidden, weight, labels, bias=bias, logit_map=logit_map, **chunk_kwargs(route, 96))
+    assert (
+        abs(float(plain) - float(expected.detach())) > 1e-2
+    )  # the post-processing changes the loss: the check can fail
+    torch.testing.assert_close(loss.double(), expected.detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(grad.double(), want, rtol=5e-4, atol=3e-6)
+
+
+@pytest.mark.parametrize("name", LOGIT_MAPS)
+@pytest.mark.parametrize("route", LOSS_ROUTES)
+def test_post_processing_passes_gradcheck_in_float64(route, name):
+    hidden, weight, labels = make_problem(7, 11, 5, supervised=4, dtype=torch.float64)
+    weight = weight * 4
+    bias = torch.randn(11, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    hidden.requires_grad_()
+    kwargs = {**chunk_kwargs(route, 3), "bias": bias, "logit_map": LOGIT_MAPS[name]}
+    assert torch.autograd.gradcheck(lambda h: sft_loss(route, h, weight, labels, **kwargs), (hidden,))
+
+
+@pytest.mark.parametrize("route", LOSS_ROUTES)
+def test_the_identity_map_is_bit_identical_to_no_map(route):
+    hidden, weight, labels = make_problem(64, 3000, 32, supervised=40)
+    plain = loss_and_grad(route, hidden, weight, labels, **chunk_kwargs(route, 512))
+    mapped = loss_and_grad(route, hidden, weight, labels, logit_map=kiln.kernels.IDENTITY, **chunk_kwargs(route, 512))
+    assert torch.equal(plain[0], mapped[0])
+    assert torch.equal(plain[1], mapped[1])
+
+
+@pytest.mark.parametrize("supervised", [0, 1])
+def test_the_soft_capped_fused_route_handles_zero_and_one_supervised_row(supervised):
+    hidden, weight, labels = make_problem(9, 300, 8, supervised=supervised)
+    logit_map = LOGIT_MAPS["scale-and-softcap"]
+    got = loss_and_grad(FUSED_CHUNKED_LINEAR_CE, hidden, weight * 6, labels, logit_map=logit_map, chunk_size=64)
+    want = loss_and_grad(FULL_LOGITS, hidden, weight * 6, labels, logit_map=logit_map)
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got[1], want[1], rtol=5e-4, atol=3e-6)
+    if supervised == 0:
+        assert float(got[0]) == 0.0
+        assert not bool(got[1].any())
+
+
+def test_bad_logit_maps_and_biases_are_refused():
+    hidden, weight, labels = make_problem(5, 20, 4, supervised=3)
+    for scale, softcap in [(0.0, None), (-1.0, None), (float("inf"), None), (1.0, 0.0), (1.0, float("nan"))]:
+        with pytest.raises(ValueError, match="logit"):
+            kiln.kernels.LogitMap(scale=scale, softcap=softcap)
+    with pytest.raises(ValueError, match="bias"):
+        sft_loss(FULL_LOGITS, hidden, weight, labels, bias=torch.zeros(19))
+    with pytest.raises(TypeError, match="LogitMap"):
+        sft_loss(FULL_LOGITS, hidden, weight, labels, logit_map={"softcap": 2.0})
+    with pytest.raises(ValueError, match="frozen"):
+        sft_loss(FUSED_CHUNKED_LINEAR_CE, hidden, weight, labels, bias=torch.zeros(20, requires_grad=True))

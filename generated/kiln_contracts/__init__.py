@@ -16,7 +16,7 @@ from importlib import resources
 from typing import Any
 
 SCHEMA_DIGESTS: dict[str, str] = {
-    "kiln-artifacts-v1.schema.json": "sha256:1733b16eb607aefaf3524ea411f4e6c77475328fb418c9500bfd75f24cf33f17",
+    "kiln-artifacts-v1.schema.json": "sha256:70a3e16848c634d8ff5b5f7863c99cb456eea9ca4aeb0f426af09496e3aea740",
     "kiln-checkpoint-v1.schema.json": "sha256:74af4e1585bafc06ce891558189cb949a07ace144edf9c26034e0ea47545e6a3",
     "kiln-common-v1.schema.json": "sha256:578fb0867921ff18b61214d1e6a909abccdcc2532c6c6bd5a1c1aada83583c73",
     "kiln-config-v1.schema.json": "sha256:90fb1826182bb468ad29c24ca9e84c62134aed459f49b194e5860513b5957ec6",

@@ -7,6 +7,9 @@
   with an online log-sum-exp and computes the gradient of the hidden rows in the same
   pass, so backward only scales it; two matrix products per supervised row, O(A·H + A·C).
 
+Every route applies the head's bias and the model's ``LogitMap`` (a scale, then a soft-cap ``c·tanh(z/c)``)
+before the softmax, so the loss is the one the model's own forward defines.
+
 All routes accumulate in at least fp32 whatever the input dtype, treat ``-100`` labels as
 ignored, return 0.0 (with zero gradients) when nothing is supervised, and are
 deterministic. ``select_loss_route`` picks a route from device capability alone; route
@@ -17,6 +20,7 @@ This package imports only torch and the standard library.
 
 from __future__ import annotations
 
+from ._logit_map import IDENTITY, LogitMap
 from ._select import (
     ACTIVE_ROWS,
     FULL_LOGITS,
@@ -34,8 +38,10 @@ __all__ = [
     "ACTIVE_ROWS",
     "FULL_LOGITS",
     "FUSED_CHUNKED_LINEAR_CE",
+    "IDENTITY",
     "LOSS_ROUTES",
     "ROUTE_IMPLEMENTATIONS",
+    "LogitMap",
     "LossRouteChoice",
     "choose_loss_route",
     "default_chunk_size",

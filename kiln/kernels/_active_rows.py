@@ -9,11 +9,20 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F  # noqa: N812 -- the conventional alias
 
+from ._logit_map import IDENTITY, LogitMap
+
 IGNORE_INDEX = -100
 
 
-def active_rows_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Masked mean cross-entropy computed on the supervised rows of ``hidden`` only.
+def active_rows_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    logit_map: LogitMap = IDENTITY,
+) -> torch.Tensor:
+    """Masked mean cross-entropy computed on the supervised rows of ``hidden`` only (the head's ``bias`` and
+    the model's ``logit_map`` apply before the softmax).
 
     Raises ``ValueError`` for a trainable head. With no supervised position the result is
     a 0.0 still connected to ``hidden`` (its gradient is zeros).
@@ -26,5 +35,8 @@ def active_rows_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.T
     active = (labels != IGNORE_INDEX).nonzero().squeeze(1)
     rows = hidden.index_select(0, active).to(compute)
     logits = rows @ weight.to(compute).T
+    if bias is not None:
+        logits = logits + bias.to(compute)
+    logits = logit_map.apply(logits)
     total = F.cross_entropy(logits, labels.index_select(0, active), reduction="sum")
     return total / max(active.numel(), 1)

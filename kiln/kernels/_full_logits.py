@@ -10,18 +10,30 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F  # noqa: N812 -- the conventional alias
 
+from ._logit_map import IDENTITY, LogitMap
+
 IGNORE_INDEX = -100
 
 
-def full_logits_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+def full_logits_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    logit_map: LogitMap = IDENTITY,
+) -> torch.Tensor:
     """Masked mean next-token cross-entropy over all ``T`` rows of ``hidden``.
 
     Logits are computed from operands upcast to the compute dtype (at least fp32), so a
     bf16 model gets fp32 logits, softmax and reduction. With no supervised position the
-    result is a 0.0 that is still connected to ``hidden`` (its gradient is zeros).
+    result is a 0.0 that is still connected to ``hidden`` (its gradient is zeros). The head's ``bias`` and the
+    model's ``logit_map`` apply before the softmax.
     """
     compute = torch.promote_types(torch.promote_types(hidden.dtype, weight.dtype), torch.float32)
     logits = hidden.to(compute) @ weight.to(compute).T
+    if bias is not None:
+        logits = logits + bias.to(compute)
+    logits = logit_map.apply(logits)
     total = F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum")
     supervised = (labels != IGNORE_INDEX).sum().clamp_min(1)
     return total / supervised

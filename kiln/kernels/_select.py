@@ -18,6 +18,7 @@ import torch
 from ._active_rows import active_rows_loss
 from ._full_logits import IGNORE_INDEX, full_logits_loss
 from ._fused_ce import fused_chunked_loss
+from ._logit_map import IDENTITY, LogitMap
 
 FULL_LOGITS = "full_logits"
 ACTIVE_ROWS = "active_rows"
@@ -99,10 +100,14 @@ def sft_loss(
     labels: torch.Tensor,
     *,
     chunk_size: int | None = None,
+    bias: torch.Tensor | None = None,
+    logit_map: LogitMap | None = None,
 ) -> torch.Tensor:
-    """Masked mean next-token cross-entropy of ``hidden @ weight.T`` against ``labels`` by ``route``.
+    """Masked mean next-token cross-entropy of the model's logits against ``labels`` by ``route``.
 
-    ``hidden`` [T, H] is already aligned with ``labels`` [T] (row t predicts ``labels[t]``);
+    The logits are ``logit_map(hidden @ weight.T + bias)``: the head (``bias`` [V] or None) and what the model
+    does after it (``LogitMap``: scale, soft-cap; default none). ``hidden`` [T, H] is already aligned with
+    ``labels`` [T] (row t predicts ``labels[t]``);
     ``labels == -100`` marks ignored rows. The loss is a 0-dim tensor in the compute dtype
     (fp32, or fp64 for fp64 inputs); gradients flow to ``hidden``. With no supervised row it
     is 0.0 and the gradient of ``hidden`` is zeros. ``chunk_size`` applies to the fused
@@ -110,22 +115,24 @@ def sft_loss(
     """
     if route not in LOSS_ROUTES:
         raise ValueError(f"unknown loss route {route!r}; expected one of {', '.join(LOSS_ROUTES)}")
-    _check_inputs(hidden, weight, labels)
+    _check_inputs(hidden, weight, labels, bias)
+    logit_map = IDENTITY if logit_map is None else logit_map
+    if not isinstance(logit_map, LogitMap):
+        raise TypeError(f"logit_map must be a kiln.kernels.LogitMap or None, got {type(logit_map).__name__}")
     if route != FUSED_CHUNKED_LINEAR_CE:
         if chunk_size is not None:
             raise ValueError(f"chunk_size applies to the {FUSED_CHUNKED_LINEAR_CE} route only, not to {route}")
-        return (
-            full_logits_loss(hidden, weight, labels)
-            if route == FULL_LOGITS
-            else active_rows_loss(hidden, weight, labels)
-        )
+        loss = full_logits_loss if route == FULL_LOGITS else active_rows_loss
+        return loss(hidden, weight, labels, bias, logit_map)
     if chunk_size is None:
         rows = int((labels != IGNORE_INDEX).sum())
         chunk_size = default_chunk_size(rows, weight.shape[0], weight.shape[1], hidden.dtype)
-    return fused_chunked_loss(hidden, weight, labels, chunk_size)
+    return fused_chunked_loss(hidden, weight, labels, chunk_size, bias, logit_map)
 
 
-def _check_inputs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> None:
+def _check_inputs(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, bias: torch.Tensor | None = None
+) -> None:
     if hidden.dim() != 2 or weight.dim() != 2 or labels.dim() != 1:
         raise ValueError(
             f"expected hidden [T, H], weight [V, H] and labels [T]; got shapes {tuple(hidden.shape)}, {tuple(weight.shape)} and {tuple(labels.shape)}"
@@ -136,6 +143,13 @@ def _check_inputs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tens
         )
     if not hidden.dtype.is_floating_point or not weight.dtype.is_floating_point:
         raise TypeError(f"hidden and weight must be floating tensors, got {hidden.dtype} and {weight.dtype}")
+    if bias is not None and (bias.dim() != 1 or bias.shape[0] != weight.shape[0] or not bias.dtype.is_floating_point):
+        raise ValueError(
+            f"the head's bias must be a floating [V] tensor matching weight {tuple(weight.shape)}, got "
+            f"{tuple(bias.shape)} of {bias.dtype}"
+        )
+    if bias is not None and bias.device != weight.device:
+        raise ValueError(f"bias and weight must share a device, got {bias.device} and {weight.device}")
     if labels.dtype != torch.long:
         raise TypeError(f"labels must be torch.long token ids (-100 = ignored), got {labels.dtype}")
     if not hidden.device == weight.device == labels.device:

@@ -5,12 +5,14 @@
 ``capture_identity(...)``    base-weight shard manifest, config/tokenizer/template digests,
                              execution provenance and training precision -- once per process
 ``create_tiny(path, seed)``  write a tiny model (same tokenizer, weights from ``seed``)
+``forward_logits(model, ids)`` the model's own logits (after its post-processing): every log-probability's source
 """
 
 from __future__ import annotations
 
 from kiln.model._identity import ModelIdentity, capture_identity, git_source, training_precision
 from kiln.model._loader import LoadedModel, load_base_model, resolve_model_path
+from kiln.model._logits import forward_logits, next_token_logprobs
 from kiln.model._sampling import max_positions, pick_token, sample, special_tokens, stop_token_ids
 from kiln.model._tiny import TINY_NAME, create_tiny, ensure_default_tiny
 
@@ -21,9 +23,11 @@ __all__ = [
     "capture_identity",
     "create_tiny",
     "ensure_default_tiny",
+    "forward_logits",
     "git_source",
     "load_base_model",
     "max_positions",
+    "next_token_logprobs",
     "pick_token",
     "resolve_model_path",
     "sample",

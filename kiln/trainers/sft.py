@@ -46,8 +46,10 @@ from kiln.trainers._sft_config import check_sft_data, effective_config
 from kiln.training import (
     LORA_INIT_ALGORITHM,
     adapter_tensors,
+    decoder_of,
     encode_tensors,
     lora_delta_norms,
+    model_head,
     module_of,
     optimizer_tensors,
     planning_identity,
@@ -67,6 +69,7 @@ class AdmittedSft(AdmittedJob):
     tokenize_ms: float
     route: str
     loss_route: Any  # kiln.kernels.LossRouteChoice: route, fixed chunk size, implementation
+    head: Any  # kiln.training.ModelHead: the head's bias and the model's logit post-processing, proven
     kind: str = field(default=KIND, init=False)
 
     @property
@@ -154,6 +157,7 @@ def admit_sft(
     cfg = effective_config(config, adapter_name)
     claim_target(registry, adapter_name, checkpoint_path)
     loaded = base_model(model_path, loaded)
+    head_of_model = model_head(loaded.model)
     start = time.perf_counter()
     ingestion = ingest_sft(
         tokenizer=loaded.tokenizer,
@@ -178,6 +182,7 @@ def admit_sft(
         tokenize_ms=tokenize_ms,
         route=choice.route,
         loss_route=choice,
+        head=head_of_model,
     )
     job.resume = load_resume(checkpoint_path, job.identity_manifest())
     return job
@@ -240,7 +245,8 @@ def run_sft(
             job, lambda: _publish(job, loop, policy, lora_init_position), cancel, on_checkpoint
         )
         causal = policy.model.get_base_model()
-        body, head = causal.get_decoder(), causal.get_output_embeddings()
+        body, head = decoder_of(causal), causal.get_output_embeddings()
+        logit_map = job.head.logit_map
         tensors = [
             (torch.tensor(ex.input_ids, dtype=torch.long).unsqueeze(0), torch.tensor(ex.labels[1:], dtype=torch.long))
             for ex in examples
@@ -250,7 +256,15 @@ def run_sft(
             ids, targets = tensors[index]
             t0 = time.perf_counter()
             hidden = body(input_ids=ids).last_hidden_state[0, :-1]
-            loss = sft_loss(job.route, hidden, head.weight, targets, chunk_size=job.loss_route.chunk_size)
+            loss = sft_loss(
+                job.route,
+                hidden,
+                head.weight,
+                targets,
+                chunk_size=job.loss_route.chunk_size,
+                bias=head.bias,
+                logit_map=logit_map,
+            )
             policy.timings["policy_forward_ms"] += (time.perf_counter() - t0) * 1000
             norms: dict[str, float] = {}
             value = policy.step(
@@ -371,5 +385,6 @@ def _receipt(job, loop, state, started, *, adapter_dir=None, failure=None) -> di
         sft_loss_route=job.route,
         sft_loss_chunk_size=job.loss_route.chunk_size,
         sft_loss_implementation=job.loss_route.implementation,
+        sft_logits=job.head.as_record(),
     )
     return receipt

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from kiln.training._defaults import default_by, schema_defaults
 from kiln.training._failures import classify_failure
+from kiln.training._head import ModelHead, decoder_of, model_head
 from kiln.training._lora import attach_lora, lora_delta_norms, lora_parameters, module_of, target_modules
 from kiln.training._optim import build_optimizer, effective_optimizer
 from kiln.training._receipt import receipt_base
@@ -27,17 +28,20 @@ __all__ = [
     "ADAPTER_FILE",
     "LORA_INIT_ALGORITHM",
     "OPTIMIZER_FILE",
+    "ModelHead",
     "adapter_tensors",
     "attach_lora",
     "auxiliary_identity",
     "base_adapter_dir",
     "build_optimizer",
     "classify_failure",
+    "decoder_of",
     "default_by",
     "effective_optimizer",
     "encode_tensors",
     "lora_delta_norms",
     "lora_parameters",
+    "model_head",
     "module_of",
     "optimizer_tensors",
     "planning_identity",
