@@ -20,8 +20,8 @@ SCHEMA_DIGESTS: dict[str, str] = {
     "kiln-checkpoint-v1.schema.json": "sha256:74af4e1585bafc06ce891558189cb949a07ace144edf9c26034e0ea47545e6a3",
     "kiln-common-v1.schema.json": "sha256:578fb0867921ff18b61214d1e6a909abccdcc2532c6c6bd5a1c1aada83583c73",
     "kiln-config-v1.schema.json": "sha256:90fb1826182bb468ad29c24ca9e84c62134aed459f49b194e5860513b5957ec6",
-    "kiln-control-plane-v1.schema.json": "sha256:ae1810314091c93fbb62d07410001c47c01b2f470f1ee50e0c6f8672f5882bfb",
-    "kiln-observability-v1.schema.json": "sha256:293548d5c3345d3afaeb8f409dc1dc6b1313a3b040595bcd5fa2a55a9c29ba7a"
+    "kiln-control-plane-v1.schema.json": "sha256:0f2e5d4f213c15834a3e0dbc47ff12b84227c0f33243e1319cb69cbc6393b0e7",
+    "kiln-observability-v1.schema.json": "sha256:1de24fdfcae266f710e7043181efedc78cc16ad4251064c27d12f0910545047d"
 }
 
 __all__ = ["ENTRYPOINTS", "SCHEMA_DIGESTS", "load_bundle", "openapi_document"]

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from kiln.cli._client import Interrupt, body, print_json, run, server_url, url_flag
-from kiln.cli._requests import build_request, prepare, sft_resume_command
+from kiln.cli._requests import build_request, prepare, sft_resume_command, training_flags
 
 TERMINAL = ("completed", "failed")
 POLL_S = 0.5  # how often --wait asks for the job detail
@@ -147,11 +147,7 @@ def _resume_command(args: argparse.Namespace, kind: str, checkpoint: str) -> str
     flags = {
         "--teacher": getattr(args, "teacher", None),
         "--url": args.url,
-        "--epochs": getattr(args, "epochs", None),
-        "--lr": args.lr,
-        "--optimizer": args.optimizer,
-        "--lora-rank": args.lora_rank,
-        "--lora-alpha": args.lora_alpha,
+        **dict(training_flags(args, kind)),
         "--checkpoint-interval": args.checkpoint_interval,
     }
     argv += [part for flag, value in flags.items() if value is not None for part in (flag, str(value))]

@@ -17,7 +17,15 @@ from typing import Any
 
 from kiln.errors import KilnError
 
-__all__ = ["build_request", "prepare", "print_refusal", "read_examples", "sft_resume_command", "training_config"]
+__all__ = [
+    "build_request",
+    "prepare",
+    "print_refusal",
+    "read_examples",
+    "sft_resume_command",
+    "training_config",
+    "training_flags",
+]
 
 
 def print_refusal(exc: KilnError) -> int:
@@ -85,6 +93,9 @@ def training_config(args: argparse.Namespace, kind: str) -> dict[str, Any]:
             invalid_row_policy=args.invalid_row_policy,
             optimizer={"kind": args.optimizer},
         )
+        for key, value in (("max_seq_len", args.max_seq_len), ("overlong_row_policy", args.overlong_row_policy)):
+            if value is not None:
+                config[key] = value
     else:
         for key, value in (
             ("epochs", getattr(args, "epochs", None)),
@@ -96,6 +107,7 @@ def training_config(args: argparse.Namespace, kind: str) -> dict[str, Any]:
         if args.optimizer is not None:
             config["optimizer"] = {"kind": args.optimizer}
     for key, value in (
+        ("lora_target_modules", args.lora_target_modules),
         ("seed", args.seed),
         ("learning_rate", args.lr),
         ("checkpoint_interval", args.checkpoint_interval),
@@ -131,21 +143,33 @@ def build_request(args: argparse.Namespace, kind: str, path: Path) -> dict[str, 
     return request
 
 
+def training_flags(args: argparse.Namespace, kind: str) -> list[tuple[str, Any]]:
+    """The training options of this command line as ``(flag, value)`` pairs (None: not given), for the command
+    that resumes it: every option the checkpoint's effective configuration binds must be given again."""
+    targets = args.lora_target_modules
+    flags = [
+        ("--epochs", getattr(args, "epochs", None)),
+        ("--lr", args.lr),
+        ("--optimizer", args.optimizer),
+        ("--lora-rank", args.lora_rank),
+        ("--lora-alpha", args.lora_alpha),
+        ("--lora-target-modules", None if targets is None else ",".join(targets)),
+    ]
+    if kind == "sft":
+        flags += [
+            ("--invalid-row-policy", args.invalid_row_policy),
+            ("--max-seq-len", args.max_seq_len),
+            ("--overlong-row-policy", args.overlong_row_policy),
+        ]
+    return flags
+
+
 def sft_resume_command(args: argparse.Namespace, checkpoint: str, interval: int | None, *, local: bool = True) -> str:
     """The command that continues this run from ``checkpoint`` (same options, no seed: the checkpoint has it)."""
     argv = ["kiln", "train", "sft", *(["--local"] if local else [])]
     argv += ["-f", str(Path(args.file).resolve()), "--adapter", args.adapter]
     where = (("--adapter-dir", args.adapter_dir), ("--model", args.model)) if local else (("--url", args.url),)
-    for flag, value in (
-        *where,
-        ("--epochs", args.epochs),
-        ("--lr", args.lr),
-        ("--optimizer", args.optimizer),
-        ("--lora-rank", args.lora_rank),
-        ("--lora-alpha", args.lora_alpha),
-        ("--invalid-row-policy", args.invalid_row_policy),
-        ("--checkpoint-interval", interval),
-    ):
+    for flag, value in (*where, *training_flags(args, "sft"), ("--checkpoint-interval", interval)):
         if value is not None:
             argv += [flag, str(value)]
     if not local and args.no_auto_load:

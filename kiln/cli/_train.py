@@ -53,7 +53,20 @@ def add_train_parser(sub: Any) -> None:
     p.add_argument("--optimizer", choices=OPTIMIZERS, default="muon")
     p.add_argument("--lora-rank", type=int, default=16)
     p.add_argument("--lora-alpha", type=float, default=32.0)
+    _add_target_modules(p)
     p.add_argument("--invalid-row-policy", choices=("fail", "skip"), default="fail")
+    p.add_argument(
+        "--max-seq-len",
+        type=int,
+        metavar="N",
+        help="longest row in tokens (default: the model's context length)",
+    )
+    p.add_argument(
+        "--overlong-row-policy",
+        choices=("fail", "skip", "truncate"),
+        help="a row over --max-seq-len: refuse the job (fail, the default), drop the row (skip), or keep its last "
+        "tokens (truncate)",
+    )
     p.add_argument(
         "--checkpoint-interval",
         type=int,
@@ -139,6 +152,23 @@ def _add_job_options(p: argparse.ArgumentParser, *, json_help: str) -> None:
     add_client_options(p, json_help=json_help)
 
 
+def _module_names(value: str) -> list[str]:
+    names = [name.strip() for name in value.split(",")]
+    if not all(names):
+        raise argparse.ArgumentTypeError(f"expected comma-separated module names, got {value!r}")
+    return names
+
+
+def _add_target_modules(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--lora-target-modules",
+        type=_module_names,
+        metavar="NAMES",
+        help="comma-separated leaf names of the decoder-layer modules to adapt, e.g. q_proj,v_proj or c_attn "
+        "(default: every linear projection of the decoder layers)",
+    )
+
+
 def _add_kind_options(p: argparse.ArgumentParser) -> None:
     """The options of ``kiln train grpo`` and ``kiln train opd`` (defaults are the server's)."""
     p.add_argument("-f", "--file", required=True, help="a .jsonl file (sent as dataset_path) or a .json request")
@@ -151,6 +181,7 @@ def _add_kind_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--optimizer", choices=OPTIMIZERS)
     p.add_argument("--lora-rank", type=int)
     p.add_argument("--lora-alpha", type=float)
+    _add_target_modules(p)
     p.add_argument("--checkpoint-interval", type=int, metavar="N", help="publish a checkpoint every N steps")
     p.add_argument("--resume-checkpoint", metavar="BASENAME", help="continue from this checkpoint")
     _add_job_options(p, json_help="print the server's TrainingResponse (the final TrainingJobDetail with --wait)")

@@ -17,8 +17,17 @@ Validation (first failing check wins)
                             ``tool_call_id`` of the wrong type (the reason enum has no separate
                             "malformed message" value; the message text says what is wrong)
     ``tokenization_error``  the chat template or tokenizer rejects the row, the template is
-                            not prefix-stable for it, fewer than 2 tokens, longer than
-                            ``max_seq_len``, or no supervised target after the causal shift
+                            not prefix-stable for it, fewer than 2 tokens, or no supervised
+                            target after the causal shift
+
+Sequence limit
+    A row longer than ``max_seq_len`` tokens is handled by ``overlong_row_policy``, whatever
+    ``invalid_row_policy`` says (a long row is not an invalid one): ``fail`` refuses the job
+    naming the row; ``skip`` drops it as a rejected ``tokenization_error`` row; ``truncate``
+    keeps its last ``max_seq_len`` tokens and labels -- the start of the conversation, the
+    prompt side, is cut -- and drops it (as ``skip`` does) when no supervised target is left.
+    The record's ``sequence_limit`` counts the rows over the limit, truncated and skipped,
+    and the tokens (and supervised tokens) truncation removed.
 
 Normalisation and row hashes
     Each message becomes ``{role, content[, tool_calls][, name][, tool_call_id]}``
@@ -79,6 +88,7 @@ from kiln.errors import KilnError, RequestError
 
 __all__ = [
     "IGNORE_INDEX",
+    "OVERLONG_POLICIES",
     "REJECTION_REASONS",
     "SFT_INGESTION_SCHEMA",
     "SftExample",
@@ -90,6 +100,7 @@ SFT_INGESTION_SCHEMA = "kiln.sft-ingestion.v1"
 IGNORE_INDEX = -100
 REJECTION_REASONS = ("invalid_json", "empty_messages", "invalid_role", "tokenization_error")
 _POLICIES = ("fail", "skip")
+OVERLONG_POLICIES = ("fail", "skip", "truncate")
 _SOURCES = ("inline", "dataset_path", "named_dataset", "corrections", "recipe", "api")
 
 
@@ -123,12 +134,14 @@ def ingest_sft(
     source: str | None = None,
     source_locator: str | None = None,
     max_seq_len: int | None = None,
+    overlong_row_policy: str = "fail",
 ) -> SftIngestion:
     """Validate, normalise and tokenize SFT rows from exactly one of ``examples`` or ``dataset_path``.
 
     Under ``fail`` the first invalid row raises ``RequestError`` (``training_invalid_request``)
     naming its 1-based row number, hash and reason; under ``skip`` invalid rows are recorded
-    in ``rejected_rows`` and at least one row must be kept.
+    in ``rejected_rows`` and at least one row must be kept. Rows longer than ``max_seq_len``
+    follow ``overlong_row_policy`` (module docstring, "Sequence limit").
     """
     if (examples is None) == (dataset_path is None):
         raise RequestError(
@@ -150,7 +163,13 @@ def ingest_sft(
             code="training_invalid_request",
             hint="omit max_seq_len to accept rows of any length",
         )
-    renderer = _RowTokenizer(tokenizer, max_seq_len)  # refuses a tokenizer without a chat template
+    if overlong_row_policy not in OVERLONG_POLICIES:
+        raise RequestError(
+            f"overlong_row_policy {overlong_row_policy!r} is not one of {', '.join(OVERLONG_POLICIES)}",
+            code="training_invalid_request",
+        )
+    renderer = _RowTokenizer(tokenizer)  # refuses a tokenizer without a chat template
+    limit = _SequenceLimit(max_seq_len, overlong_row_policy)
 
     if examples is not None:
         if isinstance(examples, (str, bytes, Mapping)) or not isinstance(examples, Sequence):
@@ -183,7 +202,7 @@ def ingest_sft(
         )
 
     with contextlib.closing(rows):
-        rows_read, kept, rejected = _read_rows(rows, renderer, invalid_row_policy, source_locator)
+        rows_read, kept, rejected = _read_rows(rows, renderer, invalid_row_policy, source_locator, limit)
     if rows_read == 0:
         raise RequestError(
             f"the SFT input{_where(source_locator)} has no rows",
@@ -206,6 +225,7 @@ def ingest_sft(
         record["source_locator"] = source_locator
     record.update(
         invalid_row_policy=invalid_row_policy,
+        sequence_limit=limit.record(),
         rows_read=rows_read,
         rows_kept=len(kept),
         rows_rejected=len(rejected),
@@ -217,7 +237,7 @@ def ingest_sft(
 
 
 def _read_rows(
-    rows: Iterator[bytes], renderer: _RowTokenizer, policy: str, locator: str | None
+    rows: Iterator[bytes], renderer: _RowTokenizer, policy: str, locator: str | None, limit: _SequenceLimit
 ) -> tuple[int, list[SftExample], list[dict[str, Any]]]:
     kept: list[SftExample] = []
     rejected: list[dict[str, Any]] = []
@@ -242,6 +262,11 @@ def _read_rows(
                 ) from None
             rejected.append({"row_index": index, "row_sha256": row_hash, "reason": bad.reason})
             continue
+        fitted = limit.fit(index, row_hash, input_ids, labels, locator)
+        if fitted is None:
+            rejected.append({"row_index": index, "row_sha256": row_hash, "reason": "tokenization_error"})
+            continue
+        input_ids, labels = fitted
         supervised = sum(1 for label in labels[1:] if label != IGNORE_INDEX)
         kept.append(SftExample(index, row_hash, input_ids, labels, supervised, text))
     return rows_read, kept, rejected
@@ -249,6 +274,53 @@ def _read_rows(
 
 def _where(locator: str | None) -> str:
     return f" of {locator}" if locator else ""
+
+
+class _SequenceLimit:
+    """``max_seq_len`` and ``overlong_row_policy`` applied to tokenized rows, with the record's counts."""
+
+    def __init__(self, max_seq_len: int | None, policy: str):
+        self.max_seq_len, self.policy = max_seq_len, policy
+        self.over = self.truncated = self.skipped = self.tokens = self.supervised = 0
+
+    def fit(
+        self, index: int, row_hash: str, input_ids: tuple[int, ...], labels: tuple[int, ...], locator: str | None
+    ) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+        """The row within the limit (truncated when the policy says so), or None when it is dropped."""
+        limit = self.max_seq_len
+        if limit is None or len(input_ids) <= limit:
+            return input_ids, labels
+        self.over += 1
+        if self.policy == "fail":
+            raise RequestError(
+                f"row {index} ({row_hash}) is invalid: tokenization_error: the conversation is {len(input_ids)} "
+                f"tokens, over max_seq_len {limit}",
+                code="training_invalid_request",
+                hint=f"shorten row {index}{_where(locator)}, raise max_seq_len (at most the model's context "
+                'length), or set overlong_row_policy to "truncate" (keep its last tokens) or "skip"',
+            )
+        cut = len(input_ids) - limit
+        kept_ids, kept_labels = input_ids[cut:], labels[cut:]
+        before = sum(1 for label in labels[1:] if label != IGNORE_INDEX)
+        after = sum(1 for label in kept_labels[1:] if label != IGNORE_INDEX)
+        if self.policy == "skip" or after == 0:
+            self.skipped += 1
+            return None
+        self.truncated += 1
+        self.tokens += cut
+        self.supervised += before - after
+        return kept_ids, kept_labels
+
+    def record(self) -> dict[str, Any]:
+        return {
+            "max_seq_len": self.max_seq_len,
+            "overlong_row_policy": self.policy,
+            "rows_over": self.over,
+            "rows_truncated": self.truncated,
+            "rows_skipped": self.skipped,
+            "tokens_truncated": self.tokens,
+            "supervised_tokens_truncated": self.supervised,
+        }
 
 
 # --- rows -------------------------------------------------------------------------------
@@ -298,9 +370,8 @@ def _normalise_messages(row: Mapping[str, Any]) -> list[dict[str, Any]]:
 class _RowTokenizer:
     """Renders one normalised conversation and tokenizes it with assistant-only labels."""
 
-    def __init__(self, tokenizer: Any, max_seq_len: int | None):
+    def __init__(self, tokenizer: Any):
         self.template = ChatTemplate(tokenizer)
-        self.max_seq_len = max_seq_len
 
     def tokenize(self, messages: list[dict[str, Any]]) -> tuple[str, tuple[int, ...], tuple[int, ...]]:
         render = self.template.prefixes(messages)
@@ -318,11 +389,6 @@ class _RowTokenizer:
         if len(input_ids) < 2:
             raise InvalidRowError(
                 "tokenization_error", f"the conversation is {len(input_ids)} token(s); at least 2 are needed"
-            )
-        if self.max_seq_len is not None and len(input_ids) > self.max_seq_len:
-            raise InvalidRowError(
-                "tokenization_error",
-                f"the conversation is {len(input_ids)} tokens, over max_seq_len {self.max_seq_len}",
             )
         if all(label == IGNORE_INDEX for label in labels[1:]):
             raise InvalidRowError(

@@ -52,14 +52,16 @@ def log_probabilities(model: Any, ids: list[int]) -> Any:
     """``[len(ids), V]`` float32 log-probabilities; row r is the distribution of the token after ``ids[r]``.
 
     One forward of the whole sequence under ``torch.no_grad`` (never inference mode: the
-    result may enter a loss as a constant), ``log_softmax`` over every row at once.
+    result may enter a loss as a constant), ``log_softmax`` over every row at once of the model's own logits
+    (``kiln.model.next_token_logprobs``: after its soft-cap or scaling).
     """
     import torch
 
+    from kiln.model import next_token_logprobs
+
     device = next(model.parameters()).device
     with torch.no_grad():
-        logits = model(input_ids=torch.tensor([list(ids)], dtype=torch.long, device=device)).logits[0]
-        return torch.log_softmax(logits.float(), dim=-1).cpu()
+        return next_token_logprobs(model, torch.tensor([list(ids)], dtype=torch.long, device=device)).cpu()
 
 
 def stable_top_k(rows: Any, k: int) -> tuple[Any, Any]:

@@ -97,11 +97,15 @@ def base_model(model_path: str | None, loaded: Any) -> Any:
 def job_fields(
     adapter_name: str, registry: Path, config: dict[str, Any], loaded: Any, *, optimizer_kind: str | None = None
 ) -> dict[str, Any]:
-    """The ``AdmittedJob`` fields of a run on ``loaded``: target, effective config, the model, and the precision
-    policy and identity -- deterministic algorithms switched on first (the provenance records it)."""
+    """The ``AdmittedJob`` fields of a run on ``loaded``: target, effective config (with ``lora_target_modules``
+    resolved against the model: the request's, checked, or the architecture's default), the model, and the
+    precision policy and identity -- deterministic algorithms switched on first (the provenance records it)."""
     import torch
 
     from kiln.model import capture_identity, training_precision
+    from kiln.training import target_modules
+
+    config = {**config, "lora_target_modules": target_modules(loaded.model, config.get("lora_target_modules"))}
 
     torch.use_deterministic_algorithms(True)
     precision = training_precision(optimizer_kind=optimizer_kind or config["optimizer"]["kind"])

@@ -29,7 +29,7 @@ from typing import Any
 
 from kiln import contracts
 from kiln.errors import RequestError
-from kiln.trainers._sft_config import check_run_bounds, context_length
+from kiln.trainers._sft_config import check_run_bounds, context_length, requested_targets
 from kiln.training import default_by, effective_optimizer, resolve_seed, schema_defaults
 
 MAX_ALPHA_OVER_RANK = 2.0
@@ -163,6 +163,7 @@ def effective_grpo_config(config: dict[str, Any], adapter_name: str) -> dict[str
         "reward_filter_on_empty": config.get("reward_filter_on_empty", defaults["reward_filter_on_empty"]),
         "lora_rank": rank,
         "lora_alpha": alpha,
+        "lora_target_modules": requested_targets(config),
         "allow_high_lora_scale": allow_high,
         "output_name": adapter_name,
         "base_adapter": config.get("base_adapter", defaults["base_adapter"]),

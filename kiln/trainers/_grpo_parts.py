@@ -71,10 +71,13 @@ def plan_groups(job: Any) -> tuple[list[Any], dict[str, int]]:
 
 
 def logprobs(model: Any, ids: Any) -> tuple[Any, Any]:
-    """Log-probabilities of every next token ``[T-1, V]`` and of the taken ones ``[T-1]``."""
+    """Log-probabilities of every next token ``[T-1, V]`` and of the taken ones ``[T-1]``, from the model's own
+    logits (``kiln.model.forward_logits``: after its soft-cap or scaling)."""
     import torch
 
-    logits = model(input_ids=ids.unsqueeze(0)).logits[0, :-1].float()
+    from kiln.model import forward_logits
+
+    logits = forward_logits(model, ids)[:-1]
     logp = torch.log_softmax(logits, dim=-1)
     return logp, logp.gather(-1, ids[1:].unsqueeze(-1)).squeeze(-1)
 

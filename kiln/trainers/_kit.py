@@ -170,7 +170,13 @@ class Policy:
 
         cfg = job.config
         torch.manual_seed(0)  # nothing should draw from the global RNG; pin it anyway
-        self.model = attach_lora(job.loaded.model, rank=cfg["lora_rank"], alpha=cfg["lora_alpha"], seed=cfg["seed"])
+        self.model = attach_lora(
+            job.loaded.model,
+            rank=cfg["lora_rank"],
+            alpha=cfg["lora_alpha"],
+            seed=cfg["seed"],
+            targets=cfg["lora_target_modules"],
+        )
         self.params = lora_parameters(self.model)
         self.optimizer = build_optimizer(cfg["optimizer"], list(self.params.values()), cfg["learning_rate"])
         self.timings = dict.fromkeys(PHASES, 0.0)

@@ -28,7 +28,7 @@ from typing import Any
 from kiln import contracts
 from kiln.errors import RequestError
 from kiln.trainers._grpo_config import effective_echo, optimizer_seed_lora
-from kiln.trainers._sft_config import check_run_bounds, context_length
+from kiln.trainers._sft_config import check_run_bounds, context_length, requested_targets
 from kiln.training import default_by, schema_defaults
 
 EXECUTABLE_TOP_K = (16, 32)
@@ -108,6 +108,7 @@ def effective_opd_config(
         "learning_rate": float(learning_rate),
         "lora_rank": rank,
         "lora_alpha": alpha,
+        "lora_target_modules": requested_targets(config),
         "allow_high_lora_scale": allow_high,
         "base_adapter": config.get("base_adapter", defaults["base_adapter"]),
         "output_name": adapter_name,

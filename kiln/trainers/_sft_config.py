@@ -32,6 +32,8 @@ __all__ = [
     "check_sft_data",
     "context_length",
     "effective_config",
+    "requested_targets",
+    "resolve_max_seq_len",
 ]
 
 
@@ -76,6 +78,9 @@ def effective_config(config: dict[str, Any], adapter_name: str) -> dict[str, Any
         "learning_rate": float(learning_rate),
         "lora_rank": rank,
         "lora_alpha": alpha,
+        "lora_target_modules": requested_targets(config),
+        "max_seq_len": config.get("max_seq_len", defaults["max_seq_len"]),
+        "overlong_row_policy": config.get("overlong_row_policy", defaults["overlong_row_policy"]),
         "allow_high_lora_scale": allow_high,
         "output_name": adapter_name,
         "base_adapter": config.get("base_adapter", defaults["base_adapter"]),
@@ -83,6 +88,27 @@ def effective_config(config: dict[str, Any], adapter_name: str) -> dict[str, Any
         "seed": seed,
         "optimizer": optimizer,
     }
+
+
+def requested_targets(config: dict[str, Any]) -> list[str] | None:
+    """The requested LoRA targets (None: the model's default); ``job_fields`` resolves them against the model."""
+    targets = config.get("lora_target_modules")
+    return None if targets is None else [str(t) for t in targets]
+
+
+def resolve_max_seq_len(config: dict[str, Any], loaded: Any) -> dict[str, Any]:
+    """``config`` with ``max_seq_len`` resolved: the request's (at most the model's context length) or the context
+    length itself (None when the model declares none)."""
+    context = context_length(loaded)
+    requested = config.get("max_seq_len")
+    if requested is not None and context is not None and int(requested) > context:
+        raise RequestError(
+            f"max_seq_len {requested} exceeds the model's context length of {context} tokens",
+            code="training_invalid_request",
+            pointer="/config/max_seq_len",
+            hint=f"use at most {context}, or omit max_seq_len for the context length",
+        )
+    return {**config, "max_seq_len": context if requested is None else int(requested)}
 
 
 def context_length(loaded: Any) -> int | None:

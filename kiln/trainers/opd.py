@@ -239,7 +239,7 @@ def run_opd(
         nonlocal loop
         import torch
 
-        from kiln.model import sample
+        from kiln.model import forward_logits, sample
 
         check_pin(job.source.path if job.pin is not None else None, job.pin)
         policy = Policy(job, restore=restore_policy)
@@ -300,7 +300,7 @@ def run_opd(
                 model.train()
                 ids = torch.tensor([prefix + action], dtype=torch.long)
                 t1 = time.perf_counter()
-                logits = model(input_ids=ids).logits[0]
+                logits = forward_logits(model, ids)
                 loop.timings["policy_forward_ms"] += (time.perf_counter() - t1) * 1000
                 start = len(prefix) - 1
                 loss, per_position = top_k_reverse_kl(logits[start : start + len(action)], teacher_ids, teacher_lp)

@@ -42,7 +42,7 @@ from kiln.trainers._kit import Cadence, FinalState, Policy, Progress, TrainResul
 from kiln.trainers._loop_states import SftLoop
 from kiln.trainers._receipts import data_block, envelope, token_counts_block
 from kiln.trainers._resume import claim_target, load_resume, resume_metadata
-from kiln.trainers._sft_config import check_sft_data, effective_config
+from kiln.trainers._sft_config import check_sft_data, effective_config, resolve_max_seq_len
 from kiln.training import (
     LORA_INIT_ALGORITHM,
     adapter_tensors,
@@ -101,7 +101,14 @@ class AdmittedSft(AdmittedJob):
         config = model.config
         hidden, layers = int(config.hidden_size), int(config.num_hidden_layers)
         rank = int(self.config["lora_rank"])
-        lora = layers * 7 * rank * (hidden + int(getattr(config, "intermediate_size", hidden))) * 4 * 4
+        lora = (
+            layers
+            * len(self.config["lora_target_modules"])
+            * rank
+            * (hidden + int(getattr(config, "intermediate_size", hidden)))
+            * 4
+            * 4
+        )
         longest = max(len(ex.input_ids) for ex in self.ingestion.examples)
         activations = longest * hidden * layers * 4 * 32
         vocab = int(config.vocab_size)
@@ -158,12 +165,15 @@ def admit_sft(
     claim_target(registry, adapter_name, checkpoint_path)
     loaded = base_model(model_path, loaded)
     head_of_model = model_head(loaded.model)
+    cfg = resolve_max_seq_len(cfg, loaded)
     start = time.perf_counter()
     ingestion = ingest_sft(
         tokenizer=loaded.tokenizer,
         examples=examples,
         dataset_path=None if dataset_path is None else str(Path(dataset_path).resolve()),
         invalid_row_policy=cfg["invalid_row_policy"],
+        max_seq_len=cfg["max_seq_len"],
+        overlong_row_policy=cfg["overlong_row_policy"],
     )
     tokenize_ms = (time.perf_counter() - start) * 1000
     check_sft_data(cfg, ingestion.examples, loaded)

@@ -1,8 +1,10 @@
 """LoRA modules (peft) with Kiln's own seeded initialisation.
 
-Targets: the linear projections present among ``q_proj k_proj v_proj o_proj gate_proj
-up_proj down_proj`` (and ``in_proj_qkv in_proj_z out_proj`` on hybrid-attention models).
-Initialisation comes from the ``lora-init`` stream: parameters are visited in sorted name
+Targets: ``lora_target_modules`` when a request names them (leaf module names inside the
+decoder layers, checked against the model), else every linear projection of the decoder
+layers -- attention and MLP, ``nn.Linear`` or GPT-2's Conv1D (``c_attn c_proj c_fc``) --
+except expert routers; the output head and the embeddings are never adapted (the SFT
+loss routes read the head's weight directly). Initialisation comes from the ``lora-init`` stream: parameters are visited in sorted name
 order; every A is uniform in ``±sqrt(1/in_features)``, every B is zero -- so the same seed
 gives the same bytes on any machine of the same build.
 """
@@ -13,6 +15,9 @@ import math
 import warnings
 from typing import Any
 
+from kiln.errors import RequestError
+
+# The usual order of the projections, used to order a model's default targets; others follow in first-seen order.
 TARGET_CANDIDATES = (
     "q_proj",
     "k_proj",
@@ -25,27 +30,66 @@ TARGET_CANDIDATES = (
     "in_proj_z",
     "out_proj",
 )
+# Linear layers inside the decoder layers that route tokens between experts; adapting them is not a projection
+ROUTERS = frozenset({"gate", "router"})
+MAX_LISTED = 24
 
 
-def target_modules(model: Any) -> list[str]:
+def layer_projections(model: Any) -> list[str]:
+    """Leaf names of the linear projections inside the model's decoder layers (``nn.Linear`` and the Conv1D of
+    GPT-2-style models), never the output head or the embeddings: known projection names first in their usual
+    order, the others in the order the model declares them."""
     import torch
+    from transformers.pytorch_utils import Conv1D
 
-    present = {name.rsplit(".", 1)[-1] for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)}
-    found = [name for name in TARGET_CANDIDATES if name in present]
-    if not found:
-        raise ValueError("the model has none of the LoRA target projections " + ", ".join(TARGET_CANDIDATES))
-    return found
+    seen: dict[str, None] = {}
+    for name, module in model.named_modules():
+        parts = name.split(".")
+        if isinstance(module, torch.nn.Linear | Conv1D) and any(part.isdigit() for part in parts[:-1]):
+            seen.setdefault(parts[-1], None)
+    known = [name for name in TARGET_CANDIDATES if name in seen]
+    return known + [name for name in seen if name not in known]
 
 
-def attach_lora(model: Any, *, rank: int, alpha: float, seed: int) -> Any:
-    """Wrap ``model`` with LoRA adapters on every target projection and initialise them."""
+def target_modules(model: Any, requested: list[str] | None = None) -> list[str]:
+    """The LoRA targets of ``model``: ``requested`` (leaf module names, checked) or, when None, every projection
+    of its decoder layers except expert routers. A name that matches no projection inside the decoder layers is
+    refused naming the ones the model has."""
+    found = layer_projections(model)
+    listed = ", ".join(found[:MAX_LISTED]) + (f" and {len(found) - MAX_LISTED} more" if len(found) > MAX_LISTED else "")
+    if requested is None:
+        chosen = [name for name in found if name not in ROUTERS]
+        if not chosen:
+            raise RequestError(
+                f"{type(model).__name__} has no linear projections inside its decoder layers to adapt"
+                + (f" (only expert routers: {listed})" if found else ""),
+                code="training_backend_unsupported",
+            )
+        return chosen
+    missing = [name for name in requested if name not in found]
+    if missing:
+        raise RequestError(
+            f"lora_target_modules: {', '.join(repr(m) for m in missing)} "
+            f"{'matches' if len(missing) == 1 else 'match'} no linear projection inside the decoder layers of "
+            f"{type(model).__name__}; it has {listed or 'none'}",
+            code="training_invalid_request",
+            pointer="/config/lora_target_modules",
+            hint="name leaf modules of the decoder layers (the output head and embeddings are never adapted), "
+            "or omit lora_target_modules for all of them",
+        )
+    return list(requested)
+
+
+def attach_lora(model: Any, *, rank: int, alpha: float, seed: int, targets: list[str] | None = None) -> Any:
+    """Wrap ``model`` with LoRA adapters on ``targets`` (default: ``target_modules(model)``) and initialise them."""
     import torch
     from peft import LoraConfig, get_peft_model
 
+    targets = target_modules(model) if targets is None else list(targets)
     config = LoraConfig(
         r=rank,
         lora_alpha=alpha,
-        target_modules=target_modules(model),
+        target_modules=targets,
         lora_dropout=0.0,
         bias="none",
         task_type="CAUSAL_LM",
@@ -55,6 +99,9 @@ def attach_lora(model: Any, *, rank: int, alpha: float, seed: int) -> Any:
         # peft 0.21 asks transformers 5 for a renamed attribute; the deprecation is theirs, not ours
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
         peft_model = get_peft_model(model, config)
+    # peft keeps the names as a set and writes list(set) into adapter_config.json, whose order follows the
+    # process's string hashing; the injected modules are fixed now, so keep the targets in their given order
+    peft_model.peft_config["default"].target_modules = targets
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in lora_parameters(peft_model).items():
