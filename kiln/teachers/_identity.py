@@ -14,7 +14,7 @@ registered as ``local``, up to ``served_model_id``). Every digest is raw hex:
 * ``inference_config_sha256`` SHA-256 of the canonical JSON of ``INFERENCE_CONFIG`` (how scores are
                               computed: float32, raw ``log_softmax``, stable descending top-K).
 
-Limits: ``vocab_size`` and ``max_model_len`` (``max_position_embeddings``) from ``config.json``;
+Limits: ``vocab_size`` and ``max_model_len`` (``max_position_embeddings``, or ``n_positions``) from ``config.json``;
 ``max_top_k`` = ``max_prompt_logprob_candidates`` = ``MAX_TOP_K``.
 """
 
@@ -65,11 +65,14 @@ def _raw_file_sha256(path: Path, what: str) -> str:
     return file_sha256(path)[0]
 
 
-def _config_int(config: dict[str, Any], key: str, path: Path) -> int:
+def _config_int(config: dict[str, Any], key: str, path: Path, *aliases: str) -> int:
+    """The first positive integer among ``key`` and its ``aliases`` (other families' names for it), in the config
+    or its ``text_config``."""
     for source in (config, config.get("text_config") or {}):
-        value = source.get(key) if isinstance(source, dict) else None
-        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-            return value
+        for name in (key, *aliases):
+            value = source.get(name) if isinstance(source, dict) else None
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
     raise _refuse(f"{path} has no positive integer {key!r}; Kiln cannot state the teacher's limits without it")
 
 
@@ -87,7 +90,10 @@ def model_limits(model_dir: Path) -> tuple[int, int]:
         raise _refuse(f"{path} is not readable strict JSON: {exc.message}") from None
     if not isinstance(config, dict):
         raise _refuse(f"{path} is not a JSON object")
-    return _config_int(config, "vocab_size", path), _config_int(config, "max_position_embeddings", path)
+    # GPT-2-style configs call the context length n_positions (as kiln.model.max_positions reads it)
+    return _config_int(config, "vocab_size", path), _config_int(
+        config, "max_position_embeddings", path, "n_positions", "max_sequence_length", "seq_length"
+    )
 
 
 def inference_config_sha256() -> str:

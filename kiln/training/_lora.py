@@ -84,8 +84,13 @@ def attach_lora(model: Any, *, rank: int, alpha: float, seed: int, targets: list
     """Wrap ``model`` with LoRA adapters on ``targets`` (default: ``target_modules(model)``) and initialise them."""
     import torch
     from peft import LoraConfig, get_peft_model
+    from transformers.pytorch_utils import Conv1D
 
     targets = target_modules(model) if targets is None else list(targets)
+    chosen = set(targets)
+    # GPT-2's Conv1D stores its weight transposed: peft adapts it with fan_in_fan_out (and corrects the flag
+    # per module, with a warning, when a model mixes the two kinds)
+    conv = any(isinstance(m, Conv1D) and name.rsplit(".", 1)[-1] in chosen for name, m in model.named_modules())
     config = LoraConfig(
         r=rank,
         lora_alpha=alpha,
@@ -94,10 +99,12 @@ def attach_lora(model: Any, *, rank: int, alpha: float, seed: int, targets: list
         bias="none",
         task_type="CAUSAL_LM",
         init_lora_weights=True,
+        fan_in_fan_out=conv,
     )
     with warnings.catch_warnings():
         # peft 0.21 asks transformers 5 for a renamed attribute; the deprecation is theirs, not ours
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        warnings.filterwarnings("ignore", message="fan_in_fan_out is set to", category=UserWarning)
         peft_model = get_peft_model(model, config)
     # peft keeps the names as a set and writes list(set) into adapter_config.json, whose order follows the
     # process's string hashing; the injected modules are fixed now, so keep the targets in their given order
