@@ -204,7 +204,7 @@ def test_a_grpo_step_and_an_opd_step_run(tmp_path, models, family):
 
 
 def test_target_modules_can_be_chosen_and_a_name_the_model_lacks_is_refused(tmp_path, models):
-    job, result = _sft(tmp_path, models["gpt2"], "attention-only", lora_target_modules=["c_attn"])
+    _job, result = _sft(tmp_path, models["gpt2"], "attention-only", lora_target_modules=["c_attn"])
     assert result.status == "success"
     assert json.loads((result.adapter_dir / "adapter_config.json").read_text())["target_modules"] == ["c_attn"]
     from safetensors.torch import load_file

@@ -186,6 +186,9 @@ def _copy_model(tiny_model_dir, target):
         ({"epochs": 3}, "effective_config.epochs"),
         ({"optimizer": {"kind": "adam_w"}}, "effective_config.optimizer.kind"),
         ({"checkpoint_interval": 2}, "effective_config.checkpoint_interval"),
+        ({"lora_target_modules": ["q_proj", "v_proj"]}, "effective_config.lora_target_modules"),
+        ({"max_seq_len": 512}, "effective_config.max_seq_len"),
+        ({"overlong_row_policy": "skip"}, "effective_config.overlong_row_policy"),
     ],
 )
 def test_resume_refuses_a_changed_setting_naming_the_field(change, field, cancelled, tiny_model_dir, data_file):

@@ -313,6 +313,75 @@ def test_rows_longer_than_max_seq_len_are_tokenization_errors(tokenizer):
         _ingest_rows(tokenizer, [PLAIN], max_seq_len=n - 1)
 
 
+def test_a_row_over_max_seq_len_fails_the_job_by_default_even_when_invalid_rows_are_skipped(tokenizer):
+    (plain,) = _ingest_rows(tokenizer, [PLAIN]).examples
+    with pytest.raises(RequestError, match=r"row 2 .* over max_seq_len") as caught:
+        _ingest_rows(tokenizer, [PLAIN, MULTI_TURN], max_seq_len=len(plain.input_ids), invalid_row_policy="skip")
+    assert "overlong_row_policy" in caught.value.hint
+
+
+def test_skip_drops_rows_over_max_seq_len_and_counts_them(tokenizer):
+    (plain,) = _ingest_rows(tokenizer, [PLAIN]).examples
+    limit = len(plain.input_ids)
+    result = _ingest_rows(tokenizer, [PLAIN, MULTI_TURN], max_seq_len=limit, overlong_row_policy="skip")
+    assert [ex.row_index for ex in result.examples] == [1]
+    assert result.record["rejected_rows"][0]["row_index"] == 2
+    assert result.record["rejected_rows"][0]["reason"] == "tokenization_error"
+    assert result.record["sequence_limit"] == {
+        "max_seq_len": limit,
+        "overlong_row_policy": "skip",
+        "rows_over": 1,
+        "rows_truncated": 0,
+        "rows_skipped": 1,
+        "tokens_truncated": 0,
+        "supervised_tokens_truncated": 0,
+    }
+    assert problems("SftIngestion", result.record) == []
+
+
+def test_truncate_keeps_the_last_tokens_of_a_long_row_and_counts_what_it_cut(tokenizer):
+    (full,) = _ingest_rows(tokenizer, [MULTI_TURN]).examples
+    limit = len(full.input_ids) - 9
+    result = _ingest_rows(tokenizer, [MULTI_TURN, PLAIN], max_seq_len=limit, overlong_row_policy="truncate")
+    cut, kept = result.examples[0], result.examples[1]
+    assert cut.input_ids == full.input_ids[9:]  # the start of the conversation, the prompt side, is cut
+    assert cut.labels == full.labels[9:]
+    assert kept.input_ids == _ingest_rows(tokenizer, [PLAIN]).examples[0].input_ids
+    lost = full.supervised_tokens - cut.supervised_tokens
+    record = result.record["sequence_limit"]
+    assert (record["rows_over"], record["rows_truncated"], record["rows_skipped"]) == (1, 1, 0)
+    assert record["tokens_truncated"] == 9
+    assert record["supervised_tokens_truncated"] == lost
+    assert problems("SftIngestion", result.record) == []
+
+
+def test_truncation_that_leaves_no_supervised_token_drops_the_row(tokenizer):
+    """A conversation that ends in a long user turn: its last tokens supervise nothing."""
+    trailing = _row(*PLAIN["messages"], _msg("user", "Thank you. " * 12))
+    (full,) = _ingest_rows(tokenizer, [trailing]).examples
+    last_supervised = max(i for i, label in enumerate(full.labels) if label != -100)
+    limit = len(full.input_ids) - last_supervised  # the window starts at the last supervised token: no target left
+    result = _ingest_rows(tokenizer, [trailing, PLAIN], max_seq_len=limit, overlong_row_policy="truncate")
+    assert [ex.row_index for ex in result.examples] == [2]
+    assert result.record["rejected_rows"] == [
+        {"row_index": 1, "row_sha256": full.row_sha256, "reason": "tokenization_error"}
+    ]
+    record = result.record["sequence_limit"]
+    assert (record["rows_over"], record["rows_truncated"], record["rows_skipped"]) == (1, 0, 1)
+    assert problems("SftIngestion", result.record) == []
+
+
+def test_inconsistent_sequence_limit_counts_are_refused_by_the_strict_loader(tokenizer):
+    (plain,) = _ingest_rows(tokenizer, [PLAIN]).examples
+    record = _ingest_rows(
+        tokenizer, [PLAIN, MULTI_TURN], max_seq_len=len(plain.input_ids), overlong_row_policy="skip"
+    ).record
+    bad = {**record, "sequence_limit": {**record["sequence_limit"], "rows_over": 2}}
+    assert [p.code for p in problems("SftIngestion", bad)] == ["inconsistent_fields"]
+    truncating_under_skip = {**record, "sequence_limit": {**record["sequence_limit"], "rows_truncated": 1}}
+    assert problems("SftIngestion", truncating_under_skip)
+
+
 def test_skip_records_rejected_rows_and_keeps_the_rest(tmp_path, tokenizer):
     bad_json, bad_role = "{oops", '{"messages": [{"role": "robot", "content": "x"}]}'
     no_assistant = {"messages": [{"role": "user", "content": "only a question"}]}

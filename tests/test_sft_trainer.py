@@ -227,3 +227,46 @@ def test_a_base_adapter_of_another_shape_fails_with_shape_mismatch(tmp_path, tin
     assert result.status == "failed"
     assert result.receipt["failure_reason"] == "shape_mismatch"
     assert "rank and target modules must match" in result.receipt["failure_message"]
+
+
+def test_max_seq_len_defaults_to_the_context_length_and_may_not_exceed_it(tmp_path, tiny_model_dir):
+    from kiln.model import load_base_model, max_positions
+
+    loaded = load_base_model(tiny_model_dir)
+    context = max_positions(loaded.model, loaded.tokenizer)
+    result = _train(tmp_path, tiny_model_dir, "default-limit")
+    receipt = json.loads(result.receipt_path.read_text())
+    assert receipt["config"]["max_seq_len"] == context
+    assert receipt["data"]["sft_ingestion"]["sequence_limit"]["max_seq_len"] == context
+    with pytest.raises(RequestError, match=rf"max_seq_len {context + 1} exceeds the model's context length"):
+        _train(tmp_path, tiny_model_dir, "too-long", config={"max_seq_len": context + 1})
+
+
+def test_truncated_rows_train_and_the_receipt_counts_them(tmp_path, tiny_model_dir):
+    result = _train(tmp_path, tiny_model_dir, "cut", config={"max_seq_len": 24, "overlong_row_policy": "truncate"})
+    assert result.status == "success"
+    receipt = json.loads(result.receipt_path.read_text())
+    limit = receipt["data"]["sft_ingestion"]["sequence_limit"]
+    assert limit["overlong_row_policy"] == "truncate"
+    assert limit["rows_truncated"] + limit["rows_skipped"] == limit["rows_over"] > 0
+    assert limit["tokens_truncated"] > 0
+    contracts.load("TrainReceipt", result.receipt_path)
+    with pytest.raises(RequestError, match=r"over max_seq_len 24"):
+        _train(tmp_path, tiny_model_dir, "refused", config={"max_seq_len": 24})
+    with pytest.raises(RequestError, match=r"every row was rejected .*over max_seq_len 24") as caught:
+        _train(tmp_path, tiny_model_dir, "skipped", config={"max_seq_len": 24, "overlong_row_policy": "skip"})
+    assert "overlong_row_policy" in caught.value.hint
+
+
+def test_the_cli_passes_target_modules_and_sequence_limits(tmp_path, tiny_model_dir, capsys):
+    data = _write_jsonl(tmp_path / "rows.jsonl", CONVERSATIONS)
+    argv = ["train", "sft", "--local", "-f", str(data), "--adapter", "flags", "--model", str(tiny_model_dir)]
+    argv += ["--adapter-dir", str(tmp_path / "adapters"), "--seed", "3", "--lora-target-modules", "q_proj,v_proj"]
+    argv += ["--max-seq-len", "40", "--overlong-row-policy", "truncate"]
+    assert main(argv) == 0, capsys.readouterr().err
+    adapter = tmp_path / "adapters" / "flags"
+    receipt = json.loads((adapter / "train_receipt.json").read_text())
+    assert receipt["config"]["lora_target_modules"] == ["q_proj", "v_proj"]
+    assert receipt["config"]["max_seq_len"] == 40
+    assert receipt["config"]["overlong_row_policy"] == "truncate"
+    assert json.loads((adapter / "adapter_config.json").read_text())["target_modules"] == ["q_proj", "v_proj"]

@@ -21,7 +21,7 @@ SCHEMA_DIGESTS: dict[str, str] = {
     "kiln-common-v1.schema.json": "sha256:578fb0867921ff18b61214d1e6a909abccdcc2532c6c6bd5a1c1aada83583c73",
     "kiln-config-v1.schema.json": "sha256:90fb1826182bb468ad29c24ca9e84c62134aed459f49b194e5860513b5957ec6",
     "kiln-control-plane-v1.schema.json": "sha256:0f2e5d4f213c15834a3e0dbc47ff12b84227c0f33243e1319cb69cbc6393b0e7",
-    "kiln-observability-v1.schema.json": "sha256:1de24fdfcae266f710e7043181efedc78cc16ad4251064c27d12f0910545047d"
+    "kiln-observability-v1.schema.json": "sha256:6f0bc47ffee00565b9fcff807ddbbfc8e2a57ca93e1f13e915de1dde8427e513"
 }
 
 __all__ = ["ENTRYPOINTS", "SCHEMA_DIGESTS", "load_bundle", "openapi_document"]

@@ -32,6 +32,32 @@ def _counts(doc: dict[str, Any], at: str) -> Iterable[Problem]:
         )
 
 
+@semantic_rule(DOC, "sft-ingestion.sequence-limit-counts")
+def _sequence_limit(doc: dict[str, Any], at: str) -> Iterable[Problem]:
+    limit = doc.get("sequence_limit")
+    if limit is None:
+        return
+    where = ptr(at, "sequence_limit")
+    over, truncated, skipped = limit["rows_over"], limit["rows_truncated"], limit["rows_skipped"]
+    policy = limit["overlong_row_policy"]
+    if over != truncated + skipped:
+        yield Problem(
+            "inconsistent_fields",
+            ptr(where, "rows_over"),
+            f"rows_over ({over}) must equal rows_truncated ({truncated}) + rows_skipped ({skipped})",
+        )
+    if policy == "fail" and over:
+        yield Problem("inconsistent_fields", ptr(where, "rows_over"), f"{over} rows over the limit under fail")
+    if policy != "truncate" and truncated:
+        yield Problem("inconsistent_fields", ptr(where, "rows_truncated"), f"{truncated} rows truncated under {policy}")
+    if skipped > doc["rows_rejected"]:
+        yield Problem(
+            "inconsistent_fields",
+            ptr(where, "rows_skipped"),
+            f"rows_skipped ({skipped}) exceeds rows_rejected ({doc['rows_rejected']})",
+        )
+
+
 @semantic_rule(DOC, "sft-ingestion.kept-hashes-count")
 def _kept_count(doc: dict[str, Any], at: str) -> Iterable[Problem]:
     if doc["rows_kept"] != len(doc["kept_row_hashes"]):

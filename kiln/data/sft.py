@@ -212,10 +212,13 @@ def ingest_sft(
     if not kept:
         counts = Counter(row["reason"] for row in rejected)
         by_reason = ", ".join(f"{reason} {counts[reason]}" for reason in REJECTION_REASONS if counts[reason])
+        too_long = f", {limit.skipped} of them over max_seq_len {limit.max_seq_len}" if limit.skipped else ""
         raise RequestError(
-            f"every row was rejected ({rows_read} rows: {by_reason}); nothing is left to train on",
+            f"every row was rejected ({rows_read} rows: {by_reason}{too_long}); nothing is left to train on",
             code="training_invalid_request",
-            hint="fix the rows; each needs at least one assistant turn after a system or user turn",
+            hint="raise max_seq_len or truncate the long rows (overlong_row_policy)"
+            if limit.skipped
+            else "fix the rows; each needs at least one assistant turn after a system or user turn",
         )
 
     kept_hashes = [example.row_sha256 for example in kept]
