@@ -30,6 +30,11 @@ Routes (each in a fresh interpreter):
   projection of the A hidden rows (floor, part 1).
 * ``kiln_fused``       -- ``kiln.kernels.sft_loss("fused_chunked_linear_ce", ...)`` with the
   chunk size of ``choose_loss_route("cpu", float32, max_rows=A, ...)``.
+* ``kiln_fused_softcap`` -- the same with the model's logits soft-capped at 30
+  (``LogitMap(softcap=30.0)``, Gemma 2's final-logit cap): the cap and its derivative are
+  folded into the same single pass. Its worker also times the loss path alone with and
+  without the cap, interleaved in one process (``--reps`` pairs after a warm-up pair), and
+  reports the median ratio ("softcap / plain, interleaved").
 * ``head_matmuls``     -- no model: ``logits = h @ W.T`` and ``logits @ W`` on ``[A, H]``
   rows, the two matrix products any head gradient needs (floor, part 2).
   ``head_matmuls_chunked`` does the same vocabulary chunk by chunk (Kiln's chunk size);
@@ -76,6 +81,7 @@ CHUNK_BUDGET = 64 * 1024 * 1024  # the same budget as kiln.kernels.default_chunk
 THREADS = 2
 MIB = 1024 * 1024
 REPO = Path(__file__).resolve().parent.parent
+SOFTCAP = 30.0  # Gemma 2's final_logit_softcapping
 TRL_PYTHON = "/tmp/trlvenv/bin/python"  # noqa: S108 - the bench venv with trl, not a temp file
 
 ROUTES = (
@@ -86,6 +92,7 @@ ROUTES = (
     "ckpt_chunks",
     "body_only",
     "kiln_fused",
+    "kiln_fused_softcap",
     "head_matmuls",
     "head_matmuls_chunked",
 )
@@ -99,6 +106,7 @@ LABELS = {
     "ckpt_chunks": "chunks of R rows + activation checkpoint",
     "body_only": "model body alone, no LM head (floor 1)",
     "kiln_fused": "Kiln fused_chunked_linear_ce",
+    "kiln_fused_softcap": "Kiln fused route, logits soft-capped at 30",
     "head_matmuls": "h @ W.T and grad @ W alone (floor 2)",
     "head_matmuls_chunked": "same, vocabulary chunks of C (floor 2)",
 }
@@ -287,16 +295,22 @@ def worker(route: str, seq_len: int, vocab: int, reps: int) -> dict:
 
             def loss_from(last):
                 return (last[0, :-1].index_select(0, active) * probe).sum()
-        elif route == "kiln_fused":
+        elif route in ("kiln_fused", "kiln_fused_softcap"):
             from kiln import kernels
 
             choice = kernels.choose_loss_route("cpu", torch.float32, max_rows=rows, vocab=vocab, hidden=HIDDEN)
             assert choice.route == kernels.FUSED_CHUNKED_LINEAR_CE, choice
             extra["chunk"] = choice.chunk_size
             extra["implementation"] = getattr(choice, "implementation", None)
+            capped = kernels.LogitMap(softcap=SOFTCAP) if route == "kiln_fused_softcap" else kernels.IDENTITY
+
+            def fused(last, logit_map):
+                return kernels.sft_loss(
+                    choice.route, last[0, :-1], weight, targets, chunk_size=choice.chunk_size, logit_map=logit_map
+                )
 
             def loss_from(last):
-                return kernels.sft_loss(choice.route, last[0, :-1], weight, targets, chunk_size=choice.chunk_size)
+                return fused(last, capped)
         else:
             raise SystemExit(f"unknown route {route!r}")
 
@@ -327,6 +341,21 @@ def worker(route: str, seq_len: int, vocab: int, reps: int) -> dict:
         loss_from(last).backward()
         extra["alone_seconds"] = time.perf_counter() - start
         extra["alone"] = memory_status("VmHWM") - alone_base
+        if route == "kiln_fused_softcap":  # the cap's cost side by side: plain and capped, interleaved
+            from kiln import kernels
+
+            ratios = []
+            for rep in range(reps + 1):
+                pair = []
+                for logit_map in (kernels.IDENTITY, capped):
+                    leaf = last.detach().requires_grad_()
+                    start = time.perf_counter()
+                    fused(leaf, logit_map).backward()
+                    pair.append(time.perf_counter() - start)
+                if rep:
+                    ratios.append(pair[1] / pair[0])
+            extra["softcap_ratio"] = statistics.median(ratios)
+            extra["softcap_ratios"] = ratios
     return {
         "route": route,
         "seq_len": seq_len,
@@ -584,6 +613,20 @@ def targets(ok: dict, floor: dict | None) -> list[str]:
             f"  target <= 1.15: {verdict(f, 1.15)} ({kiln['seconds']:.2f} vs {floor['seconds']:.2f} s;"
             f" fastest steps {kiln['min_seconds'] / floor['min_seconds']:.2f}x)"
         )
+    capped = ok.get("kiln_fused_softcap")
+    if capped is not None:
+        c = capped["seconds"] / kiln["seconds"]
+        out.append(
+            f"{'step time, kiln soft-capped / kiln plain (two processes)':<58} {c:6.2f}x  target <= 1.05:"
+            f" {verdict(c, 1.05)} ({capped['seconds']:.2f} vs {kiln['seconds']:.2f} s)"
+        )
+        if "softcap_ratio" in capped:
+            r = capped["softcap_ratio"]
+            spread = ", ".join(f"{x:.3f}" for x in capped["softcap_ratios"])
+            out.append(
+                f"{'loss path alone, soft-capped / plain (interleaved)':<58} {r:6.3f}x  target <= 1.05:"
+                f" {verdict(r, 1.05)} (pairs: {spread})"
+            )
     chunked = ok.get("torch_lce_chunked")
     if chunked is not None:
         line = f"for context, kiln / F.linear_cross_entropy chunked ({chunked.get('rows_per_chunk')} rows):"
