@@ -234,3 +234,25 @@ def test_a_model_whose_logits_kiln_cannot_reproduce_is_refused_naming_it(tmp_pat
         _sft(tmp_path, models["llama"], "approximate")
     assert caught.value.code == "training_backend_unsupported"
     assert not (tmp_path / "adapters" / "approximate").exists()
+
+
+def test_kiln_serve_applies_a_gpt2_conv1d_adapter_exactly_as_peft_does(tmp_path, models):
+    from peft import PeftModel
+
+    from kiln.server._generation import Generator
+
+    _job, result = _sft(tmp_path, models["gpt2"], "gpt2-served")
+    assert json.loads((result.adapter_dir / "adapter_config.json").read_text())["fan_in_fan_out"] is True
+    gen = Generator(load_base_model(models["gpt2"]), tmp_path / "adapters", "gpt2")
+    gen.load("gpt2-served")
+    ids = torch.tensor([gen._encode_prompt([{"role": "user", "content": "Say hello."}])])
+    with torch.inference_mode(), gen._applied(gen._active):
+        served = gen._model(input_ids=ids).logits
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        reference = PeftModel.from_pretrained(load_base_model(models["gpt2"]).model, str(result.adapter_dir))
+    with torch.inference_mode():
+        expected = reference(input_ids=ids).logits
+    torch.testing.assert_close(served, expected, rtol=1e-5, atol=1e-5)
+    with torch.inference_mode(), gen._applied(None):
+        assert float((gen._model(input_ids=ids).logits - served).abs().max()) > 1e-4

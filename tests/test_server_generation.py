@@ -286,6 +286,18 @@ def test_damaged_adapter_is_adapter_invalid_and_keeps_the_active_one(gen, regist
     assert gen.active()["name"] == "bot"
 
 
+def test_fan_in_fan_out_on_a_linear_layer_is_refused(gen, registry):
+    """fan_in_fan_out is accepted only for Conv1D targets (GPT-2); on nn.Linear it would be applied wrongly."""
+    target = registry / "transposed"
+    target.mkdir()
+    config = json.loads((registry / "bot" / "adapter_config.json").read_text(encoding="utf-8"))
+    (target / "adapter_config.json").write_text(json.dumps({**config, "fan_in_fan_out": True}), encoding="utf-8")
+    shutil.copyfile(registry / "bot" / WEIGHTS, target / WEIGHTS)  # a plain PEFT directory: nothing to bind
+    with pytest.raises(AdapterError, match=r"is a Linear but adapter_config.json has fan_in_fan_out True") as caught:
+        gen.load("transposed")
+    assert caught.value.code == "adapter_invalid"
+
+
 # --- canary -----------------------------------------------------------------------------------
 
 

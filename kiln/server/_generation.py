@@ -28,7 +28,7 @@ Adapters
     checks are skipped, while a directory holding a Kiln receipt but no manifest is refused
     (Kiln binds every adapter it publishes); the config is a plain LoRA config; every tensor is a
     complete ``lora_A``/``lora_B`` pair of a declared target ``nn.Linear`` of the served
-    model with matching shapes; the canary has not quarantined it
+    model (or a GPT-2 ``Conv1D``, with ``fan_in_fan_out`` as peft writes it) with matching shapes; the canary has not quarantined it
     (``adapter_canary_status.json``, read as ``kiln adapters list`` reads it: an invalid
     file counts as quarantined) unless ``allow_quarantined``. Every refusal is
     ``adapter_invalid`` and leaves the served adapter unchanged.
@@ -613,6 +613,7 @@ class Generator:
         import torch
         from safetensors import SafetensorError
         from safetensors.torch import load as load_tensors
+        from transformers.pytorch_utils import Conv1D
 
         def invalid(why: str) -> AdapterError:
             return AdapterError(f"adapter {name!r}: {why}")
@@ -625,7 +626,10 @@ class Generator:
             raise invalid(f"{CONFIG_FILE} is not a JSON object")
         if config.get("peft_type", "LORA") != "LORA":
             raise invalid(f"{CONFIG_FILE} peft_type is {config.get('peft_type')!r}; only LORA adapters are served")
-        used = [key for key in UNSUPPORTED_CONFIG if config.get(key)]
+        # fan_in_fan_out is how peft adapts GPT-2's Conv1D (its weight is stored transposed); it changes only how
+        # a merge would lay out the delta, so it is accepted exactly when every adapted module is a Conv1D
+        transposed = bool(config.get("fan_in_fan_out"))
+        used = [key for key in UNSUPPORTED_CONFIG if config.get(key) and key != "fan_in_fan_out"]
         if used:
             raise invalid(f"{CONFIG_FILE} uses {', '.join(used)}, which the Kiln server does not apply")
         rank, alpha = config.get("r"), config.get("lora_alpha")
@@ -670,14 +674,23 @@ class Generator:
                 raise invalid(
                     f"the served model has no module {path}; was the adapter trained on another base model?"
                 ) from None
-            if not isinstance(module, torch.nn.Linear):
+            conv = isinstance(module, Conv1D)
+            if not isinstance(module, torch.nn.Linear) and not conv:
                 raise invalid(f"{path} is a {type(module).__name__}, not a linear layer")
+            if conv != transposed:
+                raise invalid(
+                    f"{path} is a {type(module).__name__} but {CONFIG_FILE} has fan_in_fan_out {transposed}: peft "
+                    "adapts Conv1D layers (and only those) with fan_in_fan_out true"
+                )
+            in_features, out_features = (
+                module.weight.shape if conv else (module.in_features, module.out_features)
+            )  # Conv1D stores its weight [in, out]
             a, b = pair["A"], pair["B"]
             r = a.shape[0] if a.dim() == 2 else -1
-            expected_a, expected_b = (r, module.in_features), (module.out_features, r)
+            expected_a, expected_b = (r, in_features), (out_features, r)
             if a.dim() != 2 or b.dim() != 2 or tuple(a.shape) != expected_a or tuple(b.shape) != expected_b:
                 raise invalid(
-                    f"{path}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} do not fit a {module.in_features}->{module.out_features} linear layer"
+                    f"{path}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} do not fit a {in_features}->{out_features} linear layer"
                 )
             if not rank_pattern and r != rank:
                 raise invalid(f"{path}: LoRA rank {r} differs from r = {rank} in {CONFIG_FILE}")
