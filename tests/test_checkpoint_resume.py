@@ -75,9 +75,14 @@ def data_file(tmp_path_factory):
     return _write_data(tmp_path_factory.mktemp("data") / "rows.jsonl")
 
 
-@pytest.mark.parametrize("optimizer", ["muon", "adam_w", "sgd"])
+WARMUP_COSINE = {"kind": "cosine", "warmup_steps": 3, "min_lr_ratio": 0.1}
+
+
+@pytest.mark.parametrize("optimizer", ["muon", "adam_w", "sgd", "adam_w+warmup-cosine"])
 def test_cancel_and_resume_reproduces_the_uninterrupted_run(optimizer, tmp_path, tiny_model_dir, data_file):
-    config = _config(optimizer)
+    kind, _, schedule = optimizer.partition("+")
+    config = _config(kind, **({"lr_scheduler": WARMUP_COSINE} if schedule else {}))
+    optimizer = kind
     a = _run(tmp_path / "A", data_file, tiny_model_dir, config)
     assert [p.name for p in a.checkpoints] == [f"bot-checkpoint-step-{s:08d}.kiln-checkpoint" for s in (3, 6, 9)]
     if optimizer == "sgd":
@@ -189,6 +194,8 @@ def _copy_model(tiny_model_dir, target):
         ({"lora_target_modules": ["q_proj", "v_proj"]}, "effective_config.lora_target_modules"),
         ({"max_seq_len": 512}, "effective_config.max_seq_len"),
         ({"overlong_row_policy": "skip"}, "effective_config.overlong_row_policy"),
+        ({"lr_scheduler": {"kind": "linear"}}, "effective_config.lr_scheduler.kind"),
+        ({"lr_scheduler": {"kind": "constant", "warmup_steps": 2}}, "effective_config.lr_scheduler.warmup_steps"),
     ],
 )
 def test_resume_refuses_a_changed_setting_naming_the_field(change, field, cancelled, tiny_model_dir, data_file):

@@ -176,8 +176,9 @@ def test_bad_groups_and_unsupported_settings_are_refused_at_admission(tmp_path, 
         (True, {}),
         (False, {"kl_reference_policy": {"kind": "ema", "decay": 0.5, "refresh_every": 2}}),
         (True, {"kl_reference_policy": {"kind": "ema", "decay": 0.9}, "loss_aggregation": "per_sample"}),
+        (False, {"lr_scheduler": {"kind": "cosine", "warmup_steps": 2, "min_lr_ratio": 0.1}}),
     ],
-    ids=["inline", "streamed", "inline-ema", "streamed-ema-per-sample"],
+    ids=["inline", "streamed", "inline-ema", "streamed-ema-per-sample", "inline-warmup-cosine"],
 )
 def test_cancel_then_resume_equals_the_uninterrupted_run(tmp_path, tiny_model_dir, streamed, config):
     import threading

@@ -87,8 +87,12 @@ def test_the_students_reverse_kl_to_the_teacher_falls(tmp_path, tiny_model_dir, 
         assert report.valid, (path, report.errors)
 
 
-def test_cancel_then_resume_equals_an_uninterrupted_run(tmp_path, tiny_model_dir, teachers):
-    request = _request(epochs=2, checkpoint_interval=3)
+@pytest.mark.parametrize(
+    "schedule", [None, {"kind": "cosine", "warmup_steps": 3, "min_lr_ratio": 0.1}], ids=["constant", "warmup-cosine"]
+)
+def test_cancel_then_resume_equals_an_uninterrupted_run(tmp_path, tiny_model_dir, teachers, schedule):
+    extra = {} if schedule is None else {"lr_scheduler": schedule}
+    request = _request(epochs=2, checkpoint_interval=3, **extra)
     whole = run_opd(_admit(tmp_path / "a", tiny_model_dir, teachers, request))
     assert whole.status == "success"
 
@@ -105,7 +109,7 @@ def test_cancel_then_resume_equals_an_uninterrupted_run(tmp_path, tiny_model_dir
         "student-checkpoint-step-00000006.kiln-checkpoint",
         "student-checkpoint-step-00000007.kiln-checkpoint",
     ]
-    resumed_request = _request(epochs=2, checkpoint_interval=3, resume_checkpoint=names[-1])
+    resumed_request = _request(epochs=2, checkpoint_interval=3, resume_checkpoint=names[-1], **extra)
     resumed = run_opd(_admit(tmp_path / "b", tiny_model_dir, teachers, resumed_request))
     assert resumed.status == "success", resumed.receipt.get("failure_message")
     assert resumed.losses == whole.losses

@@ -17,10 +17,10 @@ from typing import Any
 
 SCHEMA_DIGESTS: dict[str, str] = {
     "kiln-artifacts-v1.schema.json": "sha256:70a3e16848c634d8ff5b5f7863c99cb456eea9ca4aeb0f426af09496e3aea740",
-    "kiln-checkpoint-v1.schema.json": "sha256:74af4e1585bafc06ce891558189cb949a07ace144edf9c26034e0ea47545e6a3",
+    "kiln-checkpoint-v1.schema.json": "sha256:43c82de758487e4e62728e6b09063eb1688edd7133a2f6740d082e580417512c",
     "kiln-common-v1.schema.json": "sha256:578fb0867921ff18b61214d1e6a909abccdcc2532c6c6bd5a1c1aada83583c73",
     "kiln-config-v1.schema.json": "sha256:90fb1826182bb468ad29c24ca9e84c62134aed459f49b194e5860513b5957ec6",
-    "kiln-control-plane-v1.schema.json": "sha256:0f2e5d4f213c15834a3e0dbc47ff12b84227c0f33243e1319cb69cbc6393b0e7",
+    "kiln-control-plane-v1.schema.json": "sha256:d520f9247e0cec16f98a27df8c130f455ae65b4fc7cb9cbdfbe640cf920cc5ff",
     "kiln-observability-v1.schema.json": "sha256:6f0bc47ffee00565b9fcff807ddbbfc8e2a57ca93e1f13e915de1dde8427e513"
 }
 

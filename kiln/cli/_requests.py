@@ -106,6 +106,18 @@ def training_config(args: argparse.Namespace, kind: str) -> dict[str, Any]:
                 config[key] = value
         if args.optimizer is not None:
             config["optimizer"] = {"kind": args.optimizer}
+    schedule = {
+        key: value
+        for key, value in (
+            ("kind", args.lr_scheduler),
+            ("warmup_steps", args.warmup_steps),
+            ("warmup_ratio", args.warmup_ratio),
+            ("min_lr_ratio", args.min_lr_ratio),
+        )
+        if value is not None
+    }
+    if schedule:
+        config["lr_scheduler"] = {"kind": "constant", **schedule}
     for key, value in (
         ("lora_target_modules", args.lora_target_modules),
         ("seed", args.seed),
@@ -154,6 +166,10 @@ def training_flags(args: argparse.Namespace, kind: str) -> list[tuple[str, Any]]
         ("--lora-rank", args.lora_rank),
         ("--lora-alpha", args.lora_alpha),
         ("--lora-target-modules", None if targets is None else ",".join(targets)),
+        ("--lr-scheduler", args.lr_scheduler),
+        ("--warmup-steps", args.warmup_steps),
+        ("--warmup-ratio", args.warmup_ratio),
+        ("--min-lr-ratio", args.min_lr_ratio),
     ]
     if kind == "sft":
         flags += [

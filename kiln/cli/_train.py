@@ -53,6 +53,7 @@ def add_train_parser(sub: Any) -> None:
     p.add_argument("--optimizer", choices=OPTIMIZERS, default="muon")
     p.add_argument("--lora-rank", type=int, default=16)
     p.add_argument("--lora-alpha", type=float, default=32.0)
+    _add_schedule(p)
     _add_target_modules(p)
     p.add_argument("--invalid-row-policy", choices=("fail", "skip"), default="fail")
     p.add_argument(
@@ -159,6 +160,20 @@ def _module_names(value: str) -> list[str]:
     return names
 
 
+def _add_schedule(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--lr-scheduler",
+        choices=("constant", "linear", "cosine"),
+        help="learning-rate schedule after the warmup (default constant)",
+    )
+    warmup = p.add_mutually_exclusive_group()
+    warmup.add_argument("--warmup-steps", type=int, metavar="N", help="linear warmup over the first N optimizer steps")
+    warmup.add_argument("--warmup-ratio", type=float, metavar="R", help="warmup over this fraction of the run's steps")
+    p.add_argument(
+        "--min-lr-ratio", type=float, metavar="R", help="linear/cosine: end at R x the base rate (default 0)"
+    )
+
+
 def _add_target_modules(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--lora-target-modules",
@@ -181,6 +196,7 @@ def _add_kind_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--optimizer", choices=OPTIMIZERS)
     p.add_argument("--lora-rank", type=int)
     p.add_argument("--lora-alpha", type=float)
+    _add_schedule(p)
     _add_target_modules(p)
     p.add_argument("--checkpoint-interval", type=int, metavar="N", help="publish a checkpoint every N steps")
     p.add_argument("--resume-checkpoint", metavar="BASENAME", help="continue from this checkpoint")

@@ -30,6 +30,7 @@ from kiln.training import (
     planning_identity,
     restore_adapter,
     restore_optimizer,
+    schedule_state,
 )
 
 __all__ = [
@@ -44,8 +45,9 @@ __all__ = [
 LOOP_STATE_TYPES = {"sft": "SftLoopState", "grpo": "GrpoLoopState", "opd": "OpdLoopState"}
 
 
-def optimizer_identity(cfg: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The manifest's ``optimizer`` and ``scheduler`` objects at step 0 (constant learning rate)."""
+def optimizer_identity(cfg: dict[str, Any], total_steps: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The manifest's ``optimizer`` and ``scheduler`` objects at step 0 (the schedule over ``total_steps``)."""
+    schedule = cfg["lr_scheduler"]
     optimizer = cfg["optimizer"]
     stateful = optimizer["kind"] != "sgd"
     return (
@@ -58,7 +60,11 @@ def optimizer_identity(cfg: dict[str, Any]) -> tuple[dict[str, Any], dict[str, A
             },
             **({"state_file": OPTIMIZER_FILE} if stateful else {}),
         },
-        {"kind": "constant", "step": 0, "state": {"learning_rate": cfg["learning_rate"]}},
+        {
+            "kind": schedule["kind"],
+            "step": 0,
+            "state": schedule_state(schedule, cfg["learning_rate"], total_steps),
+        },
     )
 
 
@@ -83,7 +89,7 @@ def manifest_head(
     ``job`` has ``adapter_name``, ``config``, ``precision`` and ``identity``; ``auxiliary`` holds the trainer's
     own ``auxiliary_state`` members, placed after the shared identity members."""
     cfg = job.config
-    optimizer_block, scheduler_block = optimizer_identity(cfg)
+    optimizer_block, scheduler_block = optimizer_identity(cfg, total_steps)
     state_files = {"adapter_parameters": ADAPTER_FILE, "loss_history": loop_state_file_name(kind)}
     if _stateful(cfg):
         state_files["optimizer_state"] = OPTIMIZER_FILE

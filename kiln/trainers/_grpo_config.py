@@ -30,7 +30,7 @@ from typing import Any
 from kiln import contracts
 from kiln.errors import RequestError
 from kiln.trainers._sft_config import check_run_bounds, context_length, requested_targets
-from kiln.training import default_by, effective_optimizer, resolve_seed, schema_defaults
+from kiln.training import default_by, effective_optimizer, effective_schedule, resolve_seed, schema_defaults
 
 MAX_ALPHA_OVER_RANK = 2.0
 
@@ -139,6 +139,7 @@ def effective_grpo_config(config: dict[str, Any], adapter_name: str) -> dict[str
     clip_eps_high = config.get("clip_eps_high", defaults["clip_eps_high"])
     return {
         "learning_rate": float(learning_rate),
+        "lr_scheduler": effective_schedule(config.get("lr_scheduler")),
         "kl_coeff": kl_coeff,
         "clip_epsilon": float(config.get("clip_epsilon", defaults["clip_epsilon"])),
         "clip_eps_high": None if clip_eps_high is None else float(clip_eps_high),

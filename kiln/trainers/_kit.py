@@ -34,6 +34,7 @@ from kiln.training import (
     build_optimizer,
     classify_failure,
     lora_parameters,
+    scheduled_rate,
     warm_start,
 )
 
@@ -180,13 +181,24 @@ class Policy:
         self.params = lora_parameters(self.model)
         self.optimizer = build_optimizer(cfg["optimizer"], list(self.params.values()), cfg["learning_rate"])
         self.timings = dict.fromkeys(PHASES, 0.0)
+        # the schedule: the rate of a step follows from its position alone (kiln.training._schedule)
+        self.schedule, self.base_rate, self.planned = cfg["lr_scheduler"], cfg["learning_rate"], job.total_steps
+        self.steps_taken = job.start_step
         if job.resume is not None and restore is not None:
             restore(job.resume, self.params, self.optimizer)
         elif cfg["base_adapter"]:
             warm_start(self.params, base_adapter_dir(job.registry, cfg["base_adapter"]))
 
-    def step(self, loss: Any, where: Callable[[], str], before_step: Callable[[], None] | None = None) -> float:
-        """Backward and one optimizer step; a non-finite loss fails the run ``nan_loss`` (``where()`` says where)."""
+    def step(
+        self,
+        loss: Any,
+        where: Callable[[], str],
+        before_step: Callable[[], None] | None = None,
+        *,
+        position: int | None = None,
+    ) -> float:
+        """Backward and one optimizer step at the scheduled rate of ``position`` (default: the optimizer steps taken
+        so far); a non-finite loss fails the run ``nan_loss`` (``where()`` says where)."""
         import torch
 
         value = float(loss.detach())
@@ -197,7 +209,13 @@ class Policy:
         t1 = time.perf_counter()
         if before_step is not None:
             before_step()
+        rate = scheduled_rate(
+            self.schedule, self.base_rate, self.steps_taken if position is None else position, self.planned
+        )
+        for group in self.optimizer.param_groups:
+            group["lr"] = rate
         self.optimizer.step()
+        self.steps_taken += 1
         self.optimizer.zero_grad(set_to_none=True)
         self.timings["backward_ms"] += (t1 - t0) * 1000
         self.timings["optimizer_ms"] += (time.perf_counter() - t1) * 1000

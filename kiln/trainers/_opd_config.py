@@ -29,7 +29,7 @@ from kiln import contracts
 from kiln.errors import RequestError
 from kiln.trainers._grpo_config import effective_echo, optimizer_seed_lora
 from kiln.trainers._sft_config import check_run_bounds, context_length, requested_targets
-from kiln.training import default_by, schema_defaults
+from kiln.training import default_by, effective_schedule, schema_defaults
 
 EXECUTABLE_TOP_K = (16, 32)
 
@@ -106,6 +106,7 @@ def effective_opd_config(
         "discount": float(defaults["discount"]),
         "clip_epsilon": float(defaults["clip_epsilon"]),
         "learning_rate": float(learning_rate),
+        "lr_scheduler": effective_schedule(config.get("lr_scheduler")),
         "lora_rank": rank,
         "lora_alpha": alpha,
         "lora_target_modules": requested_targets(config),

@@ -18,7 +18,7 @@ from typing import Any
 
 from kiln import contracts
 from kiln.errors import InternalError, RequestError
-from kiln.training import default_by, effective_optimizer, resolve_seed, schema_defaults
+from kiln.training import default_by, effective_optimizer, effective_schedule, resolve_seed, schema_defaults
 
 PROFILE = schema_defaults("SftConfig")["training_profile"]  # the only SftTrainingProfile
 MAX_ALPHA_OVER_RANK = 2.0
@@ -76,6 +76,7 @@ def effective_config(config: dict[str, Any], adapter_name: str) -> dict[str, Any
         "invalid_row_policy": config.get("invalid_row_policy", defaults["invalid_row_policy"]),
         "epochs": int(config.get("epochs", defaults["epochs"])),  # JSON Schema integers may arrive as 3.0
         "learning_rate": float(learning_rate),
+        "lr_scheduler": effective_schedule(config.get("lr_scheduler")),
         "lora_rank": rank,
         "lora_alpha": alpha,
         "lora_target_modules": requested_targets(config),

@@ -315,7 +315,7 @@ def run_opd(
                         taken, torch.ones_like(taken, dtype=torch.bool), float(echo["lambda"])
                     )
                     loss = loss + term
-                value = policy.step(loss, lambda: f"optimizer step {loop.global_step + 1}")
+                value = policy.step(loss, lambda: f"optimizer step {loop.global_step + 1}", position=loop.consumed)
                 loop.echo.add(env_ce)
                 loop.losses.append(value)
                 loop.action_tokens += len(action)

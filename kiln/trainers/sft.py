@@ -2,7 +2,7 @@
 
 Objective: mean next-token cross-entropy over the assistant tokens of one conversation
 (assistant content plus its closing end-of-turn token and newline), one conversation per
-optimizer step, constant learning rate, no warmup, accumulation or clipping. Only the LoRA
+optimizer step at the rate of ``lr_scheduler`` (constant by default), no accumulation or clipping. Only the LoRA
 A/B matrices train; the base model, embeddings and LM head are frozen.
 
 Read top to bottom: admission (config, seed, target, checkpoint, model, data, identity --

@@ -9,6 +9,7 @@ from kiln.training._head import ModelHead, decoder_of, model_head
 from kiln.training._lora import attach_lora, lora_delta_norms, lora_parameters, module_of, target_modules
 from kiln.training._optim import build_optimizer, effective_optimizer
 from kiln.training._receipt import receipt_base
+from kiln.training._schedule import effective_schedule, schedule_state, scheduled_rate
 from kiln.training._seeds import resolve_seed
 from kiln.training._state import (
     ADAPTER_FILE,
@@ -38,6 +39,7 @@ __all__ = [
     "decoder_of",
     "default_by",
     "effective_optimizer",
+    "effective_schedule",
     "encode_tensors",
     "lora_delta_norms",
     "lora_parameters",
@@ -49,6 +51,8 @@ __all__ = [
     "resolve_seed",
     "restore_adapter",
     "restore_optimizer",
+    "schedule_state",
+    "scheduled_rate",
     "schema_defaults",
     "target_modules",
     "warm_start",

@@ -1,6 +1,7 @@
 """Optimizers of the native profile: ``muon``, ``adam_w``, ``sgd``.
 
-Constant learning rate, no warmup, no accumulation, no clipping. AdamW and SGD run their
+The learning rate of each step comes from the run's schedule (``kiln.training._schedule``; ``Policy``
+sets it before every step); no accumulation, no clipping. AdamW and SGD run their
 single-tensor (non-foreach, non-fused) implementations so numerics do not change between
 runs. Muon is ``torch.optim.Muon`` (Newton-Schulz orthogonalised momentum) on the 2-D LoRA
 matrices.
