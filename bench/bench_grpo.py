@@ -10,6 +10,9 @@ group, and runs in its own fresh interpreter so peak RSS is that side's alone:
 * ``kiln``        -- ``admit_grpo`` + ``run_grpo`` exactly as ``kiln train grpo`` runs them
   (inline groups, ``token_level`` aggregation): one forward per completion, one reference
   forward per completion with the adapter disabled, the receipt's audits, then publication.
+* ``kiln_batched`` -- the same with ``micro_batch_size`` = the group size: the group right-padded
+  in one policy forward and one reference forward inside a single ``disable_adapter()``, the
+  model's logits computed only at the action positions.
 * ``ref_batched`` -- a plain PyTorch loop: the group right-padded to ``[B, T]``, one no-grad
   reference forward with the adapter disabled, one policy forward, the loss, backward, step.
 * ``ref_loop``    -- the same loss with one forward per completion (Kiln's structure without
@@ -83,7 +86,7 @@ TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 RANK, ALPHA, LR, BETA, EPS, SEED = 16, 32.0, 1e-4, 0.1, 0.2, 7
 THREADS = 2
 MIB = 1024 * 1024
-SIDES = ("kiln", "ref_batched", "ref_loop", "trl")
+SIDES = ("kiln", "kiln_batched", "ref_batched", "ref_loop", "trl")
 
 
 # ----------------------------------------------------------------------------- set-up (parent)
@@ -176,6 +179,8 @@ def side_kiln(args: argparse.Namespace) -> dict[str, Any]:
         "is_level": "token",
         "kl_reference_policy": {"kind": "base_per_step"},
     }
+    if args.worker == "kiln_batched":  # the whole group in one padded policy and one reference forward
+        config["micro_batch_size"] = len(groups[0]["completions"])
     name = f"bench-{os.getpid()}"
     job = admit_grpo(adapter_name=name, registry=registry, request={"groups": groups, "config": config},
                      model_path=args.model)  # fmt: skip
@@ -186,6 +191,7 @@ def side_kiln(args: argparse.Namespace) -> dict[str, Any]:
     # each, microseconds against steps of tens of milliseconds)
     import torch
 
+    import kiln.trainers._grpo_parts as parts_module
     import kiln.trainers.grpo as trainer_module
 
     clocks = dict.fromkeys(
@@ -205,9 +211,15 @@ def side_kiln(args: argparse.Namespace) -> dict[str, Any]:
 
     obj.policy_loss = timed(obj.policy_loss, "objective")
     obj.kl_estimate = timed(obj.kl_estimate, "objective")
-    trainer_module._logprobs = timed(
-        trainer_module._logprobs, lambda: "policy_forward" if torch.is_grad_enabled() else "reference_forward"
-    )
+
+    def forward_kind() -> str:
+        return "policy_forward" if torch.is_grad_enabled() else "reference_forward"
+
+    # one completion's dense forward (the policy's in the trainer, the reference's in the parts module) and the
+    # batched forwards of micro-batches
+    trainer_module.logprobs = timed(trainer_module.logprobs, forward_kind)
+    parts_module.logprobs = timed(parts_module.logprobs, forward_kind)
+    parts_module.group_logprobs = timed(parts_module.group_logprobs, forward_kind)
     torch.Tensor.backward = timed(torch.Tensor.backward, "backward")
     build = trainer_module.build_optimizer
 
@@ -447,7 +459,7 @@ def worker(args: argparse.Namespace) -> None:
     import torch
 
     torch.set_num_threads(THREADS)
-    if args.worker == "kiln":
+    if args.worker in ("kiln", "kiln_batched"):
         out = side_kiln(args)
     elif args.worker == "trl":
         out = side_trl(args)
@@ -515,7 +527,7 @@ def main() -> None:
     models = ["tiny"] if args.quick else [m.strip() for m in args.models.split(",") if m.strip()]
     sizes = [int(s) for s in args.group_sizes.split(",")]
     trl_ok = not args.no_trl and Path(args.trl_python).exists()
-    sides = ["kiln", "ref_batched", "ref_loop"] + (["trl"] if trl_ok else [])
+    sides = ["kiln", "kiln_batched", "ref_batched", "ref_loop"] + (["trl"] if trl_ok else [])
     work = args.dir or Path(tempfile.mkdtemp(prefix="kiln-bench-grpo-"))
     work.mkdir(parents=True, exist_ok=True)
     import torch
@@ -591,20 +603,40 @@ def report(rows: list[tuple[str, int, int, dict[str, list[dict[str, Any]]]]], wa
             print(f"{model:5} {size:>3} {n:>2} {side:12} {med(r):9.1f} {spread:>17} {peak:6.0f} "
                   f"{r['baseline'] / MIB:5.0f} {delta:6.0f} {ratio_t:>14} {ratio_m:>15} "
                   f"{'' if side == 'kiln' else f'{dloss:.1e}':>11}")  # fmt: skip
+    print("\nkiln_batched (micro_batch_size = the group) against the others: time and delta-memory ratios")
+    for model, size, _n, results in rows:
+        if "kiln_batched" not in results:
+            continue
+        batched = best(results["kiln_batched"])
+        bdelta = max(r["peak"] - r["baseline"] for r in results["kiln_batched"]) / MIB
+        parts = []
+        for side in ("kiln", "ref_batched", "trl"):
+            if side in results:
+                other = best(results[side])
+                odelta = max(r["peak"] - r["baseline"] for r in results[side]) / MIB
+                mem = f"{bdelta / odelta:.2f}x" if odelta > 0 else "n/a"
+                parts.append(f"vs {side} {med(batched) / med(other):.2f}x time, {mem} delta")
+        print(f"{model:5} {size:>3}  " + "; ".join(parts))
     print("\nwhere Kiln's step goes (its least disturbed round): medians over the timed groups (ms);")
     print("disable = entering and leaving peft's disable_adapter() around each reference forward; other = the rest")
-    print(f"{'model':5} {'B':>3} {'step':>8} {'ref fwd':>8} {'disable':>8} {'pol fwd':>8} {'objective':>9} "
+    print(f"{'model':5} {'B':>3} {'side':12} {'step':>8} {'ref fwd':>8} {'disable':>8} {'pol fwd':>8} {'objective':>9} "
           f"{'backward':>8} {'optim':>8} {'other':>8}   objective per completion us: kiln / plain")  # fmt: skip
     for model, size, _n, results in rows:
-        kiln = best(results["kiln"])
-        timed = kiln["phases"][warmup:]
-        ph = {k: statistics.median(g[k] for g in timed) * 1000 for k in timed[0]}
-        step = med(kiln)
-        other = step - sum(ph.values())
-        audit = kiln["audit_us"]
-        print(f"{model:5} {size:>3} {step:8.1f} {ph['reference_forward']:8.1f} {ph['disable_adapter']:8.1f} "
-              f"{ph['policy_forward']:8.1f} {ph['objective']:9.1f} {ph['backward']:8.1f} {ph['optimizer']:8.1f} "
-              f"{other:8.1f}   {audit['kiln']:.0f} / {audit['plain']:.0f}")  # fmt: skip
+        for side in ("kiln", "kiln_batched"):
+            if side in results:
+                _phases(model, size, side, best(results[side]), med, warmup)
+
+
+def _phases(model: str, size: int, side: str, kiln: dict[str, Any], med: Any, warmup: int) -> None:
+    """One row of the phase table: where a Kiln side's step goes."""
+    timed = kiln["phases"][warmup:]
+    ph = {k: statistics.median(g[k] for g in timed) * 1000 for k in timed[0]}
+    step = med(kiln)
+    other = step - sum(ph.values())
+    audit = kiln["audit_us"]
+    print(f"{model:5} {size:>3} {side:12} {step:8.1f} {ph['reference_forward']:8.1f} {ph['disable_adapter']:8.1f} "
+          f"{ph['policy_forward']:8.1f} {ph['objective']:9.1f} {ph['backward']:8.1f} {ph['optimizer']:8.1f} "
+          f"{other:8.1f}   {audit['kiln']:.0f} / {audit['plain']:.0f}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ SCHEMA_DIGESTS: dict[str, str] = {
     "kiln-checkpoint-v1.schema.json": "sha256:43c82de758487e4e62728e6b09063eb1688edd7133a2f6740d082e580417512c",
     "kiln-common-v1.schema.json": "sha256:578fb0867921ff18b61214d1e6a909abccdcc2532c6c6bd5a1c1aada83583c73",
     "kiln-config-v1.schema.json": "sha256:90fb1826182bb468ad29c24ca9e84c62134aed459f49b194e5860513b5957ec6",
-    "kiln-control-plane-v1.schema.json": "sha256:d520f9247e0cec16f98a27df8c130f455ae65b4fc7cb9cbdfbe640cf920cc5ff",
+    "kiln-control-plane-v1.schema.json": "sha256:93b270395d8ef2e6999d00794d6bbd4b75fe45720a2a95daa61f9dfa122a6316",
     "kiln-observability-v1.schema.json": "sha256:6f0bc47ffee00565b9fcff807ddbbfc8e2a57ca93e1f13e915de1dde8427e513"
 }
 

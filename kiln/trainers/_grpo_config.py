@@ -146,6 +146,7 @@ def effective_grpo_config(config: dict[str, Any], adapter_name: str) -> dict[str
         "cispo_max_weight": float(config.get("cispo_max_weight", defaults["cispo_max_weight"])),
         "advantage_mode": config.get("advantage_mode", defaults["advantage_mode"]),
         "loss_aggregation": config.get("loss_aggregation", defaults["loss_aggregation"]),
+        "micro_batch_size": int(config.get("micro_batch_size", defaults["micro_batch_size"])),
         "kl_estimator": estimator,
         "dynamic_sampling": bool(config.get("dynamic_sampling", defaults["dynamic_sampling"])),
         "is_level": config.get("is_level", defaults["is_level"]),

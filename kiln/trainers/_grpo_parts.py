@@ -7,17 +7,30 @@ reward_filter_var_max]``, with ``reward_filter_on_empty`` deciding what happens 
 ``reward_filter_min_groups`` remain), so the trainable order is known up front and a checkpoint can bind it.
 * ``ReferencePolicy``: the KL reference's log-probabilities of the taken tokens -- the frozen base (the adapter
   disabled for one forward) or the EMA of the LoRA tensors (swapped in for one forward, then back).
+* ``group_logprobs``: several completions in one right-padded forward (``micro_batch_size`` > 1), the model's
+  logits (its head and post-processing, ``kiln.training.model_head``) computed only at the positions a loss reads
+  -- action and observation targets -- instead of a ``[T, V]`` log-softmax per completion.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from kiln.errors import ZeroGroupsError
 from kiln.training import grpo_objective as obj
 
-__all__ = ["ReferencePolicy", "equal_rewards", "filter_groups", "logprobs", "plan_groups"]
+__all__ = [
+    "BatchedForwards",
+    "ReferencePolicy",
+    "equal_rewards",
+    "filter_groups",
+    "group_logprobs",
+    "logprobs",
+    "plan_groups",
+]
 
 
 def filter_groups(job: Any) -> tuple[list[Any], dict[str, int]]:
@@ -82,6 +95,46 @@ def logprobs(model: Any, ids: Any) -> tuple[Any, Any]:
     return logp, logp.gather(-1, ids[1:].unsqueeze(-1)).squeeze(-1)
 
 
+def group_logprobs(
+    model: Any, head: Any, sequences: list[Any], wanted: list[Any], *, entropy: bool = False
+) -> list[tuple[Any, Any]]:
+    """Per sequence ``(taken [T-1], entropy [T-1] or None)`` from one right-padded forward of all of them.
+
+    Only the positions where ``wanted[i]`` (a bool ``[T_i - 1]``) is true are computed; the others are 0 (the
+    objective masks them). Row ``p`` is the distribution of token ``p + 1`` under the model's own logits: the head
+    (and bias) and ``head.logit_map`` applied to the decoder's hidden states, in fp32."""
+    import torch
+
+    from kiln.training import decoder_of
+
+    causal = model.get_base_model() if hasattr(model, "get_base_model") else model
+    body, out = decoder_of(causal), causal.get_output_embeddings()
+    width = max(len(s) for s in sequences)
+    ids = torch.zeros((len(sequences), width), dtype=torch.long)
+    attention = torch.zeros((len(sequences), width), dtype=torch.long)
+    for i, seq in enumerate(sequences):
+        ids[i, : len(seq)] = torch.as_tensor(seq, dtype=torch.long)
+        attention[i, : len(seq)] = 1
+    hidden = body(input_ids=ids, attention_mask=attention).last_hidden_state
+    positions = [torch.as_tensor(w, dtype=torch.bool).nonzero().squeeze(1) for w in wanted]
+    flat = torch.cat([i * width + p for i, p in enumerate(positions)])
+    targets = torch.cat([ids[i, p + 1] for i, p in enumerate(positions)])
+    logits = hidden.reshape(-1, hidden.shape[-1]).index_select(0, flat).float() @ out.weight.float().T
+    if out.bias is not None:
+        logits = logits + out.bias.float()
+    logp = torch.log_softmax(head.logit_map.apply(logits), dim=-1)
+    taken = logp.gather(1, targets.unsqueeze(1)).squeeze(1)
+    spread = -(logp.exp() * logp).sum(-1) if entropy else None
+    results, start = [], 0
+    for seq, pos in zip(sequences, positions, strict=True):
+        stop = start + pos.numel()
+        zeros = torch.zeros(len(seq) - 1, dtype=taken.dtype)
+        row = zeros.index_put((pos,), taken[start:stop])
+        results.append((row, None if spread is None else zeros.index_put((pos,), spread[start:stop].detach())))
+        start = stop
+    return results
+
+
 class ReferencePolicy:
     """``reference(ids)``: the reference's log-probabilities of the taken tokens of ``ids`` (no gradient).
 
@@ -91,20 +144,83 @@ class ReferencePolicy:
     def __init__(self, model: Any, params: dict[str, Any], ema: Any, timings: dict[str, float]) -> None:
         self.model, self.params, self.ema, self.timings = model, params, ema, timings
 
-    def __call__(self, ids: Any) -> Any:
+    @contextmanager
+    def _as_reference(self) -> Iterator[None]:
+        """No gradient, and the reference in place: the adapter disabled, or the EMA tensors swapped in."""
         import torch
 
-        t0 = time.perf_counter()
         with torch.no_grad():
             if self.ema is None:  # base_per_step: the frozen base model
                 with self.model.disable_adapter():
-                    _, taken = logprobs(self.model, ids)
-            else:  # ema: the averaged LoRA tensors in place for one forward
-                saved = {n: p.detach().clone() for n, p in self.params.items()}
-                for name, tensor in self.ema.tensors.items():
-                    self.params[name].copy_(tensor)
-                _, taken = logprobs(self.model, ids)
+                    yield
+                return
+            saved = {n: p.detach().clone() for n, p in self.params.items()}  # ema: the averaged LoRA tensors
+            for name, tensor in self.ema.tensors.items():
+                self.params[name].copy_(tensor)
+            try:
+                yield
+            finally:
                 for name, tensor in saved.items():
                     self.params[name].copy_(tensor)
+
+    def __call__(self, ids: Any) -> Any:
+        t0 = time.perf_counter()
+        with self._as_reference():
+            _, taken = logprobs(self.model, ids)
         self.timings["reference_forward_ms"] += (time.perf_counter() - t0) * 1000
         return taken
+
+    def group(self, head: Any, sequences: list[Any], wanted: list[Any]) -> list[Any]:
+        """The reference's taken log-probabilities of several sequences: one batched forward (``group_logprobs``)
+        inside one ``disable_adapter()`` or one EMA swap."""
+        t0 = time.perf_counter()
+        with self._as_reference():
+            found = group_logprobs(self.model, head, sequences, wanted)
+        self.timings["reference_forward_ms"] += (time.perf_counter() - t0) * 1000
+        return [taken for taken, _ in found]
+
+
+class BatchedForwards:
+    """A group's forwards, ``width`` (``micro_batch_size``) completions at a time; width 1 leaves each completion
+    to its own dense forward (``policy`` answers None for it, ``references`` calls the reference per completion)."""
+
+    def __init__(self, model: Any, head: Any, reference: ReferencePolicy, width: int, *, echo: bool, entropy: bool):
+        self.model, self.head, self.reference, self.width = model, head, reference, width
+        self.echo, self.entropy = echo, entropy
+
+    def _batches(self, completions: list[Any]) -> list[list[Any]]:
+        return [completions[i : i + self.width] for i in range(0, len(completions), self.width)]
+
+    def _wanted(self, c: Any) -> list[bool]:
+        """The positions a loss reads: the action targets, and ECHO's observation targets."""
+        return [a or (self.echo and o) for a, o in zip(c.action_mask, c.observation_mask, strict=True)]
+
+    def references(self, completions: list[Any]) -> list[Any]:
+        import torch
+
+        if self.width == 1:
+            return [self.reference(torch.tensor(c.input_ids, dtype=torch.long)) for c in completions]
+        return [
+            taken
+            for part in self._batches(completions)
+            for taken in self.reference.group(self.head, [c.input_ids for c in part], [self._wanted(c) for c in part])
+        ]
+
+    def policy(self, completions: list[Any], timings: dict[str, float]) -> list[Any]:
+        """Per completion ``(taken, entropy)`` with gradient, or None when each runs its own forward (width 1)."""
+        if self.width == 1:
+            return [None] * len(completions)
+        t0 = time.perf_counter()
+        found = [
+            row
+            for part in self._batches(completions)
+            for row in group_logprobs(
+                self.model,
+                self.head,
+                [c.input_ids for c in part],
+                [self._wanted(c) for c in part],
+                entropy=self.entropy,
+            )
+        ]
+        timings["policy_forward_ms"] += (time.perf_counter() - t0) * 1000
+        return found

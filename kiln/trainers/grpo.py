@@ -48,7 +48,7 @@ from kiln.errors import ZeroGroupsError
 from kiln.trainers._admission import AdmittedJob, TrainingContext, base_model, job_fields
 from kiln.trainers._checkpointing import CheckpointProgress, manifest_head, publish_state, restore_policy
 from kiln.trainers._grpo_config import check_grpo_data, check_grpo_request, effective_grpo_config
-from kiln.trainers._grpo_parts import ReferencePolicy, filter_groups, logprobs, plan_groups
+from kiln.trainers._grpo_parts import BatchedForwards, ReferencePolicy, filter_groups, logprobs, plan_groups
 from kiln.trainers._kit import (
     Cadence,
     Policy,
@@ -62,7 +62,7 @@ from kiln.trainers._kit import (
 from kiln.trainers._loop_states import GrpoLoop, grpo_cursor
 from kiln.trainers._receipts import data_block, echo_block, envelope
 from kiln.trainers._resume import claim_target, load_resume, resume_metadata
-from kiln.training import LORA_INIT_ALGORITHM, lora_delta_norms
+from kiln.training import LORA_INIT_ALGORITHM, lora_delta_norms, model_head
 from kiln.training import grpo_objective as obj
 
 KIND = "grpo"
@@ -88,6 +88,7 @@ class AdmittedGrpo(AdmittedJob):
     ingestion: Any
     tokenize_ms: float
     pin: str | None = None
+    head: Any = None  # kiln.training.ModelHead, proven at admission when micro-batches read the logits themselves
     kind: str = field(default=KIND, init=False)
 
     @property
@@ -161,6 +162,7 @@ def admit_grpo(
         tokenize_ms=tokenize_ms,
         dry_run=bool(request.get("dry_run")),
         pin=pin,
+        head=model_head(loaded.model) if cfg["micro_batch_size"] > 1 else None,
     )
     check_grpo_data(job)
     job.resume = load_resume(checkpoint_path, job.identity_manifest(), progress_auxiliary=PROGRESS_AUX)
@@ -231,6 +233,7 @@ def run_grpo(
     echo = cfg["loss"]["echo"]
     reference = cfg["kl_reference_policy"]
     kl_on = cfg["kl_coeff"] > 0 and cfg["kl_estimator"] != "none"
+    entropy_kl = kl_on and cfg["entropy_aware_kl_quantile"] is not None
 
     def train() -> TrainResult:
         import torch
@@ -250,13 +253,17 @@ def run_grpo(
             loop.restore(job.resume, ema)
         cadence = run["cadence"] = Cadence(job, lambda: _publish(job, loop, kept, policy, ema), cancel, on_checkpoint)
 
-        def completion_terms(c: Any, advantage: float, ref: Any) -> tuple[Any, Any, Any, Any]:
+        def completion_terms(c: Any, advantage: float, ref: Any, found: Any = None) -> tuple[Any, Any, Any, Any]:
             """One completion: its per-token policy(+KL) loss and action mask ``[1, T-1]``, and the
-            log-probabilities of its taken tokens with their observation mask ``[T-1]`` (ECHO)."""
-            ids = torch.tensor(c.input_ids, dtype=torch.long)
-            t0 = time.perf_counter()
-            logp_all, taken = logprobs(model, ids)
-            loop.timings["policy_forward_ms"] += (time.perf_counter() - t0) * 1000
+            log-probabilities of its taken tokens with their observation mask ``[T-1]`` (ECHO). ``found``: its
+            ``(taken, entropy)`` from a batched forward; None runs its own forward."""
+            if found is None:
+                t0 = time.perf_counter()
+                logp_all, taken = logprobs(model, torch.tensor(c.input_ids, dtype=torch.long))
+                loop.timings["policy_forward_ms"] += (time.perf_counter() - t0) * 1000
+                with torch.no_grad():
+                    found = (taken, -(logp_all.exp() * logp_all).sum(-1) if entropy_kl else None)
+            taken, spread = found
             mask = torch.tensor(c.action_mask, dtype=torch.bool).unsqueeze(0)
             new = taken.unsqueeze(0)
             behavior = None
@@ -277,10 +284,7 @@ def run_grpo(
             if cfg["loss"]["no_policy_loss"]:
                 per_token = torch.zeros_like(per_token)
             if kl_on:
-                entropy = None
-                if cfg["entropy_aware_kl_quantile"] is not None:
-                    with torch.no_grad():
-                        entropy = -(logp_all.exp() * logp_all).sum(-1).unsqueeze(0)
+                entropy = None if spread is None else spread.detach().unsqueeze(0)
                 kl, kl_audit = obj.kl_estimate(
                     new,
                     ref.unsqueeze(0),
@@ -292,6 +296,10 @@ def run_grpo(
                 audits["kl"].add(kl_audit)
                 per_token = per_token + cfg["kl_coeff"] * kl
             return per_token, mask, taken, torch.tensor(c.observation_mask, dtype=torch.bool)
+
+        forwards = BatchedForwards(
+            model, job.head, reference_logp, cfg["micro_batch_size"], echo=echo is not None, entropy=entropy_kl
+        )
 
         def step(parts: list[tuple[Any, Any, Any, Any]]) -> float:
             """One optimizer step: the policy loss reduced over the parts' action tokens, plus ECHO's λ·CE."""
@@ -320,13 +328,11 @@ def run_grpo(
             adv = obj.advantages(rewards, cfg["advantage_mode"]).tolist()
             # reference log-probabilities first: an EMA reference is swapped into the LoRA tensors,
             # which must not happen between a policy forward and its backward
-            refs = [
-                reference_logp(torch.tensor(c.input_ids, dtype=torch.long)) if kl_on else None
-                for c in group.completions
-            ]
+            refs = forwards.references(group.completions) if kl_on else [None] * len(group.completions)
             terms = [(c, adv[i], refs[i]) for i, c in enumerate(group.completions)]
             if cfg["loss_aggregation"] == "token_level":  # one step per group
-                value = step([completion_terms(*t) for t in terms])
+                found = forwards.policy(group.completions, loop.timings)
+                value = step([completion_terms(*t, found[i]) for i, t in enumerate(terms)])
             else:  # one step per completion
                 for t in terms:
                     value = step([completion_terms(*t)])
