@@ -221,7 +221,9 @@ def side_kiln(args: argparse.Namespace) -> dict[str, Any]:
     parts_module.logprobs = timed(parts_module.logprobs, forward_kind)
     parts_module.group_logprobs = timed(parts_module.group_logprobs, forward_kind)
     torch.Tensor.backward = timed(torch.Tensor.backward, "backward")
-    build = trainer_module.build_optimizer
+    import kiln.trainers._kit as kit_module
+
+    build = kit_module.build_optimizer
 
     def build_timed(*a: Any, **k: Any) -> Any:
         optimizer = build(*a, **k)
@@ -229,7 +231,7 @@ def side_kiln(args: argparse.Namespace) -> dict[str, Any]:
         optimizer.zero_grad = timed(optimizer.zero_grad, "optimizer")
         return optimizer
 
-    trainer_module.build_optimizer = build_timed
+    kit_module.build_optimizer = build_timed
     import peft
 
     disable = peft.PeftModel.disable_adapter
