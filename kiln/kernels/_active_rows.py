@@ -34,9 +34,6 @@ def active_rows_loss(
     compute = torch.promote_types(torch.promote_types(hidden.dtype, weight.dtype), torch.float32)
     active = (labels != IGNORE_INDEX).nonzero().squeeze(1)
     rows = hidden.index_select(0, active).to(compute)
-    logits = rows @ weight.to(compute).T
-    if bias is not None:
-        logits = logits + bias.to(compute)
-    logits = logit_map.apply(logits)
+    logits = logit_map.head_logits(rows, weight, bias)
     total = F.cross_entropy(logits, labels.index_select(0, active), reduction="sum")
     return total / max(active.numel(), 1)

@@ -30,10 +30,7 @@ def full_logits_loss(
     model's ``logit_map`` apply before the softmax.
     """
     compute = torch.promote_types(torch.promote_types(hidden.dtype, weight.dtype), torch.float32)
-    logits = hidden.to(compute) @ weight.to(compute).T
-    if bias is not None:
-        logits = logits + bias.to(compute)
-    logits = logit_map.apply(logits)
+    logits = logit_map.head_logits(hidden.to(compute), weight, bias)
     total = F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum")
     supervised = (labels != IGNORE_INDEX).sum().clamp_min(1)
     return total / supervised

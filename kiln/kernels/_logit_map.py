@@ -43,6 +43,13 @@ class LogitMap:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits
 
+    def head_logits(self, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """The model's logits of ``rows`` (already in the compute dtype): the head, its bias, then this map."""
+        logits = rows @ weight.to(rows.dtype).T
+        if bias is not None:
+            logits = logits + bias.to(rows.dtype)
+        return self.apply(logits)
+
     def as_record(self) -> dict[str, float | None]:
         return {"scale": float(self.scale), "softcap": None if self.softcap is None else float(self.softcap)}
 

@@ -119,10 +119,8 @@ def group_logprobs(
     positions = [torch.as_tensor(w, dtype=torch.bool).nonzero().squeeze(1) for w in wanted]
     flat = torch.cat([i * width + p for i, p in enumerate(positions)])
     targets = torch.cat([ids[i, p + 1] for i, p in enumerate(positions)])
-    logits = hidden.reshape(-1, hidden.shape[-1]).index_select(0, flat).float() @ out.weight.float().T
-    if out.bias is not None:
-        logits = logits + out.bias.float()
-    logp = torch.log_softmax(head.logit_map.apply(logits), dim=-1)
+    rows = hidden.reshape(-1, hidden.shape[-1]).index_select(0, flat).float()
+    logp = torch.log_softmax(head.logit_map.head_logits(rows, out.weight, out.bias), dim=-1)
     taken = logp.gather(1, targets.unsqueeze(1)).squeeze(1)
     spread = -(logp.exp() * logp).sum(-1) if entropy else None
     results, start = [], 0

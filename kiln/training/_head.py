@@ -110,10 +110,7 @@ def model_head(model: Any) -> ModelHead:
     with torch.no_grad():
         own = forward_logits(model, ids)
         hidden = body(input_ids=ids).last_hidden_state[0].float()
-        rebuilt = hidden @ head.weight.float().T
-        if head.bias is not None:
-            rebuilt = rebuilt + head.bias.float()
-        rebuilt = logit_map.apply(rebuilt)
+        rebuilt = logit_map.head_logits(hidden, head.weight, head.bias)
     if own.shape != rebuilt.shape:
         raise refuse(f"the forward returns logits of shape {tuple(own.shape)}, the head {tuple(rebuilt.shape)}")
     error = float((own - rebuilt).abs().max() / own.abs().max().clamp_min(1.0))
