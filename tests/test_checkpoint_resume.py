@@ -15,6 +15,7 @@ import shutil
 import threading
 
 import pytest
+from _runs import assert_same_run
 
 from kiln.checkpoints import incompatibilities, inspect_checkpoint, list_checkpoints, load_checkpoint
 from kiln.epoch_order import epoch_order
@@ -59,15 +60,8 @@ def _checkpoint_bytes(path):
 
 
 def _assert_same_run(a, b):
-    assert b.status == a.status == "success"
-    assert b.losses == a.losses
+    assert_same_run(a, b)
     assert len(b.losses) == TOTAL
-    assert b.final_state.adapter == a.final_state.adapter
-    assert b.final_state.optimizer == a.final_state.optimizer
-    assert b.final_state.loop_state == a.final_state.loop_state
-    assert (b.adapter_dir / "adapter_model.safetensors").read_bytes() == (
-        a.adapter_dir / "adapter_model.safetensors"
-    ).read_bytes()
 
 
 @pytest.fixture(scope="module")

@@ -17,10 +17,10 @@ from typing import Any
 
 SCHEMA_DIGESTS: dict[str, str] = {
     "kiln-artifacts-v1.schema.json": "sha256:70a3e16848c634d8ff5b5f7863c99cb456eea9ca4aeb0f426af09496e3aea740",
-    "kiln-checkpoint-v1.schema.json": "sha256:43c82de758487e4e62728e6b09063eb1688edd7133a2f6740d082e580417512c",
+    "kiln-checkpoint-v1.schema.json": "sha256:8b91840cabf932e7fb5e9a95a35a61aa2b602d9ddde8c1722a6117f07b7ec51b",
     "kiln-common-v1.schema.json": "sha256:578fb0867921ff18b61214d1e6a909abccdcc2532c6c6bd5a1c1aada83583c73",
     "kiln-config-v1.schema.json": "sha256:90fb1826182bb468ad29c24ca9e84c62134aed459f49b194e5860513b5957ec6",
-    "kiln-control-plane-v1.schema.json": "sha256:93b270395d8ef2e6999d00794d6bbd4b75fe45720a2a95daa61f9dfa122a6316",
+    "kiln-control-plane-v1.schema.json": "sha256:2a68fbb54b23c8e10218bc8d3dad4adde88b7240a02f3ade8a25087f0046858f",
     "kiln-observability-v1.schema.json": "sha256:6f0bc47ffee00565b9fcff807ddbbfc8e2a57ca93e1f13e915de1dde8427e513"
 }
 

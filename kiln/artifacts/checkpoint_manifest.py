@@ -47,6 +47,7 @@ from typing import Any
 from kiln import _documents
 from kiln._fs import name_problem
 from kiln._rules import ptr, semantic_rule
+from kiln.batch_plan import group_window, rows_per_step, steps_per_epoch
 from kiln.epoch_order import ALGORITHM_ID as EPOCH_ORDER_ALGORITHM
 from kiln.epoch_order import epoch_order
 from kiln.errors import IntegrityError, Problem
@@ -275,29 +276,58 @@ def _step_agreement(doc: dict[str, Any], at: str) -> Iterable[Problem]:
 def _sft_step_accounting(doc: dict[str, Any], at: str) -> Iterable[Problem]:
     if doc["training_kind"] != "sft":
         return
-    progress, count = doc["progress"], doc["data"]["item_count"]
-    epochs = doc["effective_config"].get("epochs")
+    progress, count, config = doc["progress"], doc["data"]["item_count"], doc["effective_config"]
+    epochs = config.get("epochs")
     if not _is_int(epochs):
         yield Problem(
             "inconsistent_fields",
             ptr(at, "effective_config", "epochs"),
             f"effective_config.epochs is {epochs!r}; a resolved SFT config names its number of epochs as an integer",
         )
-    elif progress["total_steps"] != epochs * count:
+        return
+    rows = _sft_rows_per_step(config)
+    if rows is None:  # manifest.effective-config names the member
+        return
+    per_epoch = steps_per_epoch(count, rows) if count else 0
+    batch = f" at {rows} rows per step" if rows > 1 else ""
+    if progress["total_steps"] != epochs * per_epoch:
+        what = "ceil(data.item_count / rows per step)" if rows > 1 else "data.item_count"
         yield Problem(
             "inconsistent_fields",
             ptr(at, "progress", "total_steps"),
-            f"progress.total_steps is {progress['total_steps']} but effective_config.epochs x data.item_count "
-            f"is {epochs} x {count} = {epochs * count}",
+            f"progress.total_steps is {progress['total_steps']} but effective_config.epochs x {what} "
+            f"is {epochs} x {per_epoch} = {epochs * per_epoch}{batch}",
         )
-    done = progress["epoch_index"] * count + progress["cursor_in_epoch"]
+    cursor = progress["cursor_in_epoch"]
+    if cursor % rows:
+        yield Problem(
+            "inconsistent_fields",
+            ptr(at, "progress", "cursor_in_epoch"),
+            f"progress.cursor_in_epoch ({cursor}) is not a multiple of the {rows} rows per optimizer step: "
+            "a checkpoint lies between optimizer steps, never inside a gradient accumulation",
+        )
+        return
+    done = progress["epoch_index"] * per_epoch + cursor // rows
     if progress["global_step"] != done:
+        rule = (
+            f"epoch_index x steps per epoch + cursor_in_epoch / rows per step is {progress['epoch_index']} x "
+            f"{per_epoch} + {cursor} / {rows}"
+            if rows > 1
+            else f"epoch_index x data.item_count + cursor_in_epoch is {progress['epoch_index']} x {count} + {cursor}"
+        )
         yield Problem(
             "inconsistent_fields",
             ptr(at, "progress", "global_step"),
-            f"progress.global_step is {progress['global_step']} but epoch_index x data.item_count + cursor_in_epoch "
-            f"is {progress['epoch_index']} x {count} + {progress['cursor_in_epoch']} = {done}",
+            f"progress.global_step is {progress['global_step']} but {rule} = {done}",
         )
+
+
+def _sft_rows_per_step(config: dict[str, Any]) -> int | None:
+    """Rows per optimizer step of an SFT manifest's effective config; None when a member is not a positive integer."""
+    members = [config.get(name, 1) for name in ("micro_batch_size", "gradient_accumulation_steps")]
+    if not all(_is_int(m) and m >= 1 for m in members):
+        return None
+    return rows_per_step(config)
 
 
 @semantic_rule(DOC, "manifest.epoch-order")
@@ -318,6 +348,10 @@ def _epoch_order(doc: dict[str, Any], at: str) -> Iterable[Problem]:
     if not order or len(order) != count:  # empty: finished; other lengths: manifest.data-order-permutation
         return
     expected = epoch_order(stream["seed"], stream["position"], count)
+    rows = _sft_rows_per_step(doc["effective_config"]) if doc["training_kind"] == "sft" else 1
+    if rows is not None and doc["training_kind"] == "sft" and doc["effective_config"].get("group_by_length") is True:
+        yield from _grouped_order(order, expected, rows, stream, at)
+        return
     if order != expected:
         first = next(i for i, (a, b) in enumerate(zip(order, expected, strict=True)) if a != b)
         yield Problem(
@@ -326,6 +360,23 @@ def _epoch_order(doc: dict[str, Any], at: str) -> Iterable[Problem]:
             f"progress.data_order is not the {EPOCH_ORDER_ALGORITHM} order of epoch {stream['position']} for seed "
             f"{stream['seed']} and {count} items: index {first} is {order[first]}, the recomputed order has {expected[first]}",
         )
+
+
+def _grouped_order(
+    order: list[int], seeded: list[int], rows: int, stream: dict[str, Any], at: str
+) -> Iterator[Problem]:
+    """A length-grouped order holds, in each window, exactly the items of the same window of the seeded order."""
+    window = group_window(rows)
+    for start in range(0, len(order), window):
+        if sorted(order[start : start + window]) != sorted(seeded[start : start + window]):
+            yield Problem(
+                "inconsistent_fields",
+                ptr(at, "progress", "data_order"),
+                f"progress.data_order positions {start}..{min(start + window, len(order)) - 1} do not hold the items "
+                f"of the same positions of the {EPOCH_ORDER_ALGORITHM} order of epoch {stream['position']} for seed "
+                f"{stream['seed']} (group_by_length rearranges items only inside windows of {window} positions)",
+            )
+            return
 
 
 # -- random streams, configuration, optimizer ----------------------------------------------

@@ -142,22 +142,40 @@ def _sft_epoch_items(state: dict[str, Any], at: str) -> Iterable[Problem]:
         )
 
 
+@semantic_rule(SFT, "sft-loop.step-boundary")
+def _sft_step_boundary(state: dict[str, Any], at: str) -> Iterable[Problem]:
+    rows = state.get("rows_per_step", 1)
+    if state["cursor_in_epoch"] % rows:
+        yield Problem(
+            "inconsistent_fields",
+            ptr(at, "cursor_in_epoch"),
+            f"cursor_in_epoch ({state['cursor_in_epoch']}) is not a multiple of rows_per_step ({rows}): a loop state "
+            "lies between optimizer steps, never inside a gradient accumulation",
+        )
+
+
+def _sft_epoch_steps(state: dict[str, Any]) -> int:
+    """Optimizer steps of the current epoch so far (``cursor_in_epoch`` rows at ``rows_per_step`` a step)."""
+    return -(-state["cursor_in_epoch"] // state.get("rows_per_step", 1))
+
+
 @semantic_rule(SFT, "sft-loop.epoch-loss-sum")
 def _sft_epoch_loss_sum(state: dict[str, Any], at: str) -> Iterable[Problem]:
-    items, history = state["current_epoch_items"], state["loss_history"]
-    if items > len(history):
+    steps, history = _sft_epoch_steps(state), state["loss_history"]
+    if steps > len(history):
         yield Problem(
             "inconsistent_fields",
             ptr(at, "current_epoch_items"),
-            f"current_epoch_items is {items} but loss_history has only {len(history)} entries",
+            f"the current epoch has {steps} steps so far (current_epoch_items {state['current_epoch_items']}) but "
+            f"loss_history has only {len(history)} entries",
         )
         return
-    expected = float_sum(history[len(history) - items :])
+    expected = float_sum(history[len(history) - steps :])
     if state["current_epoch_loss_sum"] != expected:
         yield Problem(
             "inconsistent_fields",
             ptr(at, "current_epoch_loss_sum"),
-            f"current_epoch_loss_sum is {state['current_epoch_loss_sum']!r} but the last {items} losses sum to {expected!r}",
+            f"current_epoch_loss_sum is {state['current_epoch_loss_sum']!r} but the last {steps} losses sum to {expected!r}",
         )
 
 
@@ -176,14 +194,14 @@ def _sft_epoch_summaries(state: dict[str, Any], at: str) -> Iterable[Problem]:
         yield Problem(
             "inconsistent_fields", ptr(at, name), f"{name} is required once an epoch has finished (epoch_index {epoch})"
         )
-    # The per-epoch item count n follows from global_step = epoch_index x n + cursor_in_epoch.
-    finished = state["global_step"] - state["cursor_in_epoch"]
+    # The steps per epoch s follow from global_step = epoch_index x s + the current epoch's steps.
+    finished = state["global_step"] - _sft_epoch_steps(state)
     if finished <= 0 or finished % epoch:
         yield Problem(
             "inconsistent_fields",
             ptr(at, "epoch_index"),
-            f"global_step - cursor_in_epoch = {finished} is not a positive multiple of epoch_index {epoch}, "
-            "so the finished epochs cannot have had a whole number of items each",
+            f"global_step - the current epoch's steps = {finished} is not a positive multiple of epoch_index {epoch}, "
+            "so the finished epochs cannot have had a whole number of steps each",
         )
         return
     count = finished // epoch
@@ -195,7 +213,7 @@ def _sft_epoch_summaries(state: dict[str, Any], at: str) -> Iterable[Problem]:
         yield Problem(
             "inconsistent_fields",
             ptr(at, "first_epoch_loss"),
-            f"first_epoch_loss is {state['first_epoch_loss']!r} but the mean loss of epoch 0 ({count} items) is {means[0]!r}",
+            f"first_epoch_loss is {state['first_epoch_loss']!r} but the mean loss of epoch 0 ({count} steps) is {means[0]!r}",
         )
     if state["best_epoch_loss"] != min(means):
         yield Problem(

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from kiln.cli._client import Interrupt, body, print_json, run, server_url, url_flag
-from kiln.cli._requests import build_request, prepare, sft_resume_command, training_flags
+from kiln.cli._requests import build_request, flag_argv, prepare, sft_resume_command, training_flags
 
 TERMINAL = ("completed", "failed")
 POLL_S = 0.5  # how often --wait asks for the job detail
@@ -150,7 +150,7 @@ def _resume_command(args: argparse.Namespace, kind: str, checkpoint: str) -> str
         **dict(training_flags(args, kind)),
         "--checkpoint-interval": args.checkpoint_interval,
     }
-    argv += [part for flag, value in flags.items() if value is not None for part in (flag, str(value))]
+    argv += flag_argv(flags.items())
     if args.no_auto_load:
         argv.append("--no-auto-load")
     return shlex.join([*argv, "--resume-checkpoint", checkpoint])

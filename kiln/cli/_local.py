@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kiln.cli._requests import build_request, prepare, sft_resume_command, training_flags
+from kiln.cli._requests import build_request, flag_argv, prepare, sft_resume_command, training_flags
 from kiln.errors import RequestError
 
 __all__ = ["cmd_train_local"]
@@ -192,9 +192,7 @@ def _resume_command(
     argv = ["kiln", "train", kind, "--local", "-f", str(path), "--adapter", args.adapter]
     if teacher is not None:
         argv += ["--teacher", teacher]
-    for flag, value in (("--adapter-dir", args.adapter_dir), ("--model", args.model), *training_flags(args, kind)):
-        if value is not None:
-            argv += [flag, str(value)]
+    argv += flag_argv((("--adapter-dir", args.adapter_dir), ("--model", args.model), *training_flags(args, kind)))
     argv += ["--resume-checkpoint", checkpoint]
     if args.checkpoint_interval:
         argv += ["--checkpoint-interval", str(args.checkpoint_interval)]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import shlex
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +19,7 @@ from kiln.errors import KilnError
 
 __all__ = [
     "build_request",
+    "flag_argv",
     "prepare",
     "print_refusal",
     "read_examples",
@@ -93,7 +94,12 @@ def training_config(args: argparse.Namespace, kind: str) -> dict[str, Any]:
             invalid_row_policy=args.invalid_row_policy,
             optimizer={"kind": args.optimizer},
         )
-        for key, value in (("max_seq_len", args.max_seq_len), ("overlong_row_policy", args.overlong_row_policy)):
+        for key, value in (
+            ("max_seq_len", args.max_seq_len),
+            ("overlong_row_policy", args.overlong_row_policy),
+            ("gradient_accumulation_steps", args.gradient_accumulation_steps),
+            ("group_by_length", True if args.group_by_length else None),
+        ):
             if value is not None:
                 config[key] = value
     else:
@@ -120,6 +126,7 @@ def training_config(args: argparse.Namespace, kind: str) -> dict[str, Any]:
         config["lr_scheduler"] = {"kind": "constant", **schedule}
     for key, value in (
         ("lora_target_modules", args.lora_target_modules),
+        ("micro_batch_size", getattr(args, "micro_batch_size", None)),
         ("seed", args.seed),
         ("learning_rate", args.lr),
         ("checkpoint_interval", args.checkpoint_interval),
@@ -170,14 +177,28 @@ def training_flags(args: argparse.Namespace, kind: str) -> list[tuple[str, Any]]
         ("--warmup-steps", args.warmup_steps),
         ("--warmup-ratio", args.warmup_ratio),
         ("--min-lr-ratio", args.min_lr_ratio),
+        ("--micro-batch-size", getattr(args, "micro_batch_size", None)),
     ]
     if kind == "sft":
         flags += [
             ("--invalid-row-policy", args.invalid_row_policy),
             ("--max-seq-len", args.max_seq_len),
             ("--overlong-row-policy", args.overlong_row_policy),
+            ("--gradient-accumulation-steps", args.gradient_accumulation_steps),
+            ("--group-by-length", True if args.group_by_length else None),
         ]
     return flags
+
+
+def flag_argv(flags: Iterable[tuple[str, Any]]) -> list[str]:
+    """Command-line words for ``(flag, value)`` pairs: None leaves the flag out, True gives the bare flag."""
+    argv: list[str] = []
+    for flag, value in flags:
+        if value is True:
+            argv.append(flag)
+        elif value is not None:
+            argv += [flag, str(value)]
+    return argv
 
 
 def sft_resume_command(args: argparse.Namespace, checkpoint: str, interval: int | None, *, local: bool = True) -> str:
@@ -185,9 +206,7 @@ def sft_resume_command(args: argparse.Namespace, checkpoint: str, interval: int 
     argv = ["kiln", "train", "sft", *(["--local"] if local else [])]
     argv += ["-f", str(Path(args.file).resolve()), "--adapter", args.adapter]
     where = (("--adapter-dir", args.adapter_dir), ("--model", args.model)) if local else (("--url", args.url),)
-    for flag, value in (*where, *training_flags(args, "sft"), ("--checkpoint-interval", interval)):
-        if value is not None:
-            argv += [flag, str(value)]
+    argv += flag_argv((*where, *training_flags(args, "sft"), ("--checkpoint-interval", interval)))
     if not local and args.no_auto_load:
         argv.append("--no-auto-load")
     return shlex.join([*argv, "--resume-checkpoint", checkpoint])

@@ -55,6 +55,18 @@ def add_train_parser(sub: Any) -> None:
     p.add_argument("--lora-alpha", type=float, default=32.0)
     _add_schedule(p)
     _add_target_modules(p)
+    _add_micro_batch(p, "conversations per forward pass, right-padded (default 1: each alone, unpadded)")
+    p.add_argument(
+        "--gradient-accumulation-steps",
+        type=int,
+        metavar="N",
+        help="micro-batches per optimizer step (default 1); a step's loss is the mean over all its supervised tokens",
+    )
+    p.add_argument(
+        "--group-by-length",
+        action="store_true",
+        help="order each window of 50 steps' conversations longest first, so micro-batches pad little",
+    )
     p.add_argument("--invalid-row-policy", choices=("fail", "skip"), default="fail")
     p.add_argument(
         "--max-seq-len",
@@ -102,6 +114,7 @@ def add_train_parser(sub: Any) -> None:
         action="store_true",
         help="validate the streamed file end to end without training (needs a .jsonl dataset_path)",
     )
+    _add_micro_batch(p, "completions of a group per forward pass, right-padded (default 1: one dense forward each)")
     p.set_defaults(func=cmd_train_grpo)
 
     p = kinds.add_parser(
@@ -172,6 +185,10 @@ def _add_schedule(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--min-lr-ratio", type=float, metavar="R", help="linear/cosine: end at R x the base rate (default 0)"
     )
+
+
+def _add_micro_batch(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument("--micro-batch-size", type=int, metavar="N", help=what)
 
 
 def _add_target_modules(p: argparse.ArgumentParser) -> None:

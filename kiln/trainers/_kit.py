@@ -199,6 +199,13 @@ class Policy:
     ) -> float:
         """Backward and one optimizer step at the scheduled rate of ``position`` (default: the optimizer steps taken
         so far); a non-finite loss fails the run ``nan_loss`` (``where()`` says where)."""
+        value = self.accumulate(loss, where)
+        self.apply(before_step, position=position)
+        return value
+
+    def accumulate(self, loss: Any, where: Callable[[], str]) -> float:
+        """Backward of one micro-batch's share of a step's loss, its gradients added to those already there; a
+        non-finite loss fails the run ``nan_loss`` (``where()`` says where) before anything is added."""
         import torch
 
         value = float(loss.detach())
@@ -206,6 +213,11 @@ class Policy:
             raise NonFiniteLossError(f"non-finite loss {value} at {where()}")
         t0 = time.perf_counter()
         loss.backward()
+        self.timings["backward_ms"] += (time.perf_counter() - t0) * 1000
+        return value
+
+    def apply(self, before_step: Callable[[], None] | None = None, *, position: int | None = None) -> None:
+        """One optimizer step with the accumulated gradients at the scheduled rate, then the gradients cleared."""
         t1 = time.perf_counter()
         if before_step is not None:
             before_step()
@@ -217,9 +229,7 @@ class Policy:
         self.optimizer.step()
         self.steps_taken += 1
         self.optimizer.zero_grad(set_to_none=True)
-        self.timings["backward_ms"] += (t1 - t0) * 1000
         self.timings["optimizer_ms"] += (time.perf_counter() - t1) * 1000
-        return value
 
 
 class Cadence:

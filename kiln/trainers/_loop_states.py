@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from kiln.batch_plan import grouped_order, steps_per_epoch
 from kiln.digests import json_sha256
 from kiln.epoch_order import epoch_order
 from kiln.errors import TrainingFailedError
@@ -33,11 +34,17 @@ def phase_timings(tokenize_ms: float, timings: dict[str, float]) -> dict[str, fl
 
 @dataclass
 class SftLoop:
-    """The SFT loop's committed state; ``as_document`` is ``sft_loop_state.json``."""
+    """The SFT loop's committed state; ``as_document`` is ``sft_loop_state.json``.
+
+    ``rows`` is the rows per optimizer step and ``lengths`` the row lengths when the order is grouped by length
+    (``kiln.batch_plan``); ``order`` is the current epoch's order and ``cursor`` the position of its next row.
+    """
 
     items: int
     epochs: int
     seed: int
+    rows: int = 1
+    lengths: list[int] | None = None
     global_step: int = 0
     epoch_index: int = 0
     cursor: int = 0
@@ -49,17 +56,34 @@ class SftLoop:
     order: list[int] = field(default_factory=list)
 
     @property
+    def steps_per_epoch(self) -> int:
+        return steps_per_epoch(self.items, self.rows)
+
+    @property
     def total(self) -> int:
-        return self.epochs * self.items
+        return self.epochs * self.steps_per_epoch
+
+    @property
+    def rows_consumed(self) -> int:
+        """Rows trained so far, over all epochs."""
+        return self.epoch_index * self.items + self.cursor
+
+    def step_rows(self) -> list[int]:
+        """The row indices of the next optimizer step."""
+        return self.order[self.cursor : self.cursor + self.rows]
 
     def refresh_order(self) -> None:
-        self.order = epoch_order(self.seed, self.epoch_index, self.items) if self.global_step < self.total else []
+        if self.global_step >= self.total:
+            self.order = []
+            return
+        order = epoch_order(self.seed, self.epoch_index, self.items)
+        self.order = order if self.lengths is None else grouped_order(order, self.lengths, self.rows)
 
-    def commit(self, loss: float, norms: dict[str, float]) -> bool:
-        """Record one optimizer step; True when it ended an epoch."""
+    def commit(self, loss: float, norms: dict[str, float], rows: int = 1) -> bool:
+        """Record one optimizer step over ``rows`` rows; True when it ended an epoch."""
         self.losses.append(loss)
         self.global_step += 1
-        self.cursor += 1
+        self.cursor += rows
         self.epoch_sum += loss
         for module, value in sorted(norms.items()):
             acc = self.grad_norms.get(module)
@@ -72,7 +96,7 @@ class SftLoop:
                 acc[3] = max(acc[3], value)
         if self.cursor < self.items:
             return False
-        mean = self.epoch_sum / self.items
+        mean = self.epoch_sum / self.steps_per_epoch
         if self.first_epoch_loss is None:
             self.first_epoch_loss = self.best_epoch_loss = mean
         else:
@@ -91,33 +115,37 @@ class SftLoop:
             "global_step": self.global_step,
             "epoch_index": self.epoch_index,
             "cursor_in_epoch": self.cursor,
-            "loss_history": list(self.losses),
-            "last_loss": self.losses[-1] if self.losses else None,
-            "current_epoch_loss_sum": self.epoch_sum,
-            "current_epoch_items": self.cursor,
-            "lora_grad_norms": [
-                {"module": m, "sample_count": int(a[0]), "sum": a[1], "min": a[2], "max": a[3]}
-                for m, a in sorted(self.grad_norms.items())
-            ],
         }
+        if self.rows > 1:
+            doc["rows_per_step"] = self.rows
+        doc.update(
+            {
+                "loss_history": list(self.losses),
+                "last_loss": self.losses[-1] if self.losses else None,
+                "current_epoch_loss_sum": self.epoch_sum,
+                "current_epoch_items": self.cursor,
+                "lora_grad_norms": [
+                    {"module": m, "sample_count": int(a[0]), "sum": a[1], "min": a[2], "max": a[3]}
+                    for m, a in sorted(self.grad_norms.items())
+                ],
+            }
+        )
         if self.epoch_index > 0:
             doc["first_epoch_loss"] = self.first_epoch_loss
             doc["best_epoch_loss"] = self.best_epoch_loss
         return doc
 
-    @classmethod
-    def restore(cls, doc: dict[str, Any], items: int, epochs: int, seed: int) -> SftLoop:
-        loop = cls(items, epochs, seed)
-        loop.global_step, loop.epoch_index, loop.cursor = doc["global_step"], doc["epoch_index"], doc["cursor_in_epoch"]
-        loop.losses = list(doc["loss_history"])
-        loop.epoch_sum = doc["current_epoch_loss_sum"]
-        loop.first_epoch_loss = doc.get("first_epoch_loss")
-        loop.best_epoch_loss = doc.get("best_epoch_loss")
-        loop.grad_norms = {
+    def restore(self, doc: dict[str, Any]) -> None:
+        """Take the committed state of a checkpoint's loop-state document (same plan: rows, lengths, seed)."""
+        self.global_step, self.epoch_index, self.cursor = doc["global_step"], doc["epoch_index"], doc["cursor_in_epoch"]
+        self.losses = list(doc["loss_history"])
+        self.epoch_sum = doc["current_epoch_loss_sum"]
+        self.first_epoch_loss = doc.get("first_epoch_loss")
+        self.best_epoch_loss = doc.get("best_epoch_loss")
+        self.grad_norms = {
             g["module"]: [g["sample_count"], g["sum"], g["min"], g["max"]] for g in doc["lora_grad_norms"]
         }
-        loop.refresh_order()
-        return loop
+        self.refresh_order()
 
 
 def _check_divergence(epoch_number: int, mean: float, first: float, best: float) -> None:

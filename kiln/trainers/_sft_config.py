@@ -17,6 +17,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from kiln import contracts
+from kiln.batch_plan import rows_per_step, steps_per_epoch
 from kiln.errors import InternalError, RequestError
 from kiln.training import default_by, effective_optimizer, effective_schedule, resolve_seed, schema_defaults
 
@@ -77,6 +78,11 @@ def effective_config(config: dict[str, Any], adapter_name: str) -> dict[str, Any
         "epochs": int(config.get("epochs", defaults["epochs"])),  # JSON Schema integers may arrive as 3.0
         "learning_rate": float(learning_rate),
         "lr_scheduler": effective_schedule(config.get("lr_scheduler")),
+        "micro_batch_size": int(config.get("micro_batch_size", defaults["micro_batch_size"])),
+        "gradient_accumulation_steps": int(
+            config.get("gradient_accumulation_steps", defaults["gradient_accumulation_steps"])
+        ),
+        "group_by_length": bool(config.get("group_by_length", defaults["group_by_length"])),
         "lora_rank": rank,
         "lora_alpha": alpha,
         "lora_target_modules": requested_targets(config),
@@ -149,11 +155,16 @@ def check_run_bounds(
 
 
 def check_sft_data(config: dict[str, Any], examples: Iterable[Any], loaded: Any) -> None:
-    """The SFT bounds that need the data: epochs x kept rows, and each kept row's tokens against the context."""
+    """The SFT bounds that need the data: epochs x steps per epoch, and each kept row's tokens against the context."""
     examples = tuple(examples)
+    rows = rows_per_step(config)
+    per_epoch = steps_per_epoch(len(examples), rows)
+    rule = f"{config['epochs']} epochs x {len(examples)} rows"
+    if rows > 1:
+        rule = f"{config['epochs']} epochs x {per_epoch} steps of {rows} of the {len(examples)} rows"
     check_run_bounds(
-        total_steps=config["epochs"] * len(examples),
-        steps_rule=f"{config['epochs']} epochs x {len(examples)} rows",
+        total_steps=config["epochs"] * per_epoch,
+        steps_rule=rule,
         rows=((f"row {ex.row_index + 1}", len(ex.input_ids)) for ex in examples),
         context=context_length(loaded),
     )

@@ -1,9 +1,12 @@
 """SFT trainer, profile ``native_online_lora_v1``.
 
-Objective: mean next-token cross-entropy over the assistant tokens of one conversation
-(assistant content plus its closing end-of-turn token and newline), one conversation per
-optimizer step at the rate of ``lr_scheduler`` (constant by default), no accumulation or clipping. Only the LoRA
-A/B matrices train; the base model, embeddings and LM head are frozen.
+Objective: mean next-token cross-entropy over the assistant tokens (assistant content plus
+its closing end-of-turn token and newline) of the conversations of an optimizer step --
+``micro_batch_size`` x ``gradient_accumulation_steps`` consecutive rows of the epoch order
+(``kiln.batch_plan``; one by default) -- at the rate of ``lr_scheduler`` (constant by
+default), no clipping. The mean is over every supervised token of the step, so how the step
+is cut into micro-batches changes only the rounding. Only the LoRA A/B matrices train; the
+base model, embeddings and LM head are frozen.
 
 Read top to bottom: admission (config, seed, target, checkpoint, model, data, identity --
 everything that can fail before training, publishing nothing; a resume is fully loaded
@@ -19,9 +22,12 @@ publishes a checkpoint (unless that boundary was just published) and fails with 
 ``cancelled``. A cancellation that arrives after the last step changes nothing: the run
 is complete and publishes its adapter.
 
-Deliberate simplifications: batch size 1 (one conversation per step); the loss route is
-chosen by capability; the divergence check runs at epoch boundaries only; a resumed run's
-receipt reports the phase timings of its own process.
+A micro-batch of one row runs unpadded, exactly as before batching existed; a larger one is
+right-padded with an attention mask and its loss is taken over the real positions only.
+
+Deliberate simplifications: the loss route is chosen by capability; the divergence check
+runs at epoch boundaries only; a resumed run's receipt reports the phase timings of its own
+process.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from kiln.artifacts.checkpoint_manifest import SFT_SOURCE_KIND
+from kiln.batch_plan import rows_per_step, steps_per_epoch
 from kiln.digests import json_sha256, raw_hex
 from kiln.epoch_order import ALGORITHM_ID
 from kiln.trainers._admission import AdmittedJob, TrainingContext, base_model, job_fields
@@ -74,7 +81,11 @@ class AdmittedSft(AdmittedJob):
 
     @property
     def total_steps(self) -> int:
-        return self.config["epochs"] * len(self.ingestion.examples)
+        return self.config["epochs"] * self.steps_per_epoch
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return steps_per_epoch(len(self.ingestion.examples), rows_per_step(self.config))
 
     @property
     def data_sha256(self) -> str:
@@ -87,15 +98,20 @@ class AdmittedSft(AdmittedJob):
     def resumed_history(self) -> list[dict[str, Any]]:
         if self.resume is None:
             return []
-        rows = len(self.ingestion.examples)
+        per_epoch = self.steps_per_epoch
         return [
-            {"epoch": (step - 1) // rows + 1, "progress": step / self.total_steps, "loss": loss, "elapsed_secs": 0.0}
+            {
+                "epoch": (step - 1) // per_epoch + 1,
+                "progress": step / self.total_steps,
+                "loss": loss,
+                "elapsed_secs": 0.0,
+            }
             for step, loss in enumerate(self.resume.loop_state["loss_history"], start=1)
         ]
 
     def memory_estimate(self) -> int:
-        """A private copy of the weights, LoRA with gradients and two optimizer slots, activations of the longest
-        row and the loss route's buffers."""
+        """A private copy of the weights, LoRA with gradients and two optimizer slots, activations of a micro-batch
+        of the longest row and the loss route's buffers."""
         model = self.loaded.model
         weights = sum(p.numel() * p.element_size() for p in model.parameters())
         config = model.config
@@ -109,7 +125,7 @@ class AdmittedSft(AdmittedJob):
             * 4
             * 4
         )
-        longest = max(len(ex.input_ids) for ex in self.ingestion.examples)
+        longest = max(len(ex.input_ids) for ex in self.ingestion.examples) * self.config["micro_batch_size"]
         activations = longest * hidden * layers * 4 * 32
         vocab = int(config.vocab_size)
         loss = (self.loss_route.chunk_size or vocab) * vocab * 4 + longest * hidden * 4 * 2
@@ -182,7 +198,10 @@ def admit_sft(
     choice = choose_loss_route(
         "cpu",
         torch.float32,
-        max_rows=max(ex.supervised_tokens for ex in ingestion.examples),
+        # a micro-batch's supervised rows, at most: its rows' supervised tokens, the largest first
+        max_rows=sum(
+            sorted((ex.supervised_tokens for ex in ingestion.examples), reverse=True)[: cfg["micro_batch_size"]]
+        ),
         vocab=head.shape[0],
         hidden=head.shape[1],
     )
@@ -233,11 +252,12 @@ def run_sft(
     """
     started = time.perf_counter()
     cfg, examples = job.config, job.ingestion.examples
-    loop = SftLoop(len(examples), cfg["epochs"], cfg["seed"])
+    micro = cfg["micro_batch_size"]
+    lengths = [len(ex.input_ids) for ex in examples] if cfg["group_by_length"] else None
+    loop = SftLoop(len(examples), cfg["epochs"], cfg["seed"], rows_per_step(cfg), lengths)
     state: dict[str, Any] = {"timings": {}, "delta_norms": [], "cadence": None}
 
     def train() -> TrainResult:
-        nonlocal loop
         import torch
 
         from kiln.kernels import sft_loss
@@ -247,7 +267,7 @@ def run_sft(
         params = policy.params
         lora_init_position = 0 if cfg["base_adapter"] else sum(".lora_A." in name for name in params)
         if job.resume is not None:
-            loop = SftLoop.restore(job.resume.loop_state, len(examples), cfg["epochs"], cfg["seed"])
+            loop.restore(job.resume.loop_state)
             lora_init_position = job.resume.manifest["rng_states"]["lora-init"]["position"]
         else:
             loop.refresh_order()
@@ -257,36 +277,35 @@ def run_sft(
         causal = policy.model.get_base_model()
         body, head = decoder_of(causal), causal.get_output_embeddings()
         logit_map = job.head.logit_map
-        tensors = [
-            (torch.tensor(ex.input_ids, dtype=torch.long).unsqueeze(0), torch.tensor(ex.labels[1:], dtype=torch.long))
-            for ex in examples
-        ]
+        rows_of = [(ex.input_ids, torch.tensor(ex.labels[1:], dtype=torch.long)) for ex in examples]
         while loop.global_step < loop.total:
-            index = loop.order[loop.cursor]
-            ids, targets = tensors[index]
-            t0 = time.perf_counter()
-            hidden = body(input_ids=ids).last_hidden_state[0, :-1]
-            loss = sft_loss(
-                job.route,
-                hidden,
-                head.weight,
-                targets,
-                chunk_size=job.loss_route.chunk_size,
-                bias=head.bias,
-                logit_map=logit_map,
-            )
-            policy.timings["policy_forward_ms"] += (time.perf_counter() - t0) * 1000
-            norms: dict[str, float] = {}
-            value = policy.step(
-                loss,
-                lambda row=examples[index].row_index: (
-                    f"step {loop.global_step + 1} (epoch {loop.epoch_index + 1}, row {row})"
-                ),
-                before_step=lambda found=norms: found.update(_grad_norms(params)),
-            )
-            loop.commit(value, norms)
+            step_rows = loop.step_rows()
+            supervised = sum(examples[i].supervised_tokens for i in step_rows)
+            value, norms = 0.0, {}
+            for start in range(0, len(step_rows), micro):
+                batch = step_rows[start : start + micro]
+                t0 = time.perf_counter()
+                hidden, targets = _forward(body, [rows_of[i] for i in batch])
+                loss = sft_loss(
+                    job.route,
+                    hidden,
+                    head.weight,
+                    targets,
+                    chunk_size=job.loss_route.chunk_size,
+                    bias=head.bias,
+                    logit_map=logit_map,
+                )
+                if len(batch) < len(step_rows):  # this micro-batch's share of the step's mean
+                    loss = loss * (sum(examples[i].supervised_tokens for i in batch) / supervised)
+                policy.timings["policy_forward_ms"] += (time.perf_counter() - t0) * 1000
+                value += policy.accumulate(
+                    loss, lambda rows=step_rows: _where(loop, [examples[i].row_index for i in rows])
+                )
+            policy.apply(before_step=lambda found=norms: found.update(_grad_norms(params)))
+            loop.commit(value, norms, len(step_rows))
             if progress:
-                progress({"step": loop.global_step, "total": loop.total, "loss": value, "tokens": int(ids.shape[1])})
+                tokens = sum(len(rows_of[i][0]) for i in step_rows)
+                progress({"step": loop.global_step, "total": loop.total, "loss": value, "tokens": tokens})
             cadence.settled(
                 loop.global_step,
                 last=loop.global_step >= loop.total,
@@ -326,6 +345,30 @@ def _publish(job: AdmittedSft, loop: SftLoop, policy: Policy, lora_init_position
     return publish_state(job, KIND, policy.params, policy.optimizer, loop_document=loop.as_document, stamp=stamp)
 
 
+def _forward(body: Any, rows: list[tuple[list[int], Any]]) -> tuple[Any, Any]:
+    """The decoder's hidden states at every position that predicts a next token, and those tokens' labels, for a
+    micro-batch: one row unpadded; several right-padded into one forward with an attention mask, the padding left
+    out (the rows' positions in order, as if each had run alone)."""
+    import torch
+
+    if len(rows) == 1:
+        ids, targets = rows[0]
+        return body(input_ids=torch.tensor(ids, dtype=torch.long).unsqueeze(0)).last_hidden_state[0, :-1], targets
+    width = max(len(ids) for ids, _ in rows)
+    ids = torch.zeros((len(rows), width), dtype=torch.long)  # the pad id is never read: the mask excludes it
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for r, (row_ids, _) in enumerate(rows):
+        ids[r, : len(row_ids)] = torch.tensor(row_ids, dtype=torch.long)
+        mask[r, : len(row_ids)] = 1
+    hidden = body(input_ids=ids, attention_mask=mask).last_hidden_state[:, :-1]
+    return hidden[mask[:, 1:].bool()], torch.cat([targets for _, targets in rows])
+
+
+def _where(loop: SftLoop, rows: list[int]) -> str:
+    what = f"row {rows[0]}" if len(rows) == 1 else f"rows {', '.join(map(str, rows))}"
+    return f"step {loop.global_step + 1} (epoch {loop.epoch_index + 1}, {what})"
+
+
 def _final_state(policy: Policy, loop: SftLoop) -> FinalState:
     slots = optimizer_tensors(policy.optimizer, policy.params)
     return FinalState(
@@ -358,7 +401,7 @@ def _receipt(job, loop, state, started, *, adapter_dir=None, failure=None) -> di
     per_epoch_action = sum(ex.supervised_tokens for ex in examples)
     per_epoch_context = sum(len(ex.input_ids) - 1 for ex in examples) - per_epoch_action
     epochs_done = (
-        cfg["epochs"] if failure is None else min(cfg["epochs"], -(-loop.global_step // max(len(examples), 1)))
+        cfg["epochs"] if failure is None else min(cfg["epochs"], -(-loop.rows_consumed // max(len(examples), 1)))
     )
     receipt = envelope(
         job,
@@ -385,7 +428,7 @@ def _receipt(job, loop, state, started, *, adapter_dir=None, failure=None) -> di
     receipt["data"] = data_block(
         examples_read=record["rows_read"],
         examples_filtered=record["rows_rejected"],
-        examples_trained=record["rows_kept"] * cfg["epochs"] if failure is None else loop.global_step,
+        examples_trained=record["rows_kept"] * cfg["epochs"] if failure is None else loop.rows_consumed,
         sft_ingestion=record,
     )
     receipt["token_counts"] = token_counts_block(
