@@ -488,7 +488,8 @@ def run_side(side: str, python: str, model: Path, groups_file: Path, work: Path)
     cmd = [python, str(Path(__file__).resolve()), "--worker", side, "--model", str(model),
            "--groups-file", str(groups_file), "--work", str(work / side), "--result", str(result)]  # fmt: skip
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-           "KILN_HOME": str(work / "home"), "OMP_NUM_THREADS": str(THREADS), "PYTHONPATH": str(REPO)}  # fmt: skip
+           "KILN_HOME": str(work / "home"), "OMP_NUM_THREADS": str(THREADS),
+           "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "generated")])}  # fmt: skip
     start = time.perf_counter()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False, cwd=REPO)
     if proc.returncode != 0:

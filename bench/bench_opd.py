@@ -526,7 +526,8 @@ def run_side(side: str, python: str, pair: dict[str, Path], prompts_file: Path, 
            str(prompts_file), "--work", str(work / f"{side}-{time.monotonic_ns()}"), "--result", str(result),
            "--max-new-tokens", str(args.max_new_tokens), "--threads", str(args.threads)]  # fmt: skip
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-           "KILN_HOME": str(work / "home"), "OMP_NUM_THREADS": str(args.threads), "PYTHONPATH": str(REPO)}  # fmt: skip
+           "KILN_HOME": str(work / "home"), "OMP_NUM_THREADS": str(args.threads),
+           "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "generated")])}  # fmt: skip
     start = time.perf_counter()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False, cwd=REPO)
     if proc.returncode != 0:

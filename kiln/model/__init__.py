@@ -13,7 +13,7 @@ from __future__ import annotations
 from kiln.model._identity import ModelIdentity, capture_identity, git_source, training_precision
 from kiln.model._loader import LoadedModel, load_base_model, resolve_model_path
 from kiln.model._logits import forward_logits, next_token_logprobs
-from kiln.model._sampling import max_positions, pick_token, sample, special_tokens, stop_token_ids
+from kiln.model._sampling import max_positions, pick_token, sample, sample_batch, special_tokens, stop_token_ids
 from kiln.model._tiny import TINY_NAME, create_tiny, ensure_default_tiny
 
 __all__ = [
@@ -31,6 +31,7 @@ __all__ = [
     "pick_token",
     "resolve_model_path",
     "sample",
+    "sample_batch",
     "special_tokens",
     "stop_token_ids",
     "training_precision",

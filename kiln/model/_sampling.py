@@ -4,7 +4,9 @@
 temperature) with nucleus filtering to ``top_p`` (a stable descending sort; the most
 likely token is always kept) and one draw from an explicit ``torch.Generator``.
 ``stop_token_ids`` are the model's end-of-sequence ids plus the end-of-turn specials its
-tokenizer declares. ``sample(...)`` runs a KV-cached rollout with them.
+tokenizer declares. ``sample(...)`` runs a KV-cached rollout with them; ``sample_batch(...)`` runs several
+together (one left-padded prefill, then one cached step for all unfinished rows per token), drawing each step's
+tokens row by row, in batch order, from the one generator -- so a batch of one draws exactly what ``sample`` does.
 """
 
 from __future__ import annotations
@@ -102,3 +104,68 @@ def sample(
                 return ids, False
             step = torch.tensor([[token]], dtype=torch.long)
     return ids, True
+
+
+def sample_batch(
+    model: Any,
+    prefixes: list[list[int]],
+    *,
+    max_new: list[int],
+    temperature: float,
+    top_p: float,
+    generator: Any,
+    stop_ids: frozenset[int],
+) -> list[tuple[list[int], bool]]:
+    """``sample`` for several prefixes at once: per prefix ``(ids, truncated)`` with its own ``max_new`` limit.
+
+    The prefixes are left-padded into one prefill with an attention mask and position ids that start at 0 on each
+    row's first real token, so every row sees exactly its own prefix; each later step feeds every row its last
+    token through the shared KV cache (a finished row's further tokens are computed and discarded). One prefix is
+    ``sample`` itself."""
+    import torch
+
+    if len(prefixes) == 1:
+        return [
+            sample(
+                model,
+                prefixes[0],
+                max_new=max_new[0],
+                temperature=temperature,
+                top_p=top_p,
+                generator=generator,
+                stop_ids=stop_ids,
+            )
+        ]
+    width = max(len(p) for p in prefixes)
+    ids = torch.zeros((len(prefixes), width), dtype=torch.long)
+    mask = torch.zeros((len(prefixes), width), dtype=torch.long)
+    for r, prefix in enumerate(prefixes):
+        ids[r, width - len(prefix) :] = torch.tensor(prefix, dtype=torch.long)
+        mask[r, width - len(prefix) :] = 1
+    positions = (mask.cumsum(-1) - 1).clamp_min(0)
+    outputs: list[list[int]] = [[] for _ in prefixes]
+    truncated = [limit > 0 for limit in max_new]
+    active = [limit > 0 for limit in max_new]
+    cache = None
+    with torch.no_grad():
+        while any(active):
+            out = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True)
+            cache = out.past_key_values
+            last = out.logits[:, -1].float()
+            step = torch.zeros((len(prefixes), 1), dtype=torch.long)
+            for r in range(len(prefixes)):
+                if not active[r]:
+                    continue
+                if not bool(torch.isfinite(last[r]).all()):
+                    raise FloatingPointError(f"non-finite student logits after {len(outputs[r])} rollout tokens")
+                token = pick_token(last[r], temperature, top_p, generator)
+                outputs[r].append(token)
+                step[r, 0] = token
+                if token in stop_ids:
+                    active[r], truncated[r] = False, False
+                elif len(outputs[r]) >= max_new[r]:
+                    active[r] = False
+            ids = step
+            mask = torch.cat([mask, torch.ones((len(prefixes), 1), dtype=torch.long)], dim=1)
+            positions = positions[:, -1:] + 1
+    return list(zip(outputs, truncated, strict=True))

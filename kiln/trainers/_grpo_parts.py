@@ -20,6 +20,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from kiln.errors import ZeroGroupsError
+from kiln.trainers._forwards import selected_logits
 from kiln.training import grpo_objective as obj
 
 __all__ = [
@@ -105,22 +106,9 @@ def group_logprobs(
     (and bias) and ``head.logit_map`` applied to the decoder's hidden states, in fp32."""
     import torch
 
-    from kiln.training import decoder_of
-
-    causal = model.get_base_model() if hasattr(model, "get_base_model") else model
-    body, out = decoder_of(causal), causal.get_output_embeddings()
-    width = max(len(s) for s in sequences)
-    ids = torch.zeros((len(sequences), width), dtype=torch.long)
-    attention = torch.zeros((len(sequences), width), dtype=torch.long)
-    for i, seq in enumerate(sequences):
-        ids[i, : len(seq)] = torch.as_tensor(seq, dtype=torch.long)
-        attention[i, : len(seq)] = 1
-    hidden = body(input_ids=ids, attention_mask=attention).last_hidden_state
-    positions = [torch.as_tensor(w, dtype=torch.bool).nonzero().squeeze(1) for w in wanted]
-    flat = torch.cat([i * width + p for i, p in enumerate(positions)])
-    targets = torch.cat([ids[i, p + 1] for i, p in enumerate(positions)])
-    rows = hidden.reshape(-1, hidden.shape[-1]).index_select(0, flat).float()
-    logp = torch.log_softmax(head.logit_map.head_logits(rows, out.weight, out.bias), dim=-1)
+    found = selected_logits(model, head, sequences, wanted)
+    positions, targets = found.positions, found.targets
+    logp = torch.log_softmax(found.rows, dim=-1)
     taken = logp.gather(1, targets.unsqueeze(1)).squeeze(1)
     spread = -(logp.exp() * logp).sum(-1) if entropy else None
     results, start = [], 0

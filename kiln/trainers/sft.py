@@ -45,6 +45,7 @@ from kiln.digests import json_sha256, raw_hex
 from kiln.epoch_order import ALGORITHM_ID
 from kiln.trainers._admission import AdmittedJob, TrainingContext, base_model, job_fields
 from kiln.trainers._checkpointing import CheckpointProgress, manifest_head, publish_state, restore_policy
+from kiln.trainers._forwards import right_padded
 from kiln.trainers._kit import Cadence, FinalState, Policy, Progress, TrainResult, guarded, publish_adapter
 from kiln.trainers._loop_states import SftLoop
 from kiln.trainers._receipts import data_block, envelope, token_counts_block
@@ -354,12 +355,7 @@ def _forward(body: Any, rows: list[tuple[list[int], Any]]) -> tuple[Any, Any]:
     if len(rows) == 1:
         ids, targets = rows[0]
         return body(input_ids=torch.tensor(ids, dtype=torch.long).unsqueeze(0)).last_hidden_state[0, :-1], targets
-    width = max(len(ids) for ids, _ in rows)
-    ids = torch.zeros((len(rows), width), dtype=torch.long)  # the pad id is never read: the mask excludes it
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for r, (row_ids, _) in enumerate(rows):
-        ids[r, : len(row_ids)] = torch.tensor(row_ids, dtype=torch.long)
-        mask[r, : len(row_ids)] = 1
+    ids, mask = right_padded([row_ids for row_ids, _ in rows])
     hidden = body(input_ids=ids, attention_mask=mask).last_hidden_state[:, :-1]
     return hidden[mask[:, 1:].bool()], torch.cat([targets for _, targets in rows])
 
