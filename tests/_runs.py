@@ -13,3 +13,13 @@ def assert_same_run(a, b):
     assert (b.adapter_dir / "adapter_model.safetensors").read_bytes() == (
         a.adapter_dir / "adapter_model.safetensors"
     ).read_bytes()
+
+
+def assert_same_opd_run(whole, resumed):
+    """An OPD run resumed from a checkpoint ended as the uninterrupted one: losses, adapter bytes, diagnostics."""
+    assert resumed.status == "success", resumed.receipt.get("failure_message")
+    assert resumed.losses == whole.losses
+    assert (resumed.adapter_dir / "adapter_model.safetensors").read_bytes() == (
+        whole.adapter_dir / "adapter_model.safetensors"
+    ).read_bytes()
+    assert resumed.receipt["opd"]["collapse_diagnostics"][-1] == whole.receipt["opd"]["collapse_diagnostics"][-1]

@@ -53,3 +53,21 @@ def trained_adapter(tmp_path_factory, tiny_model_dir):
         result = run_sft(job)
     assert result.status == "success"
     return result.adapter_dir
+
+
+@pytest.fixture(scope="module")
+def teacher_dir(tmp_path_factory):
+    """A tiny teacher for OPD: the student's tokenizer, other weights."""
+    from kiln.model import create_tiny
+
+    return create_tiny(tmp_path_factory.mktemp("teacher") / "teacher", seed=2)
+
+
+@pytest.fixture
+def teachers(tmp_path, teacher_dir):
+    """A teacher registry holding ``tutor``, the local tiny teacher."""
+    from kiln.teachers import TeacherRegistry
+
+    root = tmp_path / "teachers"
+    TeacherRegistry(root).add({"alias": "tutor", "kind": "local", "model_id": str(teacher_dir)})
+    return root

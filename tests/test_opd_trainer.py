@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 
 import pytest
+from _runs import assert_same_opd_run
 
 from kiln import contracts
 from kiln.errors import ContractError, KilnError, RequestError
@@ -29,18 +30,6 @@ CONFIG = {
     "learning_rate": 0.01,
     "optimizer": {"kind": "adam_w"},
 }
-
-
-@pytest.fixture(scope="module")
-def teacher_dir(tmp_path_factory):
-    return create_tiny(tmp_path_factory.mktemp("teacher") / "teacher", seed=2)
-
-
-@pytest.fixture
-def teachers(tmp_path, teacher_dir):
-    root = tmp_path / "teachers"
-    TeacherRegistry(root).add({"alias": "tutor", "kind": "local", "model_id": str(teacher_dir)})
-    return root
 
 
 def _request(**config):
@@ -111,12 +100,7 @@ def test_cancel_then_resume_equals_an_uninterrupted_run(tmp_path, tiny_model_dir
     ]
     resumed_request = _request(epochs=2, checkpoint_interval=3, resume_checkpoint=names[-1], **extra)
     resumed = run_opd(_admit(tmp_path / "b", tiny_model_dir, teachers, resumed_request))
-    assert resumed.status == "success", resumed.receipt.get("failure_message")
-    assert resumed.losses == whole.losses
-    assert (resumed.adapter_dir / "adapter_model.safetensors").read_bytes() == (
-        whole.adapter_dir / "adapter_model.safetensors"
-    ).read_bytes()
-    assert resumed.receipt["opd"]["collapse_diagnostics"][-1] == whole.receipt["opd"]["collapse_diagnostics"][-1]
+    assert_same_opd_run(whole, resumed)
 
 
 def _off_policy(tmp_path, tiny_model_dir, teacher_dir, responses):

@@ -130,6 +130,7 @@ def add_train_parser(sub: Any) -> None:
         "--teacher", required=True, metavar="ALIAS", help="alias of a registered teacher (kiln teachers list)"
     )
     p.add_argument("--epochs", type=int, help="passes over the prompt x sample candidates")
+    _add_micro_batch(p, "candidates rolled out and scored together (default 1: one at a time)")
     p.set_defaults(func=cmd_train_opd)
 
     p = kinds.add_parser(

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from kiln.model._identity import ModelIdentity, capture_identity, git_source, training_precision
 from kiln.model._loader import LoadedModel, load_base_model, resolve_model_path
-from kiln.model._logits import forward_logits, next_token_logprobs
+from kiln.model._logits import forward_logits, next_token_logprobs, padded_forward_logits, right_padded
 from kiln.model._sampling import max_positions, pick_token, sample, sample_batch, special_tokens, stop_token_ids
 from kiln.model._tiny import TINY_NAME, create_tiny, ensure_default_tiny
 
@@ -28,8 +28,10 @@ __all__ = [
     "load_base_model",
     "max_positions",
     "next_token_logprobs",
+    "padded_forward_logits",
     "pick_token",
     "resolve_model_path",
+    "right_padded",
     "sample",
     "sample_batch",
     "special_tokens",

@@ -20,8 +20,28 @@ def forward_logits(model: Any, ids: Any) -> Any:
     return model(input_ids=ids).logits[0].float()
 
 
+def padded_forward_logits(model: Any, ids: Any, attention_mask: Any) -> Any:
+    """``[B, T, V]`` float32 logits of a right-padded batch ``ids`` ``[B, T]`` from the model's own forward; a
+    causal model's real positions equal those of ``forward_logits`` on each sequence alone, up to rounding."""
+    return model(input_ids=ids, attention_mask=attention_mask).logits.float()
+
+
 def next_token_logprobs(model: Any, ids: Any) -> Any:
     """``[T, V]`` float32 log-probabilities; row r is the distribution of the token after ``ids[r]``."""
     import torch
 
     return torch.log_softmax(forward_logits(model, ids), dim=-1)
+
+
+def right_padded(sequences: list[Any]) -> tuple[Any, Any]:
+    """``(ids, attention_mask)`` ``[B, longest]`` LongTensors: each sequence from the left, then id 0 (never read:
+    the mask excludes it)."""
+    import torch
+
+    width = max(len(s) for s in sequences)
+    ids = torch.zeros((len(sequences), width), dtype=torch.long)
+    attention = torch.zeros((len(sequences), width), dtype=torch.long)
+    for i, seq in enumerate(sequences):
+        ids[i, : len(seq)] = torch.as_tensor(seq, dtype=torch.long)
+        attention[i, : len(seq)] = 1
+    return ids, attention

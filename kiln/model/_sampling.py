@@ -149,7 +149,9 @@ def sample_batch(
     cache = None
     with torch.no_grad():
         while any(active):
-            out = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True)
+            out = model(
+                input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True
+            )
             cache = out.past_key_values
             last = out.logits[:, -1].float()
             step = torch.zeros((len(prefixes), 1), dtype=torch.long)

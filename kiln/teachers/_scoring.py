@@ -8,7 +8,10 @@ top-K ids in a stable descending order (ties: lower id first). ``kiln serve`` an
 pointed at a Kiln server over the same model directory return bit-identical tensors.
 
 A scorer has ``max_top_k``, ``score(prefix_ids, action_ids, k) -> (ids LongTensor[A, k],
-logprobs FloatTensor[A, k])`` (A = ``len(action_ids)``) and ``close()``. ``fixture`` teachers
+logprobs FloatTensor[A, k])`` (A = ``len(action_ids)``), ``score_batch(pairs, k)`` (the same for several
+``(prefix_ids, action_ids)`` pairs: a local teacher runs them in one right-padded forward, equal to one forward
+each up to rounding; the remote protocol's ``prompt`` is one token array, so a remote teacher sends one request
+per pair) and ``close()``. ``fixture`` teachers
 have no scorer: their scores are the rows of the pre-scored file.
 """
 
@@ -41,6 +44,8 @@ class TeacherScorer(Protocol):
     max_top_k: int
 
     def score(self, prefix_ids: list[int], action_ids: list[int], k: int) -> tuple[Any, Any]: ...
+
+    def score_batch(self, pairs: list[tuple[list[int], list[int]]], k: int) -> list[tuple[Any, Any]]: ...
 
     def close(self) -> None: ...
 
@@ -166,6 +171,33 @@ class LocalScorer:
             )
         return top_k_logprobs(self._model, ids, len(prefix_ids), k)
 
+    def score_batch(self, pairs: list[tuple[list[int], list[int]]], k: int) -> list[tuple[Any, Any]]:
+        """``score`` of every pair, from one right-padded no-grad forward (one pair: ``score`` itself)."""
+        import torch
+
+        from kiln.model import padded_forward_logits, right_padded
+
+        if len(pairs) == 1:
+            return [self.score(*pairs[0], k)]
+        if self._model is None:
+            raise InternalError(f"the scorer of teacher {self.alias!r} is closed")
+        sequences = []
+        for prefix_ids, action_ids in pairs:
+            _check_request(prefix_ids, action_ids, k, min(self.max_top_k, self.vocab_size), self.max_model_len)
+            sequences.append([*prefix_ids, *action_ids])
+            if any(not 0 <= i < self.vocab_size for i in sequences[-1]):
+                raise RequestError(
+                    f"token ids must be in [0, {self.vocab_size}) for teacher {self.alias!r}",
+                    code="training_invalid_request",
+                )
+        ids, mask = right_padded(sequences)
+        with torch.no_grad():
+            logp = torch.log_softmax(padded_forward_logits(self._model, ids, mask), dim=-1).cpu()
+        return [
+            stable_top_k(logp[r, len(prefix_ids) - 1 : len(seq) - 1], k)
+            for r, ((prefix_ids, _), seq) in enumerate(zip(pairs, sequences, strict=True))
+        ]
+
     def close(self) -> None:
         self._model = None
 
@@ -236,6 +268,10 @@ class RemoteScorer:
         if not top_ids:
             return torch.empty((0, k), dtype=torch.long), torch.empty((0, k), dtype=torch.float32)
         return torch.tensor(top_ids, dtype=torch.long), torch.tensor(top_values, dtype=torch.float32)
+
+    def score_batch(self, pairs: list[tuple[list[int], list[int]]], k: int) -> list[tuple[Any, Any]]:
+        """One request per pair: the completions protocol scores one token array per request."""
+        return [self.score(prefix_ids, action_ids, k) for prefix_ids, action_ids in pairs]
 
     def close(self) -> None:
         if self._client is not None:

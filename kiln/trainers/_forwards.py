@@ -13,21 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["SelectedLogits", "right_padded", "selected_logits"]
-
-
-def right_padded(sequences: list[Any]) -> tuple[Any, Any]:
-    """``(ids, attention_mask)`` ``[B, longest]`` LongTensors: each sequence from the left, then id 0 (never read:
-    the mask excludes it)."""
-    import torch
-
-    width = max(len(s) for s in sequences)
-    ids = torch.zeros((len(sequences), width), dtype=torch.long)
-    attention = torch.zeros((len(sequences), width), dtype=torch.long)
-    for i, seq in enumerate(sequences):
-        ids[i, : len(seq)] = torch.as_tensor(seq, dtype=torch.long)
-        attention[i, : len(seq)] = 1
-    return ids, attention
+__all__ = ["SelectedLogits", "selected_logits"]
 
 
 @dataclass
@@ -52,6 +38,7 @@ def selected_logits(model: Any, head: Any, sequences: list[Any], wanted: list[An
     """The logits at the positions where ``wanted[i]`` (a bool ``[T_i - 1]``) is true, from one forward."""
     import torch
 
+    from kiln.model import right_padded
     from kiln.training import decoder_of
 
     causal = model.get_base_model() if hasattr(model, "get_base_model") else model

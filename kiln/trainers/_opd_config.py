@@ -101,6 +101,7 @@ def effective_opd_config(
         "temperature": float(config.get("temperature", defaults["temperature"])),
         "top_p": float(config.get("top_p", defaults["top_p"])),
         "max_tokens": max_tokens,
+        "micro_batch_size": int(config.get("micro_batch_size", defaults["micro_batch_size"])),
         "rollout_prompt_rendering": rendering,
         "stable_opd": defaults["stable_opd"],
         "discount": float(defaults["discount"]),

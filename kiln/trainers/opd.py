@@ -28,8 +28,16 @@ same optimizer step already exists (published by this run or the one it resumed 
 the candidates settled since then were empty rollouts, which a resume replays exactly
 from the saved generator state, so that checkpoint is the same boundary.
 
-Deliberate simplifications: one rollout and one teacher call per candidate (no
-batching); dense student logits over the prefix + rollout; ``samples_per_prompt`` does
+Batches (``micro_batch_size``, default 1): that many consecutive candidates of the epoch
+order are rolled out together from the policy at the batch's start and scored in one
+teacher call (``kiln/trainers/_opd_rollouts.py``); each then takes its own loss and optimizer
+step in order, so from the second candidate of a batch on a rollout is up to
+``micro_batch_size`` - 1 steps older than the policy it trains. A batch never spans two
+epochs, and checkpoints and cancellation land between batches (a checkpoint due inside a
+batch is published at its end), where the generator state and the cursor say everything.
+A batch of one is the per-candidate loop, byte for byte.
+
+Deliberate simplifications: dense student logits over the prefix + rollout; ``samples_per_prompt`` does
 not apply to a pre-scored file (one candidate per row); the receipt's collapse windows
 are cumulative (each entry covers the run up to its step); per-module gradient norms are
 not collected.
@@ -58,6 +66,7 @@ from kiln.trainers._checkpointing import (
 from kiln.trainers._kit import Cadence, Policy, Progress, TrainResult, check_pin, guarded, publish_adapter
 from kiln.trainers._loop_states import OpdLoop
 from kiln.trainers._opd_config import check_opd_data, check_opd_request, effective_opd_config
+from kiln.trainers._opd_rollouts import draw
 from kiln.trainers._opd_teacher import admitted_source, pinned_teacher
 from kiln.trainers._receipts import data_block, echo_block, envelope, token_counts_block
 from kiln.trainers._resume import claim_target, load_resume, resume_metadata
@@ -239,7 +248,7 @@ def run_opd(
         nonlocal loop
         import torch
 
-        from kiln.model import forward_logits, sample
+        from kiln.model import forward_logits
 
         check_pin(job.source.path if job.pin is not None else None, job.pin)
         policy = Policy(job, restore=restore_policy)
@@ -258,81 +267,57 @@ def run_opd(
 
             run["scorer"] = open_scorer(job.teacher, registry_dir=job.registry)
         cadence = run["cadence"] = Cadence(job, lambda: _publish(job, loop, policy, generator), cancel, on_checkpoint)
-        total = job.total_steps
+        total, width = job.total_steps, cfg["micro_batch_size"]
         order_epoch, order = -1, []
         while loop.consumed < total:
             if order_epoch != loop.epoch_index:  # the order is drawn once per epoch, not per candidate
                 order_epoch, order = loop.epoch_index, epoch_order(cfg["seed"], loop.epoch_index, len(job.candidates))
-            prompt_index, _sample = job.candidates[order[loop.cursor]]
-            t0 = time.perf_counter()
-            if job.route == "prompts":
-                item = job.source.items[prompt_index]
-                prefix = list(item.student_prefix)
-                room = min(cfg["max_tokens"], job.max_len - len(prefix))
-                model.eval()
-                action, truncated = sample(
-                    model,
-                    prefix,
-                    max_new=room,
-                    temperature=cfg["temperature"],
-                    top_p=cfg["top_p"],
-                    generator=generator,
-                    stop_ids=job.stop_ids,
-                )
-                loop.rollouts_sampled += 1
-                loop.timings["policy_forward_ms"] += (time.perf_counter() - t0) * 1000
-                observation = list(item.observation_mask)
+            batch = order[loop.cursor : loop.cursor + width]  # a batch never spans two epochs
+            first_step = loop.global_step
+            for rollout in draw(job, model, generator, loop, batch, run["scorer"]):
+                prefix, action = rollout.prefix, rollout.action
+                text = job.loaded.tokenizer.decode(action, skip_special_tokens=False) if action else ""
+                mean_kl = None
                 if action:
+                    model.train()
+                    ids = torch.tensor([prefix + action], dtype=torch.long)
                     t1 = time.perf_counter()
-                    teacher_ids, teacher_lp = run["scorer"].score(list(item.teacher_prefix), action, cfg["top_k"])
-                    loop.timings["reference_forward_ms"] += (time.perf_counter() - t1) * 1000
-            else:
-                row = job.source.rows[prompt_index]
-                prefix, action, truncated = list(row.student_prefix), list(row.action_ids), False
-                observation = [False] * len(prefix)
-                if action:
-                    k = cfg["top_k"]
-                    teacher_ids = torch.tensor([list(ids[:k]) for ids in row.teacher_ids], dtype=torch.long)
-                    teacher_lp = torch.tensor([list(lp[:k]) for lp in row.teacher_logprobs], dtype=torch.float32)
-            text = job.loaded.tokenizer.decode(action, skip_special_tokens=False) if action else ""
-            mean_kl = None
-            if action:
-                model.train()
-                ids = torch.tensor([prefix + action], dtype=torch.long)
-                t1 = time.perf_counter()
-                logits = forward_logits(model, ids)
-                loop.timings["policy_forward_ms"] += (time.perf_counter() - t1) * 1000
-                start = len(prefix) - 1
-                loss, per_position = top_k_reverse_kl(logits[start : start + len(action)], teacher_ids, teacher_lp)
-                mean_kl = float(per_position.detach().mean())
-                env_ce = None
-                observed = [p for p in range(1, len(prefix)) if observation[p]]
-                if echo is not None and observed:
-                    positions = torch.tensor(observed, dtype=torch.long)
-                    logp = torch.log_softmax(logits[positions - 1].float(), dim=-1)
-                    taken = logp.gather(-1, ids[0, positions].unsqueeze(-1)).squeeze(-1)
-                    term, env_ce = grpo_obj.echo_loss(
-                        taken, torch.ones_like(taken, dtype=torch.bool), float(echo["lambda"])
+                    logits = forward_logits(model, ids)
+                    loop.timings["policy_forward_ms"] += (time.perf_counter() - t1) * 1000
+                    start = len(prefix) - 1
+                    loss, per_position = top_k_reverse_kl(
+                        logits[start : start + len(action)], rollout.teacher_ids, rollout.teacher_lp
                     )
-                    loss = loss + term
-                value = policy.step(loss, lambda: f"optimizer step {loop.global_step + 1}", position=loop.consumed)
-                loop.echo.add(env_ce)
-                loop.losses.append(value)
-                loop.action_tokens += len(action)
-                loop.env_tokens += len(observed) if echo is not None else 0
-            else:
-                loop.empty += 1
-            loop.collapse.add(tokens=len(action), truncated=truncated, mean_kl=mean_kl, text=text)
-            loop.settle()
-            if progress:
-                step_loss = loop.losses[-1] if action else None
-                progress(
-                    {"step": loop.consumed, "total": total, "loss": step_loss, "tokens": len(prefix) + len(action)}
-                )
+                    mean_kl = float(per_position.detach().mean())
+                    env_ce = None
+                    observed = [p for p in range(1, len(prefix)) if rollout.observation[p]]
+                    if echo is not None and observed:
+                        positions = torch.tensor(observed, dtype=torch.long)
+                        logp = torch.log_softmax(logits[positions - 1].float(), dim=-1)
+                        taken = logp.gather(-1, ids[0, positions].unsqueeze(-1)).squeeze(-1)
+                        term, env_ce = grpo_obj.echo_loss(
+                            taken, torch.ones_like(taken, dtype=torch.bool), float(echo["lambda"])
+                        )
+                        loss = loss + term
+                    value = policy.step(loss, lambda: f"optimizer step {loop.global_step + 1}", position=loop.consumed)
+                    loop.echo.add(env_ce)
+                    loop.losses.append(value)
+                    loop.action_tokens += len(action)
+                    loop.env_tokens += len(observed) if echo is not None else 0
+                else:
+                    loop.empty += 1
+                loop.collapse.add(tokens=len(action), truncated=rollout.truncated, mean_kl=mean_kl, text=text)
+                loop.settle()
+                if progress:
+                    step_loss = loop.losses[-1] if action else None
+                    progress(
+                        {"step": loop.consumed, "total": total, "loss": step_loss, "tokens": len(prefix) + len(action)}
+                    )
+            # a checkpoint (due, or on cancellation) lands between batches: the next batch's rollouts are not drawn
             cadence.settled(
                 loop.global_step,
                 last=loop.consumed >= total,
-                due=bool(action) and cadence.due(loop.global_step),
+                due=any(cadence.due(step) for step in range(first_step + 1, loop.global_step + 1)),
                 cancelled=lambda name: (
                     f"cancelled after candidate {loop.consumed} of {total} (optimizer step "
                     f"{loop.global_step}); resume from {name}"

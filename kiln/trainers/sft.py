@@ -45,7 +45,6 @@ from kiln.digests import json_sha256, raw_hex
 from kiln.epoch_order import ALGORITHM_ID
 from kiln.trainers._admission import AdmittedJob, TrainingContext, base_model, job_fields
 from kiln.trainers._checkpointing import CheckpointProgress, manifest_head, publish_state, restore_policy
-from kiln.trainers._forwards import right_padded
 from kiln.trainers._kit import Cadence, FinalState, Policy, Progress, TrainResult, guarded, publish_adapter
 from kiln.trainers._loop_states import SftLoop
 from kiln.trainers._receipts import data_block, envelope, token_counts_block
@@ -355,6 +354,8 @@ def _forward(body: Any, rows: list[tuple[list[int], Any]]) -> tuple[Any, Any]:
     if len(rows) == 1:
         ids, targets = rows[0]
         return body(input_ids=torch.tensor(ids, dtype=torch.long).unsqueeze(0)).last_hidden_state[0, :-1], targets
+    from kiln.model import right_padded
+
     ids, mask = right_padded([row_ids for row_ids, _ in rows])
     hidden = body(input_ids=ids, attention_mask=mask).last_hidden_state[:, :-1]
     return hidden[mask[:, 1:].bool()], torch.cat([targets for _, targets in rows])
