@@ -25,7 +25,6 @@ __all__ = [
     "group_window",
     "grouped_order",
     "rows_per_step",
-    "step_count",
     "steps_per_epoch",
 ]
 
@@ -40,11 +39,6 @@ def rows_per_step(config: Mapping[str, Any]) -> int:
 def steps_per_epoch(items: int, rows: int) -> int:
     """Optimizer steps of one epoch of ``items`` rows at ``rows`` rows per step (the last one may be short)."""
     return -(-items // rows)
-
-
-def step_count(epoch_index: int, cursor_in_epoch: int, items: int, rows: int) -> int:
-    """Optimizer steps committed when the next row is position ``cursor_in_epoch`` of epoch ``epoch_index``."""
-    return epoch_index * steps_per_epoch(items, rows) + -(-cursor_in_epoch // rows)
 
 
 def group_window(rows: int) -> int:

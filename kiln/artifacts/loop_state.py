@@ -30,6 +30,7 @@ from typing import Any
 
 from kiln import _documents
 from kiln._rules import ptr, semantic_rule
+from kiln.batch_plan import steps_per_epoch
 from kiln.errors import Problem
 
 SFT = "SftLoopState"
@@ -156,7 +157,7 @@ def _sft_step_boundary(state: dict[str, Any], at: str) -> Iterable[Problem]:
 
 def _sft_epoch_steps(state: dict[str, Any]) -> int:
     """Optimizer steps of the current epoch so far (``cursor_in_epoch`` rows at ``rows_per_step`` a step)."""
-    return -(-state["cursor_in_epoch"] // state.get("rows_per_step", 1))
+    return steps_per_epoch(state["cursor_in_epoch"], state.get("rows_per_step", 1))
 
 
 @semantic_rule(SFT, "sft-loop.epoch-loss-sum")

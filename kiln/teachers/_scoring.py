@@ -160,6 +160,11 @@ class LocalScorer:
         self._model = model
 
     def score(self, prefix_ids: list[int], action_ids: list[int], k: int) -> tuple[Any, Any]:
+        ids = self._checked(prefix_ids, action_ids, k)
+        return top_k_logprobs(self._model, ids, len(prefix_ids), k)
+
+    def _checked(self, prefix_ids: list[int], action_ids: list[int], k: int) -> list[int]:
+        """The sequence to score, after the request checks and the vocabulary bound."""
         if self._model is None:
             raise InternalError(f"the scorer of teacher {self.alias!r} is closed")
         _check_request(prefix_ids, action_ids, k, min(self.max_top_k, self.vocab_size), self.max_model_len)
@@ -169,7 +174,7 @@ class LocalScorer:
                 f"token ids must be in [0, {self.vocab_size}) for teacher {self.alias!r}",
                 code="training_invalid_request",
             )
-        return top_k_logprobs(self._model, ids, len(prefix_ids), k)
+        return ids
 
     def score_batch(self, pairs: list[tuple[list[int], list[int]]], k: int) -> list[tuple[Any, Any]]:
         """``score`` of every pair, from one right-padded no-grad forward (one pair: ``score`` itself)."""
@@ -179,17 +184,7 @@ class LocalScorer:
 
         if len(pairs) == 1:
             return [self.score(*pairs[0], k)]
-        if self._model is None:
-            raise InternalError(f"the scorer of teacher {self.alias!r} is closed")
-        sequences = []
-        for prefix_ids, action_ids in pairs:
-            _check_request(prefix_ids, action_ids, k, min(self.max_top_k, self.vocab_size), self.max_model_len)
-            sequences.append([*prefix_ids, *action_ids])
-            if any(not 0 <= i < self.vocab_size for i in sequences[-1]):
-                raise RequestError(
-                    f"token ids must be in [0, {self.vocab_size}) for teacher {self.alias!r}",
-                    code="training_invalid_request",
-                )
+        sequences = [self._checked(prefix_ids, action_ids, k) for prefix_ids, action_ids in pairs]
         ids, mask = right_padded(sequences)
         with torch.no_grad():
             logp = torch.log_softmax(padded_forward_logits(self._model, ids, mask), dim=-1).cpu()
