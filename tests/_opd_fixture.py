@@ -6,7 +6,8 @@ response with the admission's own code path (``kiln.data.opd.tokenize_response``
 ``scorer(prefix_ids, action_ids, k) -> (ids [A][k], logprobs [A][k])`` for the teacher's top-K
 at each action target (``prefix_ids`` is the teacher's prefix: ``teacher_extra_messages`` +
 ``messages`` with a generation prompt). Each position's candidates are written most likely
-first. ``ranked_scorer`` is a deterministic stand-in teacher; a real one can be plugged in.
+first. ``ranked_scorer`` is a deterministic stand-in teacher; a real one can be plugged in, and
+``off_policy_teacher`` builds such a file from a real teacher and registers it.
 """
 
 from __future__ import annotations
@@ -85,3 +86,32 @@ def make_off_policy_file(
     lines = [json.dumps(manifest), *(json.dumps(row) for row in rows)]
     Path(path).write_text("".join(line + "\n" for line in lines), encoding="utf-8")
     return manifest
+
+
+def off_policy_teacher(tmp_path: Path, student_dir: Path, teacher_dir: Path, responses: Sequence[tuple[str, str]]):
+    """A pre-scored file of ``(prompt, response)`` rows whose scores come from the real teacher at ``teacher_dir``,
+    registered as the fixture teacher ``scored``; returns ``(file, teachers root)``."""
+    from kiln.model import load_base_model
+    from kiln.teachers import TeacherRegistry, top_k_logprobs
+
+    teacher = load_base_model(teacher_dir)
+    student = load_base_model(student_dir)
+
+    def scorer(prefix, action, k):
+        ids, logprobs = top_k_logprobs(teacher.model, list(prefix) + list(action), len(prefix), k)
+        return ids.tolist(), logprobs.tolist()
+
+    path = tmp_path / "scored.jsonl"
+    make_off_policy_file(
+        student.tokenizer,
+        path,
+        [([{"role": "user", "content": prompt}], response) for prompt, response in responses],
+        scorer=scorer,
+        top_k=16,
+        vocab_size=int(student.model.config.vocab_size),
+        vocab_sha256=tokenizer_vocab_sha256(student.tokenizer),
+        fixture_id="tutor-scored",
+    )
+    root = tmp_path / "teachers-fixture"
+    TeacherRegistry(root).add({"alias": "scored", "kind": "fixture", "model_id": "tutor-scored"}, fixture_file=path)
+    return path, root

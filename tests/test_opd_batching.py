@@ -1,6 +1,7 @@
-"""OPD batches (``micro_batch_size``): a local teacher scores a batch as it scores each rollout alone, batched runs
-train (reverse KL falls, artifacts validate), cancel-then-resume at a batch boundary is byte-identical to an
-uninterrupted batched run, and a resume with another batch size is refused naming the field."""
+"""OPD steps of several candidates (``micro_batch_size`` x ``gradient_accumulation_steps``): a local teacher scores
+a batch as it scores each rollout alone; a step trains alike however its candidates are cut into micro-batches; its
+loss is the mean over all its action positions; cancel-then-resume is byte-identical to an uninterrupted run, and a
+resume with another batch plan is refused naming the fields."""
 
 from __future__ import annotations
 
@@ -8,9 +9,12 @@ import threading
 
 import pytest
 import torch
+from _opd_fixture import off_policy_teacher
 from _runs import assert_same_opd_run
+from safetensors.torch import load_file
 
 from kiln import contracts
+from kiln.epoch_order import epoch_order
 from kiln.errors import CheckpointError
 from kiln.teachers import TeacherRegistry, open_scorer
 from kiln.trainers.opd import admit_opd, run_opd
@@ -40,6 +44,10 @@ def _run(tmp_path, model, teachers, config, *, cancel_at=None, name="student"):
     return run_opd(job, progress=progress, cancel=event)
 
 
+def _weights(result):
+    return load_file(result.adapter_dir / "adapter_model.safetensors")
+
+
 def test_a_local_teacher_scores_a_batch_as_each_rollout_alone(tmp_path, teachers):
     scorer = open_scorer(TeacherRegistry(teachers).get("tutor"), registry_dir=tmp_path / "adapters")
     pairs = [([5, 9, 30, 31], [40, 41, 42]), ([7, 8], [50, 51, 52, 53, 54, 55]), ([60] * 9, [61])]
@@ -53,35 +61,95 @@ def test_a_local_teacher_scores_a_batch_as_each_rollout_alone(tmp_path, teachers
     scorer.close()
 
 
+GREEDY = {"epochs": 1, "temperature": 1e-4, "checkpoint_interval": None,  # one-hot: the draw cannot matter
+          "optimizer": {"kind": "sgd"}, "learning_rate": 0.05}  # fmt: skip
+
+
+def test_a_step_trains_alike_however_its_candidates_are_cut(tmp_path, tiny_model_dir, teachers):
+    # 6 candidates, 4 a step: one batch of 4, two of 2 accumulated, or four of 1 accumulated -- the same rollouts
+    # (all from the policy at the step's start) and, with SGD, the same steps to fp32 rounding
+    runs = {
+        (micro, accumulation): _run(tmp_path / f"{micro}x{accumulation}", tiny_model_dir, teachers,
+                                    {**GREEDY, "micro_batch_size": micro, "gradient_accumulation_steps": accumulation})
+        for micro, accumulation in ((4, 1), (2, 2), (1, 4))
+    }  # fmt: skip
+    reference = runs[(4, 1)]
+    assert reference.status == "success", reference.receipt.get("failure_message")
+    assert len(reference.losses) == 2  # steps of 4 and 2 candidates
+    for key, run in runs.items():
+        assert run.status == "success", (key, run.receipt.get("failure_message"))
+        torch.testing.assert_close(torch.tensor(run.losses), torch.tensor(reference.losses), rtol=1e-5, atol=1e-7)
+        a, b = _weights(reference), _weights(run)
+        for name in a:
+            torch.testing.assert_close(b[name], a[name], rtol=1e-4, atol=1e-6, msg=(key, name))
+        for path in (run.receipt_path, run.manifest_path):
+            assert contracts.validate_path(path).valid, (key, path)
+    assert runs[(2, 2)].receipt["config"]["gradient_accumulation_steps"] == 2
+
+
+RESPONSES = [("Name a colour.", "Blue."), ("Name a fruit.", ""), ("Name a tree.", "An old oak by the river."),
+             ("Name a bird.", "A robin."), ("Name a fish.", "A pike."), ("Name a stone.", "Granite.")]  # fmt: skip
+
+
+def _off_policy(tmp_path, model, root, path, config):
+    job = admit_opd(
+        adapter_name="scored-student",
+        registry=tmp_path / "adapters",
+        request={
+            "teacher": "scored",
+            "dataset_path": str(path),
+            "config": {**CONFIG, "training_mode": "off_policy", **config},
+        },
+        teachers_root=root,
+        model_path=str(model),
+    )
+    events = []
+    result = run_opd(job, progress=events.append)
+    assert result.status == "success", result.receipt.get("failure_message")
+    order = epoch_order(job.config["seed"], 0, len(job.candidates))
+    lengths = [len(job.source.rows[job.candidates[i][0]].action_ids) for i in order]
+    return result, [(e["loss"], n) for e, n in zip(events, lengths, strict=False)]
+
+
+def test_the_step_loss_is_the_mean_over_all_its_action_positions(tmp_path, tiny_model_dir, teacher_dir):
+    # pre-scored responses of different lengths (one empty): one candidate a step at a negligible rate gives each
+    # candidate's own loss at (nearly) the initial weights; a step of 4 must weight them by action positions
+    path, root = off_policy_teacher(tmp_path, tiny_model_dir, teacher_dir, RESPONSES)
+    still = {"epochs": 1, "optimizer": {"kind": "sgd"}, "learning_rate": 1e-9, "checkpoint_interval": None}
+    _, alone = _off_policy(tmp_path / "alone", tiny_model_dir, root, path, still)
+    stepped, _ = _off_policy(tmp_path / "step", tiny_model_dir, root, path, {**still, "micro_batch_size": 4})
+    first = [(loss, n) for loss, n in alone[:4] if n]  # an empty response adds no position and no step
+    assert len({n for _, n in first}) > 1
+    expected = sum(loss * n for loss, n in first) / sum(n for _, n in first)
+    assert stepped.losses[0] == pytest.approx(expected, rel=1e-5)
+    mean_of_means = sum(loss for loss, _ in first) / len(first)
+    assert abs(expected - mean_of_means) > 1e-4 * abs(expected)  # the lengths differ: the check can fail
+    assert len(stepped.losses) == 2  # steps of 4 and 2 candidates
+
+
 def test_a_batched_run_trains_and_resumes_to_the_bytes_of_an_uninterrupted_one(tmp_path, tiny_model_dir, teachers):
-    config = {"epochs": 2, "checkpoint_interval": 3, "micro_batch_size": 4,
-              "lr_scheduler": {"kind": "cosine", "warmup_steps": 2, "min_lr_ratio": 0.1}}  # fmt: skip
+    config = {"epochs": 2, "checkpoint_interval": 1, "micro_batch_size": 2, "gradient_accumulation_steps": 2,
+              "lr_scheduler": {"kind": "cosine", "warmup_steps": 1, "min_lr_ratio": 0.1}}  # fmt: skip
     whole = _run(tmp_path / "a", tiny_model_dir, teachers, config)
     assert whole.status == "success", whole.receipt.get("failure_message")
-    assert len(whole.losses) == 12  # no empty rollout in this run: every candidate stepped
-    # 6 candidates an epoch in batches of 4 and 2; a checkpoint due inside a batch lands at its end
+    assert len(whole.losses) == 4  # 6 candidates an epoch in steps of 4 and 2, two epochs
     assert [p.name for p in whole.checkpoints] == [
-        "student-checkpoint-step-00000004.kiln-checkpoint",
-        "student-checkpoint-step-00000006.kiln-checkpoint",
-        "student-checkpoint-step-00000010.kiln-checkpoint",
+        f"student-checkpoint-step-0000000{n}.kiln-checkpoint" for n in (1, 2, 3)
     ]
     for path in (whole.receipt_path, whole.manifest_path, *whole.checkpoints):
         assert contracts.validate_path(path).valid, path
-    assert whole.receipt["config"]["micro_batch_size"] == 4
-    # near-greedy rollouts: the first candidate of a batch sees the policy and the tokens it would see alone; the
-    # others were rolled out from the batch's starting policy, so they train differently
-    greedy = {"epochs": 1, "temperature": 1e-4, "checkpoint_interval": None}  # one-hot: the draw cannot matter
-    alone = _run(tmp_path / "g1", tiny_model_dir, teachers, {**greedy, "micro_batch_size": 1})
-    batched = _run(tmp_path / "g4", tiny_model_dir, teachers, {**greedy, "micro_batch_size": 4})
-    assert batched.losses[0] == pytest.approx(alone.losses[0], rel=1e-5)
-    assert batched.losses[1:4] != pytest.approx(alone.losses[1:4], rel=1e-5)
+    assert whole.receipt["config"]["micro_batch_size"] == 2
 
-    cut = _run(tmp_path / "b", tiny_model_dir, teachers, config, cancel_at=5)  # mid-batch: finishes the batch
+    cut = _run(
+        tmp_path / "b", tiny_model_dir, teachers, config, cancel_at=5
+    )  # candidate 5: published at the end of its step
     assert cut.cancelled
-    assert cut.checkpoints[-1].name == "student-checkpoint-step-00000006.kiln-checkpoint"
-    with pytest.raises(CheckpointError) as info:
-        _run(tmp_path / "b", tiny_model_dir, teachers,
-             {**config, "micro_batch_size": 2, "resume_checkpoint": cut.checkpoints[-1].name})  # fmt: skip
-    assert "effective_config.micro_batch_size" in {p.code for p in info.value.problems}
+    assert cut.checkpoints[-1].name == "student-checkpoint-step-00000002.kiln-checkpoint"
+    for changed in ({"micro_batch_size": 4, "gradient_accumulation_steps": 1}, {"gradient_accumulation_steps": 1}):
+        with pytest.raises(CheckpointError) as info:
+            _run(tmp_path / "b", tiny_model_dir, teachers,
+                 {**config, **changed, "resume_checkpoint": cut.checkpoints[-1].name})  # fmt: skip
+        codes = {p.code for p in info.value.problems}
+        assert {f"effective_config.{field}" for field in changed} <= codes, codes
     resumed = _run(tmp_path / "b", tiny_model_dir, teachers, {**config, "resume_checkpoint": cut.checkpoints[-1].name})
     assert_same_opd_run(whole, resumed)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 
 import pytest
+from _opd_fixture import off_policy_teacher
 from _runs import assert_same_opd_run
 
 from kiln import contracts
@@ -103,36 +104,6 @@ def test_cancel_then_resume_equals_an_uninterrupted_run(tmp_path, tiny_model_dir
     assert_same_opd_run(whole, resumed)
 
 
-def _off_policy(tmp_path, tiny_model_dir, teacher_dir, responses):
-    """A pre-scored file whose scores come from the real teacher, registered as a fixture teacher."""
-    from _opd_fixture import make_off_policy_file, tokenizer_vocab_sha256
-
-    from kiln.model import load_base_model
-    from kiln.teachers import top_k_logprobs
-
-    teacher = load_base_model(teacher_dir)
-    student = load_base_model(tiny_model_dir)
-
-    def scorer(prefix, action, k):
-        ids, logprobs = top_k_logprobs(teacher.model, list(prefix) + list(action), len(prefix), k)
-        return ids.tolist(), logprobs.tolist()
-
-    path = tmp_path / "scored.jsonl"
-    make_off_policy_file(
-        student.tokenizer,
-        path,
-        [([{"role": "user", "content": prompt}], response) for prompt, response in responses],
-        scorer=scorer,
-        top_k=16,
-        vocab_size=int(student.model.config.vocab_size),
-        vocab_sha256=tokenizer_vocab_sha256(student.tokenizer),
-        fixture_id="tutor-scored",
-    )
-    root = tmp_path / "teachers-fixture"
-    TeacherRegistry(root).add({"alias": "scored", "kind": "fixture", "model_id": "tutor-scored"}, fixture_file=path)
-    return path, root
-
-
 RESPONSES = [
     ("Name a colour.", "Blue."),
     ("Name a fruit.", ""),
@@ -150,7 +121,7 @@ def test_off_policy_resume_after_an_empty_candidate_equals_an_uninterrupted_run(
     """interval 100: the cancel publishes a checkpoint past the empty candidate; interval 2: the
     step was already published, so the cancel keeps that checkpoint and the resume replays the
     empty candidate."""
-    path, root = _off_policy(tmp_path, tiny_model_dir, teacher_dir, RESPONSES)
+    path, root = off_policy_teacher(tmp_path, tiny_model_dir, teacher_dir, RESPONSES)
     config = {**CONFIG, "training_mode": "off_policy", "epochs": 2, "checkpoint_interval": interval}
     request = {"teacher": "scored", "dataset_path": str(path), "config": config}
 
@@ -220,7 +191,7 @@ def test_a_teacher_whose_weights_changed_is_refused_at_resume(tmp_path, tiny_mod
 def test_a_misaligned_pre_scored_row_is_refused_naming_its_line(tmp_path, tiny_model_dir, teacher_dir):
     import json
 
-    path, root = _off_policy(tmp_path, tiny_model_dir, teacher_dir, RESPONSES[:3])
+    path, root = off_policy_teacher(tmp_path, tiny_model_dir, teacher_dir, RESPONSES[:3])
     lines = path.read_text().splitlines()
     row = json.loads(lines[3])
     row["teacher_tokens"][0]["token_id"] += 1

@@ -285,7 +285,7 @@ def _sft_step_accounting(doc: dict[str, Any], at: str) -> Iterable[Problem]:
             f"effective_config.epochs is {epochs!r}; a resolved SFT config names its number of epochs as an integer",
         )
         return
-    rows = _sft_rows_per_step(config)
+    rows = _step_rows(config)
     if rows is None:  # manifest.effective-config names the member
         return
     per_epoch = steps_per_epoch(count, rows) if count else 0
@@ -322,8 +322,8 @@ def _sft_step_accounting(doc: dict[str, Any], at: str) -> Iterable[Problem]:
         )
 
 
-def _sft_rows_per_step(config: dict[str, Any]) -> int | None:
-    """Rows per optimizer step of an SFT manifest's effective config; None when a member is not a positive integer."""
+def _step_rows(config: dict[str, Any]) -> int | None:
+    """Rows (OPD: candidates) per optimizer step of a manifest's effective config; None when a member is not a positive integer."""
     members = [config.get(name, 1) for name in ("micro_batch_size", "gradient_accumulation_steps")]
     if not all(_is_int(m) and m >= 1 for m in members):
         return None
@@ -348,7 +348,7 @@ def _epoch_order(doc: dict[str, Any], at: str) -> Iterable[Problem]:
     if not order or len(order) != count:  # empty: finished; other lengths: manifest.data-order-permutation
         return
     expected = epoch_order(stream["seed"], stream["position"], count)
-    rows = _sft_rows_per_step(doc["effective_config"]) if doc["training_kind"] == "sft" else 1
+    rows = _step_rows(doc["effective_config"]) if doc["training_kind"] == "sft" else 1
     if rows is not None and doc["training_kind"] == "sft" and doc["effective_config"].get("group_by_length") is True:
         yield from _grouped_order(order, expected, rows, stream, at)
         return
@@ -715,6 +715,14 @@ def _opd_candidate_cursor(doc: dict[str, Any], at: str) -> Iterable[Problem]:
             ptr(at, "auxiliary_state", "candidates_consumed"),
             f"auxiliary_state.candidates_consumed ({consumed}) is below progress.global_step ({progress['global_step']}): "
             "every optimizer step consumes a candidate",
+        )
+    per_step = _step_rows(doc["effective_config"])  # the same product of the same two members
+    if per_step is not None and progress["cursor_in_epoch"] % per_step:
+        yield Problem(
+            "inconsistent_fields",
+            ptr(at, "progress", "cursor_in_epoch"),
+            f"progress.cursor_in_epoch ({progress['cursor_in_epoch']}) is not a multiple of the {per_step} candidates "
+            "per optimizer step: a checkpoint lies between optimizer steps, never inside a gradient accumulation",
         )
 
 

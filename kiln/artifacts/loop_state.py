@@ -347,13 +347,32 @@ def _grpo_policy_audit(state: dict[str, Any], at: str) -> Iterable[Problem]:
 @semantic_rule(OPD, "opd-loop.candidate-accounting")
 def _opd_candidate_accounting(state: dict[str, Any], at: str) -> Iterable[Problem]:
     consumed, guard = state["candidates_consumed"], state["collapse_guardrail"]
-    if consumed != state["global_step"] + state["empty_rollouts"]:
+    per_step, cursor, epoch = state.get("candidates_per_step", 1), state["cursor_in_epoch"], state["epoch_index"]
+    steps, empty = state["global_step"], state["empty_rollouts"]
+    if per_step == 1 and consumed != steps + empty:
         yield Problem(
             "inconsistent_fields",
             ptr(at, "candidates_consumed"),
-            f"candidates_consumed ({consumed}) must equal global_step ({state['global_step']}) + empty_rollouts "
-            f"({state['empty_rollouts']}): every candidate yields a step or an empty rollout",
+            f"candidates_consumed ({consumed}) must equal global_step ({steps}) + empty_rollouts "
+            f"({empty}): every candidate yields a step or an empty rollout",
         )
+    elif per_step > 1 and cursor % per_step:
+        yield Problem(
+            "inconsistent_fields",
+            ptr(at, "cursor_in_epoch"),
+            f"cursor_in_epoch ({cursor}) is not a multiple of candidates_per_step ({per_step}): a loop state lies "
+            "between optimizer steps, never inside a gradient accumulation",
+        )
+    elif per_step > 1:
+        items = (consumed - cursor) // epoch if epoch else 0  # candidates per epoch (unknown, unneeded in epoch 0)
+        positions = epoch * steps_per_epoch(items, per_step) + cursor // per_step
+        if not steps <= positions <= steps + empty:
+            yield Problem(
+                "inconsistent_fields",
+                ptr(at, "global_step"),
+                f"global_step ({steps}) must lie between the {positions} step positions consumed minus empty_rollouts "
+                f"({empty}) and those positions: every step position yields an optimizer step or held only empty rollouts",
+            )
     if guard["rollouts"] != consumed:
         yield Problem(
             "inconsistent_fields",

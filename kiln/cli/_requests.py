@@ -97,7 +97,6 @@ def training_config(args: argparse.Namespace, kind: str) -> dict[str, Any]:
         for key, value in (
             ("max_seq_len", args.max_seq_len),
             ("overlong_row_policy", args.overlong_row_policy),
-            ("gradient_accumulation_steps", args.gradient_accumulation_steps),
             ("group_by_length", True if args.group_by_length else None),
         ):
             if value is not None:
@@ -127,6 +126,7 @@ def training_config(args: argparse.Namespace, kind: str) -> dict[str, Any]:
     for key, value in (
         ("lora_target_modules", args.lora_target_modules),
         ("micro_batch_size", getattr(args, "micro_batch_size", None)),
+        ("gradient_accumulation_steps", getattr(args, "gradient_accumulation_steps", None)),
         ("seed", args.seed),
         ("learning_rate", args.lr),
         ("checkpoint_interval", args.checkpoint_interval),
@@ -178,13 +178,13 @@ def training_flags(args: argparse.Namespace, kind: str) -> list[tuple[str, Any]]
         ("--warmup-ratio", args.warmup_ratio),
         ("--min-lr-ratio", args.min_lr_ratio),
         ("--micro-batch-size", getattr(args, "micro_batch_size", None)),
+        ("--gradient-accumulation-steps", getattr(args, "gradient_accumulation_steps", None)),
     ]
     if kind == "sft":
         flags += [
             ("--invalid-row-policy", args.invalid_row_policy),
             ("--max-seq-len", args.max_seq_len),
             ("--overlong-row-policy", args.overlong_row_policy),
-            ("--gradient-accumulation-steps", args.gradient_accumulation_steps),
             ("--group-by-length", True if args.group_by_length else None),
         ]
     return flags

@@ -56,11 +56,8 @@ def add_train_parser(sub: Any) -> None:
     _add_schedule(p)
     _add_target_modules(p)
     _add_micro_batch(p, "conversations per forward pass, right-padded (default 1: each alone, unpadded)")
-    p.add_argument(
-        "--gradient-accumulation-steps",
-        type=int,
-        metavar="N",
-        help="micro-batches per optimizer step (default 1); a step's loss is the mean over all its supervised tokens",
+    _add_accumulation(
+        p, "micro-batches per optimizer step (default 1); a step's loss is the mean over all its supervised tokens"
     )
     p.add_argument(
         "--group-by-length",
@@ -115,6 +112,10 @@ def add_train_parser(sub: Any) -> None:
         help="validate the streamed file end to end without training (needs a .jsonl dataset_path)",
     )
     _add_micro_batch(p, "completions of a group per forward pass, right-padded (default 1: one dense forward each)")
+    _add_accumulation(
+        p,
+        "groups per optimizer step (per_sample: completions of a group; default 1); the loss is the step's token mean",
+    )
     p.set_defaults(func=cmd_train_grpo)
 
     p = kinds.add_parser(
@@ -131,6 +132,10 @@ def add_train_parser(sub: Any) -> None:
     )
     p.add_argument("--epochs", type=int, help="passes over the prompt x sample candidates")
     _add_micro_batch(p, "candidates rolled out and scored together (default 1: one at a time)")
+    _add_accumulation(
+        p,
+        "micro-batches of candidates per optimizer step (default 1); the loss is the step's mean over action positions",
+    )
     p.set_defaults(func=cmd_train_opd)
 
     p = kinds.add_parser(
@@ -190,6 +195,10 @@ def _add_schedule(p: argparse.ArgumentParser) -> None:
 
 def _add_micro_batch(p: argparse.ArgumentParser, what: str) -> None:
     p.add_argument("--micro-batch-size", type=int, metavar="N", help=what)
+
+
+def _add_accumulation(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument("--gradient-accumulation-steps", type=int, metavar="N", help=what)
 
 
 def _add_target_modules(p: argparse.ArgumentParser) -> None:

@@ -52,6 +52,11 @@ class AdmittedJob:
         raise NotImplementedError
 
     @property
+    def schedule_steps(self) -> int:
+        """The step positions the learning-rate schedule spans: ``total_steps`` unless a trainer counts otherwise."""
+        return self.total_steps
+
+    @property
     def start_step(self) -> int:
         return self.resume.manifest["progress"]["global_step"] if self.resume else 0
 

@@ -147,6 +147,9 @@ def effective_grpo_config(config: dict[str, Any], adapter_name: str) -> dict[str
         "advantage_mode": config.get("advantage_mode", defaults["advantage_mode"]),
         "loss_aggregation": config.get("loss_aggregation", defaults["loss_aggregation"]),
         "micro_batch_size": int(config.get("micro_batch_size", defaults["micro_batch_size"])),
+        "gradient_accumulation_steps": int(
+            config.get("gradient_accumulation_steps", defaults["gradient_accumulation_steps"])
+        ),
         "kl_estimator": estimator,
         "dynamic_sampling": bool(config.get("dynamic_sampling", defaults["dynamic_sampling"])),
         "is_level": config.get("is_level", defaults["is_level"]),

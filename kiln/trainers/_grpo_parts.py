@@ -10,6 +10,9 @@ reward_filter_var_max]``, with ``reward_filter_on_empty`` deciding what happens 
 * ``group_logprobs``: several completions in one right-padded forward (``micro_batch_size`` > 1), the model's
   logits (its head and post-processing, ``kiln.training.model_head``) computed only at the positions a loss reads
   -- action and observation targets -- instead of a ``[T, V]`` log-softmax per completion.
+* ``completion_loss``, ``share_loss``: a completion's loss terms, and a share's part of a step's loss.
+* ``step_plan``: which completions each optimizer step takes (``gradient_accumulation_steps``), and ``step_weights``,
+  each member's share of the step's loss.
 """
 
 from __future__ import annotations
@@ -26,11 +29,15 @@ from kiln.training import grpo_objective as obj
 __all__ = [
     "BatchedForwards",
     "ReferencePolicy",
+    "completion_loss",
     "equal_rewards",
     "filter_groups",
     "group_logprobs",
     "logprobs",
     "plan_groups",
+    "share_loss",
+    "step_plan",
+    "step_weights",
 ]
 
 
@@ -82,6 +89,44 @@ def plan_groups(job: Any) -> tuple[list[Any], dict[str, int]]:
         return filter_groups(job)
     except ZeroGroupsError as exc:
         return [], exc.counts
+
+
+def step_plan(kept: list[Any], aggregation: str, accumulation: int) -> list[list[tuple[int, list[int]]]]:
+    """The run's optimizer steps in order, each a list of shares ``(group number from 1, completion indices)``: one
+    backward each, their gradients added up before the step.
+
+    ``token_level``: ``accumulation`` consecutive groups, a share per group with all its completions (the last step
+    takes what is left). ``per_sample``: ``accumulation`` consecutive completions of one group, a share per
+    completion; a step never spans two groups, so every group ends on a step boundary."""
+    if aggregation == "token_level":
+        numbered = [(n, list(range(len(g.completions)))) for n, g in enumerate(kept, start=1)]
+        return [numbered[i : i + accumulation] for i in range(0, len(numbered), accumulation)]
+    return [
+        [(n, [i]) for i in range(start, min(start + accumulation, len(g.completions)))]
+        for n, g in enumerate(kept, start=1)
+        for start in range(0, len(g.completions), accumulation)
+    ]
+
+
+def step_weights(kept: list[Any], shares: list[tuple[int, list[int]]], aggregation: str) -> list[tuple[float, float]]:
+    """Per share of a step, ``(loss weight, ECHO weight)``: the factors that turn the share's own reduction (the
+    token mean over its action tokens) and its ECHO term (λ times its observation-token mean) into its part of the
+    step's loss -- the token mean over all the step's action tokens (``per_sample``: the mean of the per-completion
+    means) plus λ times the mean cross-entropy over all its observation tokens. A step of one share has weights
+    (1, 1): today's arithmetic exactly."""
+    if len(shares) == 1:
+        return [(1.0, 1.0)]
+
+    def count(number: int, indices: list[int], mask: str) -> int:
+        return sum(sum(bool(m) for m in getattr(kept[number - 1].completions[i], mask)) for i in indices)
+
+    actions = [count(n, idx, "action_mask") for n, idx in shares]
+    observed = [count(n, idx, "observation_mask") for n, idx in shares]
+    total, total_obs = max(sum(actions), 1), max(sum(observed), 1)
+    per_sample = aggregation == "per_sample"
+    return [
+        (1.0 / len(shares) if per_sample else a / total, o / total_obs) for a, o in zip(actions, observed, strict=True)
+    ]
 
 
 def logprobs(model: Any, ids: Any) -> tuple[Any, Any]:
@@ -210,3 +255,77 @@ class BatchedForwards:
         ]
         timings["policy_forward_ms"] += (time.perf_counter() - t0) * 1000
         return found
+
+
+def completion_loss(
+    cfg: dict[str, Any],
+    audits: dict[str, Any],
+    c: Any,
+    advantage: float,
+    ref: Any,
+    taken: Any,
+    spread: Any,
+    *,
+    kl_on: bool,
+) -> tuple[Any, Any, Any, Any]:
+    """One completion: its per-token policy(+KL) loss and action mask ``[1, T-1]``, and the log-probabilities of its
+    taken tokens with their observation mask ``[T-1]`` (ECHO). ``taken``/``spread``: the policy's log-probabilities of
+    the taken tokens and its per-position entropy (None unless the KL is entropy-aware); ``ref``: the reference's."""
+    import torch
+
+    mask = torch.tensor(c.action_mask, dtype=torch.bool).unsqueeze(0)
+    new = taken.unsqueeze(0)
+    behavior = None
+    if cfg["behavior_policy"] == "recorded":
+        behavior = torch.zeros_like(new)
+        behavior[mask] = torch.tensor(c.recorded_logprobs, dtype=new.dtype)
+    per_token, is_audit = obj.policy_loss(
+        new,
+        behavior,
+        torch.tensor([[advantage]], dtype=new.dtype),
+        mask,
+        is_level=cfg["is_level"],
+        clip_low=cfg["clip_epsilon"],
+        clip_high=cfg["clip_eps_high"],
+        cispo_max_weight=cfg["cispo_max_weight"],
+    )
+    audits["is"].add(is_audit)
+    if cfg["loss"]["no_policy_loss"]:
+        per_token = torch.zeros_like(per_token)
+    if kl_on:
+        entropy = None if spread is None else spread.detach().unsqueeze(0)
+        kl, kl_audit = obj.kl_estimate(
+            new,
+            ref.unsqueeze(0),
+            mask,
+            cfg["kl_estimator"],
+            entropy=entropy,
+            entropy_quantile=cfg["entropy_aware_kl_quantile"],
+        )
+        audits["kl"].add(kl_audit)
+        per_token = per_token + cfg["kl_coeff"] * kl
+    return per_token, mask, taken, torch.tensor(c.observation_mask, dtype=torch.bool)
+
+
+def share_loss(
+    parts: list[tuple[Any, Any, Any, Any]], weight: float, echo_weight: float, echo: dict[str, Any] | None
+) -> tuple[Any, tuple[float, int] | None]:
+    """A share's part of its step's loss (``step_weights``): the policy loss reduced over the parts' action tokens,
+    plus ECHO's λ·CE over their observation tokens, each scaled by its weight; and ``(CE, observation tokens)``, None
+    without ECHO or without an observation token."""
+    import torch
+
+    width = max(p.shape[-1] for p, _, _, _ in parts)
+    per_token = torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[-1])) for p, _, _, _ in parts])
+    mask = torch.cat([torch.nn.functional.pad(m, (0, width - m.shape[-1])) for _, m, _, _ in parts])
+    loss = obj.aggregate(per_token, mask, "token_level")
+    if weight != 1.0:
+        loss = loss * weight
+    found = None
+    if echo is not None:
+        observation = torch.cat([o for _, _, _, o in parts])
+        term, env_ce = obj.echo_loss(torch.cat([t for _, _, t, _ in parts]), observation, float(echo["lambda"]))
+        if env_ce is not None:
+            loss = loss + (term if echo_weight == 1.0 else term * echo_weight)
+            found = (env_ce, int(observation.sum()))
+    return loss, found

@@ -182,7 +182,7 @@ class Policy:
         self.optimizer = build_optimizer(cfg["optimizer"], list(self.params.values()), cfg["learning_rate"])
         self.timings = dict.fromkeys(PHASES, 0.0)
         # the schedule: the rate of a step follows from its position alone (kiln.training._schedule)
-        self.schedule, self.base_rate, self.planned = cfg["lr_scheduler"], cfg["learning_rate"], job.total_steps
+        self.schedule, self.base_rate, self.planned = cfg["lr_scheduler"], cfg["learning_rate"], job.schedule_steps
         self.steps_taken = job.start_step
         if job.resume is not None and restore is not None:
             restore(job.resume, self.params, self.optimizer)

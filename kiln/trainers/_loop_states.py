@@ -274,6 +274,7 @@ class OpdLoop:
     """The OPD loop's committed state; ``as_document`` is ``opd_loop_state.json``."""
 
     items: int
+    per_step: int = 1  # candidates an optimizer step consumes
     epoch_index: int = 0
     cursor: int = 0
     consumed: int = 0
@@ -300,6 +301,7 @@ class OpdLoop:
             self.cursor = 0
 
     def as_document(self, job: Any) -> dict[str, Any]:
+        steps = {"candidates_per_step": self.per_step} if self.per_step > 1 else {}  # absent: 1, as before batches
         return {
             "schema_version": 1,
             "state_type": "kiln.opd-loop-state.v1",
@@ -307,6 +309,7 @@ class OpdLoop:
             "epoch_index": self.epoch_index,
             "cursor_in_epoch": self.cursor,
             "candidates_consumed": self.consumed,
+            **steps,
             "empty_rollouts": self.empty,
             "loss_history": list(self.losses),
             "last_loss": self.losses[-1] if self.losses else None,
@@ -324,7 +327,7 @@ class OpdLoop:
 
     @classmethod
     def restore(cls, items: int, state: dict[str, Any]) -> OpdLoop:
-        loop = cls(items=items)
+        loop = cls(items=items, per_step=state.get("candidates_per_step", 1))
         loop.epoch_index, loop.cursor = state["epoch_index"], state["cursor_in_epoch"]
         loop.consumed, loop.empty = state["candidates_consumed"], state["empty_rollouts"]
         loop.losses = list(state["loss_history"])

@@ -102,6 +102,9 @@ def effective_opd_config(
         "top_p": float(config.get("top_p", defaults["top_p"])),
         "max_tokens": max_tokens,
         "micro_batch_size": int(config.get("micro_batch_size", defaults["micro_batch_size"])),
+        "gradient_accumulation_steps": int(
+            config.get("gradient_accumulation_steps", defaults["gradient_accumulation_steps"])
+        ),
         "rollout_prompt_rendering": rendering,
         "stable_opd": defaults["stable_opd"],
         "discount": float(defaults["discount"]),

@@ -1,4 +1,5 @@
-"""OPD's rollouts and teacher scores, a batch of candidates at a time (``micro_batch_size``).
+"""OPD's rollouts and teacher scores, a micro-batch of candidates at a time (``micro_batch_size``), and each
+candidate's share of its optimizer step's loss.
 
 ``draw(job, model, generator, loop, candidates, scorer)`` returns one ``Rollout`` per candidate, in order. On the
 ``prompts`` route the student samples the candidates' rollouts from its current policy -- one candidate alone with
@@ -6,6 +7,11 @@
 drawn row by row from the one ``rollout-sampling`` generator) -- and the teacher scores the non-empty ones, several
 in one ``score_batch`` call. On the ``teacher_jsonl`` route the row's response and its recorded scores are the
 rollout. A batch of one is exactly the per-candidate path.
+
+``step_weights`` and ``candidate_loss``: an optimizer step's loss is the mean of the per-position reverse KL over every
+action position of its candidates, plus ECHO's λ times the mean cross-entropy over all their observation tokens;
+each candidate's backward carries its share (a step with one non-empty candidate is that candidate's own loss,
+exactly as before steps could hold several).
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Rollout", "draw"]
+__all__ = ["Rollout", "candidate_loss", "draw", "step_weights"]
 
 
 @dataclass
@@ -72,3 +78,54 @@ def draw(job: Any, model: Any, generator: Any, loop: Any, candidates: list[int],
             rollout.teacher_ids, rollout.teacher_lp = ids, lp
         loop.timings["reference_forward_ms"] += (time.perf_counter() - t1) * 1000
     return out
+
+
+def observed_positions(rollout: Rollout) -> list[int]:
+    """Prefix positions whose token is an observation (ECHO's targets)."""
+    return [p for p in range(1, len(rollout.prefix)) if rollout.observation[p]]
+
+
+def step_weights(rollouts: list[Rollout], echo: bool) -> list[tuple[float, float]]:
+    """Per rollout of a step, ``(KL weight, ECHO weight)``: its action positions over the step's, its observation
+    tokens over the step's; ``(1, 1)`` for all when at most one rollout of the step is non-empty."""
+    live = [r for r in rollouts if r.action]
+    if len(live) <= 1:
+        return [(1.0, 1.0)] * len(rollouts)
+    actions = max(sum(len(r.action) for r in live), 1)
+    counts = [len(observed_positions(r)) if echo and r.action else 0 for r in rollouts]
+    observed = max(sum(counts), 1)
+    return [(len(r.action) / actions, n / observed) for r, n in zip(rollouts, counts, strict=True)]
+
+
+def candidate_loss(
+    model: Any, rollout: Rollout, echo: dict[str, Any] | None, weights: tuple[float, float], timings: dict[str, float]
+) -> tuple[Any, float, tuple[float, int] | None]:
+    """A non-empty rollout's share of its step's loss (``weights`` from ``step_weights``), its mean per-position KL,
+    and ``(ECHO CE, observation tokens)`` (None without ECHO or without an observation)."""
+    import torch
+
+    from kiln.model import forward_logits
+    from kiln.training import grpo_objective as grpo_obj
+    from kiln.training.opd_objective import top_k_reverse_kl
+
+    prefix, action = rollout.prefix, rollout.action
+    model.train()
+    ids = torch.tensor([prefix + action], dtype=torch.long)
+    t0 = time.perf_counter()
+    logits = forward_logits(model, ids)
+    timings["policy_forward_ms"] += (time.perf_counter() - t0) * 1000
+    start = len(prefix) - 1
+    loss, per_position = top_k_reverse_kl(logits[start : start + len(action)], rollout.teacher_ids, rollout.teacher_lp)
+    if weights[0] != 1.0:
+        loss = loss * weights[0]
+    mean_kl = float(per_position.detach().mean())
+    observed = observed_positions(rollout)
+    env = None
+    if echo is not None and observed:
+        positions = torch.tensor(observed, dtype=torch.long)
+        logp = torch.log_softmax(logits[positions - 1].float(), dim=-1)
+        taken = logp.gather(-1, ids[0, positions].unsqueeze(-1)).squeeze(-1)
+        term, env_ce = grpo_obj.echo_loss(taken, torch.ones_like(taken, dtype=torch.bool), float(echo["lambda"]))
+        loss = loss + (term if weights[1] == 1.0 else term * weights[1])
+        env = None if env_ce is None else (env_ce, len(observed))
+    return loss, mean_kl, env

@@ -48,7 +48,17 @@ from kiln.errors import ZeroGroupsError
 from kiln.trainers._admission import AdmittedJob, TrainingContext, base_model, job_fields
 from kiln.trainers._checkpointing import CheckpointProgress, manifest_head, publish_state, restore_policy
 from kiln.trainers._grpo_config import check_grpo_data, check_grpo_request, effective_grpo_config
-from kiln.trainers._grpo_parts import BatchedForwards, ReferencePolicy, filter_groups, logprobs, plan_groups
+from kiln.trainers._grpo_parts import (
+    BatchedForwards,
+    ReferencePolicy,
+    completion_loss,
+    filter_groups,
+    logprobs,
+    plan_groups,
+    share_loss,
+    step_plan,
+    step_weights,
+)
 from kiln.trainers._kit import (
     Cadence,
     Policy,
@@ -94,9 +104,8 @@ class AdmittedGrpo(AdmittedJob):
     @property
     def total_steps(self) -> int:
         kept, _ = plan_groups(self)
-        if self.config["loss_aggregation"] == "per_sample":
-            return sum(len(g.completions) for g in kept)
-        return len(kept)
+        cfg = self.config
+        return len(step_plan(kept, cfg["loss_aggregation"], cfg["gradient_accumulation_steps"]))
 
     @property
     def data_sha256(self) -> str:
@@ -254,100 +263,89 @@ def run_grpo(
         cadence = run["cadence"] = Cadence(job, lambda: _publish(job, loop, kept, policy, ema), cancel, on_checkpoint)
 
         def completion_terms(c: Any, advantage: float, ref: Any, found: Any = None) -> tuple[Any, Any, Any, Any]:
-            """One completion: its per-token policy(+KL) loss and action mask ``[1, T-1]``, and the
-            log-probabilities of its taken tokens with their observation mask ``[T-1]`` (ECHO). ``found``: its
-            ``(taken, entropy)`` from a batched forward; None runs its own forward."""
+            """One completion's loss terms (``completion_loss``); ``found``: its ``(taken, entropy)`` from a batched
+            forward; None runs its own forward."""
             if found is None:
                 t0 = time.perf_counter()
                 logp_all, taken = logprobs(model, torch.tensor(c.input_ids, dtype=torch.long))
                 loop.timings["policy_forward_ms"] += (time.perf_counter() - t0) * 1000
                 with torch.no_grad():
                     found = (taken, -(logp_all.exp() * logp_all).sum(-1) if entropy_kl else None)
-            taken, spread = found
-            mask = torch.tensor(c.action_mask, dtype=torch.bool).unsqueeze(0)
-            new = taken.unsqueeze(0)
-            behavior = None
-            if cfg["behavior_policy"] == "recorded":
-                behavior = torch.zeros_like(new)
-                behavior[mask] = torch.tensor(c.recorded_logprobs, dtype=new.dtype)
-            per_token, is_audit = obj.policy_loss(
-                new,
-                behavior,
-                torch.tensor([[advantage]], dtype=new.dtype),
-                mask,
-                is_level=cfg["is_level"],
-                clip_low=cfg["clip_epsilon"],
-                clip_high=cfg["clip_eps_high"],
-                cispo_max_weight=cfg["cispo_max_weight"],
-            )
-            audits["is"].add(is_audit)
-            if cfg["loss"]["no_policy_loss"]:
-                per_token = torch.zeros_like(per_token)
-            if kl_on:
-                entropy = None if spread is None else spread.detach().unsqueeze(0)
-                kl, kl_audit = obj.kl_estimate(
-                    new,
-                    ref.unsqueeze(0),
-                    mask,
-                    cfg["kl_estimator"],
-                    entropy=entropy,
-                    entropy_quantile=cfg["entropy_aware_kl_quantile"],
-                )
-                audits["kl"].add(kl_audit)
-                per_token = per_token + cfg["kl_coeff"] * kl
-            return per_token, mask, taken, torch.tensor(c.observation_mask, dtype=torch.bool)
+            return completion_loss(cfg, audits, c, advantage, ref, *found, kl_on=kl_on)
 
         forwards = BatchedForwards(
             model, job.head, reference_logp, cfg["micro_batch_size"], echo=echo is not None, entropy=entropy_kl
         )
 
-        def step(parts: list[tuple[Any, Any, Any, Any]]) -> float:
-            """One optimizer step: the policy loss reduced over the parts' action tokens, plus ECHO's λ·CE."""
-            width = max(p.shape[-1] for p, _, _, _ in parts)
-            per_token = torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[-1])) for p, _, _, _ in parts])
-            mask = torch.cat([torch.nn.functional.pad(m, (0, width - m.shape[-1])) for _, m, _, _ in parts])
-            loss = obj.aggregate(per_token, mask, "token_level")
-            env_ce = None
-            if echo is not None:
-                term, env_ce = obj.echo_loss(
-                    torch.cat([t for _, _, t, _ in parts]),
-                    torch.cat([o for _, _, _, o in parts]),
-                    float(echo["lambda"]),
-                )
-                if env_ce is not None:
-                    loss = loss + term
-            value = policy.step(loss, lambda: f"optimizer step {len(loop.losses) + 1}")
-            audits["echo"].add(env_ce)
+        def share(parts: list[tuple[Any, Any, Any, Any]], weight: float, echo_weight: float) -> tuple[float, Any]:
+            """Backward of one share of an optimizer step (``share_loss``); its value and ``(CE, tokens)``."""
+            loss, found = share_loss(parts, weight, echo_weight, echo)
+            return policy.accumulate(loss, lambda: f"optimizer step {len(loop.losses) + 1}"), found
+
+        def commit(values: list[float], found: list[Any]) -> float:
+            """The optimizer step of the accumulated shares; its loss and ECHO cross-entropy are recorded."""
+            policy.apply()
+            value = sum(values[1:], values[0])
+            audits["echo"].add(obj.step_echo_ce(found))
             loop.losses.append(value)
             return value
 
-        for number, group in enumerate(kept, start=1):
-            if number <= loop.groups_committed:
-                continue  # resumed: committed before the checkpoint
-            rewards = torch.tensor([c.reward for c in group.completions], dtype=torch.float64)
-            adv = obj.advantages(rewards, cfg["advantage_mode"]).tolist()
-            # reference log-probabilities first: an EMA reference is swapped into the LoRA tensors,
-            # which must not happen between a policy forward and its backward
-            refs = forwards.references(group.completions) if kl_on else [None] * len(group.completions)
-            terms = [(c, adv[i], refs[i]) for i, c in enumerate(group.completions)]
-            if cfg["loss_aggregation"] == "token_level":  # one step per group
-                found = forwards.policy(group.completions, loop.timings)
-                value = step([completion_terms(*t, found[i]) for i, t in enumerate(terms)])
-            else:  # one step per completion
-                for t in terms:
-                    value = step([completion_terms(*t)])
-            if ema is not None:
-                ema.update(params, number)
-            loop.groups_committed = number
-            loop.completions += len(group.completions)
-            if progress:
-                progress({"step": number, "total": len(kept), "loss": value, "tokens": group.prompt_tokens})
+        group_refs: dict[int, list[Any]] = {}  # reference log-probabilities of the group in training, computed first
+
+        def group_terms(number: int) -> list[tuple[Any, float, Any]]:
+            if number not in group_refs:
+                group_refs.clear()
+                completions = kept[number - 1].completions
+                rewards = torch.tensor([c.reward for c in completions], dtype=torch.float64)
+                adv = obj.advantages(rewards, cfg["advantage_mode"]).tolist()
+                # reference log-probabilities first: an EMA reference is swapped into the LoRA tensors,
+                # which must not happen between a policy forward and its backward
+                refs = forwards.references(completions) if kl_on else [None] * len(completions)
+                group_refs[number] = [(c, adv[i], refs[i]) for i, c in enumerate(completions)]
+            return group_refs[number]
+
+        settled_at = loop.groups_committed
+        for shares in step_plan(kept, cfg["loss_aggregation"], cfg["gradient_accumulation_steps"]):
+            if shares[-1][0] <= loop.groups_committed:
+                continue  # resumed: committed before the checkpoint (checkpoints land on step boundaries)
+            values, found, value = [], [], None
+            for (number, indices), weights in zip(
+                shares, step_weights(kept, shares, cfg["loss_aggregation"]), strict=True
+            ):
+                terms = group_terms(number)
+                if cfg["loss_aggregation"] == "token_level":  # the whole group: batched forwards when configured
+                    batched = forwards.policy(kept[number - 1].completions, loop.timings)
+                    parts = [completion_terms(*t, batched[i]) for i, t in enumerate(terms)]
+                else:  # one completion
+                    parts = [completion_terms(*terms[i]) for i in indices]
+                out = share(parts, *weights)
+                values.append(out[0])
+                found.append(out[1])
+                if indices[-1] + 1 < len(terms):
+                    continue  # per_sample: the group goes on in the next step
+                if number == shares[-1][0]:
+                    value = commit(values, found)
+                if ema is not None:
+                    ema.update(params, number)
+                loop.groups_committed = number
+                loop.completions += len(terms)
+                if progress:
+                    progress(
+                        {"step": number, "total": len(kept), "loss": value, "tokens": kept[number - 1].prompt_tokens}
+                    )
+            if value is None:  # per_sample, a step inside a group
+                value = commit(values, found)
+                continue
             cadence.settled(
                 len(loop.losses),
-                last=number >= len(kept),
-                due=cadence.due(number),  # every checkpoint_interval groups
-                cancelled=lambda name, n=number: f"cancelled after group {n} of {len(kept)}; resume from {name}",
+                last=loop.groups_committed >= len(kept),
+                # every checkpoint_interval groups, published at the end of the step that reaches it
+                due=any(cadence.due(n) for n in range(settled_at + 1, loop.groups_committed + 1)),
+                cancelled=lambda name, n=loop.groups_committed: (
+                    f"cancelled after group {n} of {len(kept)}; resume from {name}"
+                ),
             )
+            settled_at = loop.groups_committed
         run["delta_norms"] = lora_delta_norms(model)
         if not kept:  # reward_filter_on_empty "skip": finish without an update
             return publish_receipt_only(job, _receipt(job, started, run, audits, None), losses=list(loop.losses))

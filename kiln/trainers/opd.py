@@ -8,8 +8,9 @@ at every action position, the teacher's prefix being ``teacher_extra_messages`` 
 ``messages`` (+ trajectory) + the rollout. The loss at each action position restricts
 student and teacher to the teacher's K ids, renormalises both and takes the reverse KL
 KL(student ‖ teacher); a candidate's loss is the mean over its positions, plus λ × the
-cross-entropy of the trajectory's observation tokens when ECHO is on. One optimizer step
-per non-empty candidate; an empty rollout consumes its candidate without a step.
+cross-entropy of the trajectory's observation tokens when ECHO is on. An optimizer step
+takes ``micro_batch_size`` x ``gradient_accumulation_steps`` consecutive candidates (both
+default 1); a step whose rollouts are all empty takes no optimizer step.
 ``off_policy`` replays a pre-scored teacher file instead: the row's response is the
 rollout and its scores are the teacher's.
 
@@ -28,14 +29,15 @@ same optimizer step already exists (published by this run or the one it resumed 
 the candidates settled since then were empty rollouts, which a resume replays exactly
 from the saved generator state, so that checkpoint is the same boundary.
 
-Batches (``micro_batch_size``, default 1): that many consecutive candidates of the epoch
-order are rolled out together from the policy at the batch's start and scored in one
-teacher call (``kiln/trainers/_opd_rollouts.py``); each then takes its own loss and optimizer
-step in order, so from the second candidate of a batch on a rollout is up to
-``micro_batch_size`` - 1 steps older than the policy it trains. A batch never spans two
-epochs, and checkpoints and cancellation land between batches (a checkpoint due inside a
-batch is published at its end), where the generator state and the cursor say everything.
-A batch of one is the per-candidate loop, byte for byte.
+Steps and micro-batches: a step's candidates never span two epochs (the last step of an
+epoch takes what is left). They are rolled out ``micro_batch_size`` at a time -- decoded
+together and scored in one teacher call (``kiln/trainers/_opd_rollouts.py``) -- all from the
+policy at the step's start, so every rollout is exactly on-policy; then each candidate's
+forward and backward adds its share of the step's loss (the mean per-position reverse KL
+over all the step's action positions, plus λ times ECHO's mean cross-entropy over all its
+observation tokens), and one optimizer step follows. Checkpoints and cancellation land
+between steps, where the generator state and the cursor say everything. With both sizes 1
+this is the per-candidate loop, byte for byte.
 
 Deliberate simplifications: dense student logits over the prefix + rollout; ``samples_per_prompt`` does
 not apply to a pre-scored file (one candidate per row); the receipt's collapse windows
@@ -52,6 +54,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kiln.artifacts.checkpoint_manifest import OPD_SOURCE_KINDS
+from kiln.batch_plan import rows_per_step, steps_per_epoch
 from kiln.digests import json_sha256, raw_hex, teacher_identity_revision
 from kiln.epoch_order import ALGORITHM_ID, epoch_order
 from kiln.errors import ZeroActionTokensError
@@ -66,13 +69,13 @@ from kiln.trainers._checkpointing import (
 from kiln.trainers._kit import Cadence, Policy, Progress, TrainResult, check_pin, guarded, publish_adapter
 from kiln.trainers._loop_states import OpdLoop
 from kiln.trainers._opd_config import check_opd_data, check_opd_request, effective_opd_config
-from kiln.trainers._opd_rollouts import draw
+from kiln.trainers._opd_rollouts import candidate_loss, draw, step_weights
 from kiln.trainers._opd_teacher import admitted_source, pinned_teacher
 from kiln.trainers._receipts import data_block, echo_block, envelope, token_counts_block
 from kiln.trainers._resume import claim_target, load_resume, resume_metadata
 from kiln.training import LORA_INIT_ALGORITHM, lora_delta_norms, schema_defaults
 from kiln.training import grpo_objective as grpo_obj
-from kiln.training.opd_objective import CollapseAccumulator, receipt_snapshot, top_k_reverse_kl
+from kiln.training.opd_objective import CollapseAccumulator, receipt_snapshot
 
 KIND = "opd"
 ROLLOUT_RNG_FILE = "rollout_rng.safetensors"
@@ -103,8 +106,17 @@ class AdmittedOpd(AdmittedJob):
     kind: str = field(default=KIND, init=False)
 
     @property
-    def total_steps(self) -> int:
+    def total_steps(self) -> int:  # candidates: an optimizer step per non-empty step of candidates
         return self.config["epochs"] * len(self.candidates)
+
+    @property
+    def per_step(self) -> int:
+        """Candidates an optimizer step consumes (the last step of an epoch takes what is left)."""
+        return rows_per_step(self.config)
+
+    @property
+    def schedule_steps(self) -> int:  # the schedule's positions: the planned steps, empty ones included
+        return self.config["epochs"] * steps_per_epoch(len(self.candidates), self.per_step)
 
     @property
     def data_sha256(self) -> str:
@@ -241,14 +253,11 @@ def run_opd(
     started = time.perf_counter()
     cfg = job.config
     echo = cfg["echo"]
-    loop = OpdLoop(items=len(job.candidates))
+    loop = OpdLoop(items=len(job.candidates), per_step=job.per_step)
     run: dict[str, Any] = {"delta_norms": [], "cadence": None, "scorer": None}
 
     def train() -> TrainResult:
         nonlocal loop
-        import torch
-
-        from kiln.model import forward_logits
 
         check_pin(job.source.path if job.pin is not None else None, job.pin)
         policy = Policy(job, restore=restore_policy)
@@ -267,53 +276,47 @@ def run_opd(
 
             run["scorer"] = open_scorer(job.teacher, registry_dir=job.registry)
         cadence = run["cadence"] = Cadence(job, lambda: _publish(job, loop, policy, generator), cancel, on_checkpoint)
-        total, width = job.total_steps, cfg["micro_batch_size"]
+        total, width, per_step = job.total_steps, cfg["micro_batch_size"], job.per_step
+        slots = steps_per_epoch(len(job.candidates), per_step)
         order_epoch, order = -1, []
         while loop.consumed < total:
             if order_epoch != loop.epoch_index:  # the order is drawn once per epoch, not per candidate
                 order_epoch, order = loop.epoch_index, epoch_order(cfg["seed"], loop.epoch_index, len(job.candidates))
-            batch = order[loop.cursor : loop.cursor + width]  # a batch never spans two epochs
-            first_step = loop.global_step
-            for rollout in draw(job, model, generator, loop, batch, run["scorer"]):
-                prefix, action = rollout.prefix, rollout.action
+            members = order[loop.cursor : loop.cursor + per_step]  # a step never spans two epochs
+            position, first_step = loop.epoch_index * slots + loop.cursor // per_step, loop.global_step
+            # every rollout of the step comes from the policy at its start: micro-batches, then their losses
+            rollouts = [
+                r
+                for start in range(0, len(members), width)
+                for r in draw(job, model, generator, loop, members[start : start + width], run["scorer"])
+            ]
+            weights = step_weights(rollouts, echo is not None)
+            values, found, seen = [], [], []
+            for rollout, weight in zip(rollouts, weights, strict=True):
+                action = rollout.action
                 text = job.loaded.tokenizer.decode(action, skip_special_tokens=False) if action else ""
                 mean_kl = None
                 if action:
-                    model.train()
-                    ids = torch.tensor([prefix + action], dtype=torch.long)
-                    t1 = time.perf_counter()
-                    logits = forward_logits(model, ids)
-                    loop.timings["policy_forward_ms"] += (time.perf_counter() - t1) * 1000
-                    start = len(prefix) - 1
-                    loss, per_position = top_k_reverse_kl(
-                        logits[start : start + len(action)], rollout.teacher_ids, rollout.teacher_lp
-                    )
-                    mean_kl = float(per_position.detach().mean())
-                    env_ce = None
-                    observed = [p for p in range(1, len(prefix)) if rollout.observation[p]]
-                    if echo is not None and observed:
-                        positions = torch.tensor(observed, dtype=torch.long)
-                        logp = torch.log_softmax(logits[positions - 1].float(), dim=-1)
-                        taken = logp.gather(-1, ids[0, positions].unsqueeze(-1)).squeeze(-1)
-                        term, env_ce = grpo_obj.echo_loss(
-                            taken, torch.ones_like(taken, dtype=torch.bool), float(echo["lambda"])
-                        )
-                        loss = loss + term
-                    value = policy.step(loss, lambda: f"optimizer step {loop.global_step + 1}", position=loop.consumed)
-                    loop.echo.add(env_ce)
-                    loop.losses.append(value)
+                    loss, mean_kl, env = candidate_loss(model, rollout, echo, weight, loop.timings)
+                    values.append(policy.accumulate(loss, lambda: f"optimizer step {loop.global_step + 1}"))
+                    found.append(env)
                     loop.action_tokens += len(action)
-                    loop.env_tokens += len(observed) if echo is not None else 0
+                    loop.env_tokens += env[1] if env is not None else 0
                 else:
                     loop.empty += 1
-                loop.collapse.add(tokens=len(action), truncated=rollout.truncated, mean_kl=mean_kl, text=text)
+                seen.append((rollout, text, mean_kl))
+            if values:  # a step whose rollouts are all empty takes no optimizer step (and keeps its place)
+                policy.apply(position=position)
+                loop.echo.add(grpo_obj.step_echo_ce(found))
+                loop.losses.append(sum(values[1:], values[0]))
+            for rollout, text, mean_kl in seen:
+                loop.collapse.add(tokens=len(rollout.action), truncated=rollout.truncated, mean_kl=mean_kl, text=text)
                 loop.settle()
                 if progress:
-                    step_loss = loop.losses[-1] if action else None
-                    progress(
-                        {"step": loop.consumed, "total": total, "loss": step_loss, "tokens": len(prefix) + len(action)}
-                    )
-            # a checkpoint (due, or on cancellation) lands between batches: the next batch's rollouts are not drawn
+                    step_loss = loop.losses[-1] if rollout.action else None
+                    tokens = len(rollout.prefix) + len(rollout.action)
+                    progress({"step": loop.consumed, "total": total, "loss": step_loss, "tokens": tokens})
+            # a checkpoint (due, or on cancellation) lands between steps: the next step's rollouts are not drawn
             cadence.settled(
                 loop.global_step,
                 last=loop.consumed >= total,

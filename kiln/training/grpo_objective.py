@@ -133,6 +133,7 @@ __all__ = [
     "policy_audit_receipt",
     "policy_loss",
     "reward_stats",
+    "step_echo_ce",
 ]
 
 
@@ -521,6 +522,15 @@ def echo_loss(
     n = int(active.sum())
     ce = -logp.sum() / max(n, 1)
     return lam * ce, (float(ce.detach()) if n else None)
+
+
+def step_echo_ce(found: Sequence[tuple[float, int] | None]) -> float | None:
+    """An optimizer step's ECHO cross-entropy from its shares' ``(CE, observation tokens)`` (None: a share without
+    one): the mean over all the step's observation tokens; a single share's CE exactly; None when no share has one."""
+    seen = [f for f in found if f is not None]
+    if len(seen) <= 1:
+        return seen[0][0] if seen else None
+    return sum(ce * n for ce, n in seen) / sum(n for _, n in seen)
 
 
 # --- EMA reference ----------------------------------------------------------------------
