@@ -3,6 +3,7 @@
     python bench/bench_opd.py                  # tiny + wide model, 3 rounds per side (~4 min on 2 quiet cores)
     python bench/bench_opd.py --quick          # tiny model only, 4 timed candidates, 1 round (~1 min)
     python bench/bench_opd.py --no-trl         # skip TRL (it needs trl==1.16 in --trl-python)
+    python bench/bench_opd.py --batch 8        # 8 candidates a step: Kiln micro_batch_size 8 vs TRL batch 8
 
 A candidate is one prompt: the student samples a rollout (KV-cached, temperature 1, no nucleus cut, at most
 ``--max-new-tokens`` tokens, stopping at an end-of-turn id), the teacher scores prompt + rollout, and one
@@ -27,6 +28,14 @@ runs in its own fresh interpreter so its peak RSS is its own:
   Kiln's student prefix. The dataset rows carry a two-token assistant answer because GKD's collator needs one;
   it is never trained on (on-policy replaces it), but transformers counts its labels as ``num_items_in_batch``
   and GKD divides the summed JSD by that count, not by the rollout's positions (the worker records both).
+
+``--batch B`` (above 1): an optimizer step takes B candidates on both sides -- Kiln ``micro_batch_size`` B (the B
+rollouts decoded in one KV-cached batch, scored in one teacher forward, one optimizer step over their mean reverse
+KL per action position) and TRL ``per_device_train_batch_size`` B (one batched ``generate``, one teacher and one
+student forward). The ``ref`` loop is per candidate and is left out. Warm-up and timed counts round up to whole
+steps; the time per candidate is from the end of the warm-up's last step to the end of the last step, divided by
+the timed candidates (both sides report when each step ends), and each side's prompts are checked against Kiln's
+student prefixes with TRL's left padding removed.
 
 Common settings: LoRA rank 16 / alpha 32 on q k v o gate up down, every side initialised as Kiln does (sorted
 names, uniform ±sqrt(1/in) A from a seeded generator, B = 0), AdamW (0.9/0.999, eps 1e-8, no weight decay) at
@@ -179,9 +188,12 @@ def visiting_order(n: int) -> list[int]:
 def side_kiln(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
+    import kiln.model
     import kiln.model._sampling as sampling
     import kiln.teachers
+    import kiln.trainers._kit as kit  # the policy's LoRA and optimizer are built here
     import kiln.trainers.opd as trainer
+    import kiln.training.opd_objective as objective
     from kiln.teachers import LocalScorer
 
     prompts = json.loads(Path(args.prompts_file).read_text())
@@ -199,6 +211,7 @@ def side_kiln(args: argparse.Namespace) -> dict[str, Any]:
         "lora_rank": RANK,
         "lora_alpha": ALPHA,
         "checkpoint_interval": None,  # no server interval: no checkpoints during the run
+        "micro_batch_size": args.batch,  # an optimizer step of that many candidates, rolled out together
     }
     job = trainer.admit_opd(adapter_name=f"bench-{os.getpid()}", registry=registry, teachers_root=Path(args.teachers),
                             request={"teacher": TEACHER, "prompts": prompts, "config": config},
@@ -224,16 +237,28 @@ def side_kiln(args: argparse.Namespace) -> dict[str, Any]:
             clocks.add("rollout", time.perf_counter() - t0)
 
     sampling.sample = sample
-    original_attach = trainer.attach_lora
+    original_batch = kiln.model.sample_batch
+
+    def sample_batch(*a: Any, **k: Any) -> Any:
+        t0 = time.perf_counter()
+        mark["start"] = t0
+        try:
+            return original_batch(*a, **k)
+        finally:
+            clocks.add("rollout", time.perf_counter() - t0)
+
+    if args.batch > 1:  # a batch of one goes through sample, already timed
+        kiln.model.sample_batch = sample_batch
+    original_attach = kit.attach_lora
 
     def attach_lora(*a: Any, **k: Any) -> Any:
         model = original_attach(*a, **k)
         clocks.hook_forward(model, "student", grad_only=True)
         return model
 
-    trainer.attach_lora = attach_lora
-    trainer.top_k_reverse_kl = clocks.timed(trainer.top_k_reverse_kl, "loss")
-    original_build = trainer.build_optimizer
+    kit.attach_lora = attach_lora
+    objective.top_k_reverse_kl = clocks.timed(objective.top_k_reverse_kl, "loss")  # read at each call
+    original_build = kit.build_optimizer
 
     def build_optimizer(*a: Any, **k: Any) -> Any:
         optimizer = original_build(*a, **k)
@@ -241,12 +266,14 @@ def side_kiln(args: argparse.Namespace) -> dict[str, Any]:
         optimizer.zero_grad = clocks.timed(optimizer.zero_grad, "optim")
         return optimizer
 
-    trainer.build_optimizer = build_optimizer
+    kit.build_optimizer = build_optimizer
     patch_backward(clocks)
     peak = [0]
+    ends: list[tuple[int, float]] = []  # (candidates done, when): the batch report's clock
 
     def progress(info: dict[str, Any]) -> None:
         now = time.perf_counter()
+        ends.append((info["step"], now))
         cycle = None if mark["last"] is None else now - mark["last"]
         clocks.close(step=now - mark["start"], cycle=cycle, tokens=info["tokens"] - prefix_len[info["step"] - 1],
                      loss=info["loss"])  # fmt: skip
@@ -266,6 +293,7 @@ def side_kiln(args: argparse.Namespace) -> dict[str, Any]:
         "peak": peak[0],
         "load_peak": load_peak,
         "receipt_phase_timings": result.receipt["phase_timings"],
+        "ends": ends,
         "prompt_ids": [list(job.source.items[job.candidates[i][0]].student_prefix) for i in order],
     }
 
@@ -372,6 +400,7 @@ def side_trl(args: argparse.Namespace) -> dict[str, Any]:
     patch_backward(clocks)
     peak = [0]
     marks: dict[str, Any] = {"begin": None, "optim": None}
+    ends: list[tuple[int, float]] = []
     extra: list[dict[str, Any]] = []
     mismatched: list[int] = []
 
@@ -392,11 +421,12 @@ def side_trl(args: argparse.Namespace) -> dict[str, Any]:
             info = extra[-1]
             clocks.close(step=time.perf_counter() - marks["begin"], cycle=None, tokens=info["tokens"],
                          loss=info["loss_per_position"])  # fmt: skip
-            if len(clocks.records) == len(order):
+            ends.append((len(clocks.records) * args.batch, time.perf_counter()))
+            if len(clocks.records) * args.batch >= len(order):
                 peak[0] = memory_status("VmHWM")
 
     config = GKDConfig(
-        output_dir=str(Path(args.work) / "trl-out"), per_device_train_batch_size=1, gradient_accumulation_steps=1,
+        output_dir=str(Path(args.work) / "trl-out"), per_device_train_batch_size=args.batch, gradient_accumulation_steps=1,
         lmbda=1.0, beta=1.0, seq_kd=False, temperature=TEMPERATURE, max_new_tokens=args.max_new_tokens,
         learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=0.0, optim="adamw_torch",
         adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, weight_decay=0.0, bf16=False, fp16=False,
@@ -413,8 +443,12 @@ def side_trl(args: argparse.Namespace) -> dict[str, Any]:
     generate = gkd.generate_on_policy_outputs
 
     def generate_on_policy_outputs(m: Any, inputs: Any, generation_config: Any) -> Any:
-        if inputs["prompts"][0].tolist() != expected[len(clocks.records)]:
-            mismatched.append(len(clocks.records))
+        first = len(clocks.records) * args.batch
+        for row, ids in enumerate(inputs["prompts"].tolist()):  # left-padded when a batch holds several
+            while len(ids) > len(expected[first + row]) and ids[0] == tok.pad_token_id:
+                ids = ids[1:]
+            if ids != expected[first + row]:
+                mismatched.append(first + row)
         t0 = time.perf_counter()
         out = generate(m, inputs, generation_config)
         clocks.add("rollout", time.perf_counter() - t0)
@@ -441,7 +475,8 @@ def side_trl(args: argparse.Namespace) -> dict[str, Any]:
     if mismatched:
         raise RuntimeError(f"TRL's prompt ids differ from Kiln's student prefix at candidates {mismatched}")
     return {"records": clocks.records, "baseline": baseline, "peak": peak[0], "load_peak": load_peak,
-            "trl_loss_normaliser": extra, "trl_eos_token_id": gkd.generation_config.eos_token_id}  # fmt: skip
+            "trl_loss_normaliser": extra, "trl_eos_token_id": gkd.generation_config.eos_token_id,
+            "ends": ends}  # fmt: skip
 
 
 def side_probe(args: argparse.Namespace) -> dict[str, Any]:
@@ -524,7 +559,8 @@ def run_side(side: str, python: str, pair: dict[str, Path], prompts_file: Path, 
     cmd = [python, str(Path(__file__).resolve()), "--worker", side, "--model", str(pair["student"]),
            "--teacher", str(pair["teacher"]), "--teachers", str(pair["teachers"]), "--prompts-file",
            str(prompts_file), "--work", str(work / f"{side}-{time.monotonic_ns()}"), "--result", str(result),
-           "--max-new-tokens", str(args.max_new_tokens), "--threads", str(args.threads)]  # fmt: skip
+           "--max-new-tokens", str(args.max_new_tokens), "--threads", str(args.threads),
+           "--batch", str(args.batch)]  # fmt: skip
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
            "KILN_HOME": str(work / "home"), "OMP_NUM_THREADS": str(args.threads),
            "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "generated")])}  # fmt: skip
@@ -573,6 +609,9 @@ def main() -> None:
         "--rounds", type=int, default=None, help="runs of each side, order alternating (default 3, 1 with --quick)"
     )
     parser.add_argument("--threads", type=int, default=2, help="torch threads per side")
+    parser.add_argument("--batch", type=int, default=1,
+                        help="candidates per optimizer step (Kiln micro_batch_size, TRL per_device_train_batch_size); "
+                             "above 1: kiln and trl only, time per candidate from the step ends")  # fmt: skip
     parser.add_argument("--no-trl", action="store_true")
     parser.add_argument("--no-probe", action="store_true", help="skip the scoring/loss probe at V=151,936")
     parser.add_argument("--trl-python", default=TRL_PYTHON)
@@ -590,7 +629,7 @@ def main() -> None:
     args.rounds = args.rounds or (1 if args.quick else 3)
     models = ["tiny"] if args.quick else [m.strip() for m in args.models.split(",") if m.strip()]
     trl_ok = not args.no_trl and Path(args.trl_python).exists()
-    sides = ["kiln", "ref"] + (["trl"] if trl_ok else [])
+    sides = ["kiln"] + (["ref"] if args.batch == 1 else []) + (["trl"] if trl_ok else [])
     work = args.dir or Path(tempfile.mkdtemp(prefix="kiln-bench-opd-"))
     work.mkdir(parents=True, exist_ok=True)
     import torch
@@ -606,6 +645,7 @@ def main() -> None:
     for model in models:
         timed = args.candidates or (4 if args.quick else 24 if model == "tiny" else 10)
         warmup = args.warmup if args.warmup is not None else (4 if model == "tiny" else 2)
+        warmup, timed = _whole(warmup, args.batch), _whole(timed, args.batch)  # whole steps of candidates
         prompts_file = work / f"prompts-{timed + warmup}.json"
         prompts_file.write_text(json.dumps(make_prompts(timed + warmup)))
         results: dict[str, list[dict[str, Any]]] = {side: [] for side in sides}
@@ -616,18 +656,29 @@ def main() -> None:
                 r["load"] = os.getloadavg()[0]
                 r["warmup"] = warmup
                 results[side].append(r)
+                if args.batch > 1:
+                    print(f"  {model:5} round {round_ + 1} {side:5} per candidate {per_candidate(r):8.1f} ms  "
+                          f"peak {r['peak'] / MIB:6.0f} MiB  wall {r['wall_s']:5.1f} s  load {r['load']:.2f}", flush=True)  # fmt: skip
+                    raw.append({"model": model, "side": side, "round": round_ + 1, **r})
+                    continue
                 print(f"  {model:5} round {round_ + 1} {side:5} step median {med(r, 'step'):8.1f} ms  "
                       f"peak {r['peak'] / MIB:6.0f} MiB  base {r['baseline'] / MIB:5.0f}  wall {r['wall_s']:5.1f} s  "
                       f"load {r['load']:.2f}", flush=True)  # fmt: skip
                 raw.append({"model": model, "side": side, "round": round_ + 1, **r})
         rows.append((model, timed, warmup, results))
+    if args.batch > 1:
+        batch_report(rows, args.batch)
+        args.no_probe = True
+        if args.json:
+            args.json.write_text(json.dumps(raw, indent=1))
     probe = None
     if not args.no_probe:
         probe = run_side("probe", sys.executable, pairs[models[0]], prompts_file, work, args)
         raw.append({"side": "probe", "load": os.getloadavg()[0], **probe})
-    if args.json:
+    if args.json and args.batch == 1:
         args.json.write_text(json.dumps(raw, indent=1))
-    report(rows)
+    if args.batch == 1:
+        report(rows)
     if probe is not None:
         print(
             f"\nscoring and loss alone at V={probe['V']:,} (T={probe['T']}, A={probe['A']}, K={TOP_K}; random logits, "
@@ -644,6 +695,36 @@ def main() -> None:
     if busiest > 2.0:
         print(f"warning: the 1-minute load average reached {busiest:.2f} on {os.cpu_count()} cpus during the run; "
               "compare the 'rounds' ranges and rerun on a quieter machine")  # fmt: skip
+
+
+def _whole(count: int, batch: int) -> int:
+    """``count`` rounded up to whole steps of ``batch`` candidates."""
+    return -(-count // batch) * batch
+
+
+def per_candidate(r: dict[str, Any]) -> float:
+    """Milliseconds per timed candidate: from the step that ends the warm-up to the last step's end."""
+    at = dict(r["ends"])  # candidates done -> when (Kiln reports every candidate, TRL every step)
+    last = max(at)
+    return (at[last] - at[r["warmup"]]) / (last - r["warmup"]) * 1000 if r["warmup"] else math.nan
+
+
+def batch_report(rows: list[tuple[str, int, int, dict[str, list[dict[str, Any]]]]], batch: int) -> None:
+    print(f"\nbatch {batch}: ms per candidate over the timed steps, each side's fastest round; rounds = the range; "
+          "peak and delta in MiB from that round")  # fmt: skip
+    for model, n, _warmup, results in rows:
+        kiln = min(results["kiln"], key=per_candidate)
+        for side, runs in results.items():
+            r = min(runs, key=per_candidate)
+            values = [per_candidate(x) for x in runs]
+            delta, kdelta = (r["peak"] - r["baseline"]) / MIB, (kiln["peak"] - kiln["baseline"]) / MIB
+            ratio = (
+                ""
+                if side == "kiln"
+                else f"kiln/{side} time {per_candidate(kiln) / per_candidate(r):.2f}x, delta {kdelta / delta:.2f}x"
+            )
+            print(f"{model:5} n={n:<3} {side:5} {per_candidate(r):8.1f} ms  rounds {min(values):.1f}-{max(values):.1f}  "
+                  f"peak {r['peak'] / MIB:5.0f}  delta {delta:5.0f}  {ratio}")  # fmt: skip
 
 
 def timed_records(r: dict[str, Any]) -> list[dict[str, Any]]:

@@ -27,11 +27,11 @@ CONFIG = {"seed": 11, "samples_per_prompt": 2, "max_tokens": 10, "top_k": 16, "l
           "optimizer": {"kind": "adam_w"}}  # fmt: skip
 
 
-def _run(tmp_path, model, teachers, config, *, cancel_at=None, name="student"):
+def _run(tmp_path, model, teachers, config, *, cancel_at=None, name="student", prompts=PROMPTS):
     job = admit_opd(
         adapter_name=name,
         registry=tmp_path / "adapters",
-        request={"teacher": "tutor", "prompts": PROMPTS, "config": {**CONFIG, **config}},
+        request={"teacher": "tutor", "prompts": prompts, "config": {**CONFIG, **config}},
         teachers_root=teachers,
         model_path=str(model),
     )
@@ -65,12 +65,26 @@ GREEDY = {"epochs": 1, "temperature": 1e-4, "checkpoint_interval": None,  # one-
           "optimizer": {"kind": "sgd"}, "learning_rate": 0.05}  # fmt: skip
 
 
-def test_a_step_trains_alike_however_its_candidates_are_cut(tmp_path, tiny_model_dir, teachers):
-    # 6 candidates, 4 a step: one batch of 4, two of 2 accumulated, or four of 1 accumulated -- the same rollouts
-    # (all from the policy at the step's start) and, with SGD, the same steps to fp32 rounding
+# ECHO: trajectories whose observations differ in length, so the step's cross-entropy weights them
+ECHO_PROMPTS = [
+    {"messages": [{"role": "user", "content": f"List the files in {where}."}],
+     "trajectory": [{"role": "assistant", "content": "ls", "kind": "action"},
+                    {"role": "tool", "content": " ".join(files), "kind": "observation"}]}
+    for where, files in (("docs", ["a.txt"]), ("src", ["main.py", "util.py", "io.py", "net.py"]),
+                         ("data", ["x.csv", "y.csv"]))
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("prompts", "extra"), [(PROMPTS, {}), (ECHO_PROMPTS, {"echo": {"lambda": 0.5}})],
+                         ids=["plain", "echo"])  # fmt: skip
+def test_a_step_trains_alike_however_its_candidates_are_cut(tmp_path, tiny_model_dir, teachers, prompts, extra):
+    # 6 candidates, 4 a step: one batch of 4 (one padded student forward), two of 2 accumulated, or four of 1
+    # accumulated (dense forwards) -- the same rollouts (all from the policy at the step's start) and, with SGD,
+    # the same steps to fp32 rounding
     runs = {
         (micro, accumulation): _run(tmp_path / f"{micro}x{accumulation}", tiny_model_dir, teachers,
-                                    {**GREEDY, "micro_batch_size": micro, "gradient_accumulation_steps": accumulation})
+                                    {**GREEDY, **extra, "micro_batch_size": micro,
+                                     "gradient_accumulation_steps": accumulation}, prompts=prompts)
         for micro, accumulation in ((4, 1), (2, 2), (1, 4))
     }  # fmt: skip
     reference = runs[(4, 1)]
@@ -84,7 +98,12 @@ def test_a_step_trains_alike_however_its_candidates_are_cut(tmp_path, tiny_model
             torch.testing.assert_close(b[name], a[name], rtol=1e-4, atol=1e-6, msg=(key, name))
         for path in (run.receipt_path, run.manifest_path):
             assert contracts.validate_path(path).valid, (key, path)
+        if extra:
+            for field in ("initial_env_ce", "final_env_ce"):
+                assert run.receipt["echo"][field] == pytest.approx(reference.receipt["echo"][field], rel=1e-5)
     assert runs[(2, 2)].receipt["config"]["gradient_accumulation_steps"] == 2
+    if extra:
+        assert reference.receipt["opd"]["env_tokens"] > 0
 
 
 RESPONSES = [("Name a colour.", "Blue."), ("Name a fruit.", ""), ("Name a tree.", "An old oak by the river."),

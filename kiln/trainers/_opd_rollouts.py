@@ -11,7 +11,10 @@ rollout. A batch of one is exactly the per-candidate path.
 ``step_weights`` and ``candidate_loss``: an optimizer step's loss is the mean of the per-position reverse KL over every
 action position of its candidates, plus ECHO's λ times the mean cross-entropy over all their observation tokens;
 each candidate's backward carries its share (a step with one non-empty candidate is that candidate's own loss,
-exactly as before steps could hold several).
+exactly as before steps could hold several). ``train_shares`` runs them a micro-batch at a time: the non-empty
+rollouts of a micro-batch in one right-padded student forward (``kiln.trainers._forwards.selected_logits``: the
+model's own head and logit post-processing, only at the rows the loss reads) and one backward; a micro-batch with a
+single non-empty rollout runs it alone and dense (``candidate_loss``), as before batches.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Rollout", "candidate_loss", "draw", "step_weights"]
+__all__ = ["Rollout", "candidate_loss", "draw", "step_weights", "train_shares"]
 
 
 @dataclass
@@ -129,3 +132,84 @@ def candidate_loss(
         loss = loss + (term if weights[1] == 1.0 else term * weights[1])
         env = None if env_ce is None else (env_ce, len(observed))
     return loss, mean_kl, env
+
+
+def batch_loss(
+    model: Any,
+    head: Any,
+    rollouts: list[Rollout],
+    weights: list[tuple[float, float]],
+    echo: dict[str, Any] | None,
+    timings: dict[str, float],
+) -> tuple[Any, list[tuple[float, tuple[float, int] | None]]]:
+    """The summed shares of several non-empty rollouts from one right-padded forward, and per rollout its mean KL and
+    ``(ECHO CE, observation tokens)``."""
+    import torch
+
+    from kiln.trainers._forwards import selected_logits
+    from kiln.training import grpo_objective as grpo_obj
+    from kiln.training.opd_objective import top_k_reverse_kl
+
+    wanted, observed = [], []
+    for rollout in rollouts:
+        p, a = len(rollout.prefix), len(rollout.action)
+        rows = [False] * (p + a - 1)
+        rows[p - 1 :] = [True] * a  # row q predicts token q + 1: the action rows
+        seen = observed_positions(rollout) if echo is not None else []
+        for position in seen:
+            rows[position - 1] = True  # observations lie in the prefix, before every action row
+        wanted.append(rows)
+        observed.append(len(seen))
+    model.train()
+    t0 = time.perf_counter()
+    found = selected_logits(model, head, [r.prefix + r.action for r in rollouts], wanted)
+    timings["policy_forward_ms"] += (time.perf_counter() - t0) * 1000
+    total, out = None, []
+    for rollout, (kl_weight, echo_weight), rows, targets, n in zip(
+        rollouts, weights, found.split(found.rows), found.split(found.targets), observed, strict=True
+    ):
+        loss, per_position = top_k_reverse_kl(rows[n:], rollout.teacher_ids, rollout.teacher_lp)
+        loss = loss * kl_weight
+        env = None
+        if n:
+            taken = torch.log_softmax(rows[:n], dim=-1).gather(-1, targets[:n].unsqueeze(-1)).squeeze(-1)
+            term, env_ce = grpo_obj.echo_loss(taken, torch.ones_like(taken, dtype=torch.bool), float(echo["lambda"]))
+            loss = loss + term * echo_weight
+            env = None if env_ce is None else (env_ce, n)
+        total = loss if total is None else total + loss
+        out.append((float(per_position.detach().mean()), env))
+    return total, out
+
+
+def train_shares(
+    model: Any,
+    head: Any,
+    rollouts: list[Rollout],
+    echo: dict[str, Any] | None,
+    width: int,
+    timings: dict[str, float],
+    backward: Any,
+) -> tuple[list[float], list[tuple[float, int] | None], list[float | None]]:
+    """Forward and ``backward`` of every non-empty rollout's share of its step's loss, ``width`` rollouts (a
+    micro-batch) at a time; returns what ``backward`` returned for each backward, the ECHO ``(CE, tokens)`` of each
+    non-empty rollout, and each rollout's mean KL (None for an empty one)."""
+    weights = step_weights(rollouts, echo is not None)
+    values: list[float] = []
+    envs: list[tuple[float, int] | None] = []
+    kls: list[float | None] = [None] * len(rollouts)
+    for start in range(0, len(rollouts), width):
+        live = [i for i in range(start, min(start + width, len(rollouts))) if rollouts[i].action]
+        if len(live) > 1:
+            loss, found = batch_loss(
+                model, head, [rollouts[i] for i in live], [weights[i] for i in live], echo, timings
+            )
+            values.append(backward(loss))
+            for i, (kl, env) in zip(live, found, strict=True):
+                kls[i] = kl
+                envs.append(env)
+            continue
+        for i in live:
+            loss, kls[i], env = candidate_loss(model, rollouts[i], echo, weights[i], timings)
+            values.append(backward(loss))
+            envs.append(env)
+    return values, envs, kls

@@ -69,11 +69,11 @@ from kiln.trainers._checkpointing import (
 from kiln.trainers._kit import Cadence, Policy, Progress, TrainResult, check_pin, guarded, publish_adapter
 from kiln.trainers._loop_states import OpdLoop
 from kiln.trainers._opd_config import check_opd_data, check_opd_request, effective_opd_config
-from kiln.trainers._opd_rollouts import candidate_loss, draw, step_weights
+from kiln.trainers._opd_rollouts import draw, train_shares
 from kiln.trainers._opd_teacher import admitted_source, pinned_teacher
 from kiln.trainers._receipts import data_block, echo_block, envelope, token_counts_block
 from kiln.trainers._resume import claim_target, load_resume, resume_metadata
-from kiln.training import LORA_INIT_ALGORITHM, lora_delta_norms, schema_defaults
+from kiln.training import LORA_INIT_ALGORITHM, lora_delta_norms, model_head, schema_defaults
 from kiln.training import grpo_objective as grpo_obj
 from kiln.training.opd_objective import CollapseAccumulator, receipt_snapshot
 
@@ -103,6 +103,7 @@ class AdmittedOpd(AdmittedJob):
     max_len: int
     pin: str | None = None
     teachers_root: Any = None
+    head: Any = None  # kiln.training.ModelHead, proven at admission when micro-batches read the logits themselves
     kind: str = field(default=KIND, init=False)
 
     @property
@@ -208,6 +209,7 @@ def admit_opd(
         max_len=max_len,
         pin=admitted.pin,
         teachers_root=teachers_root,
+        head=model_head(loaded.model) if cfg["micro_batch_size"] > 1 else None,
     )
     check_opd_data(job)
     job.resume = load_resume(
@@ -290,21 +292,23 @@ def run_opd(
                 for start in range(0, len(members), width)
                 for r in draw(job, model, generator, loop, members[start : start + width], run["scorer"])
             ]
-            weights = step_weights(rollouts, echo is not None)
-            values, found, seen = [], [], []
-            for rollout, weight in zip(rollouts, weights, strict=True):
+            values, found, kls = train_shares(
+                model,
+                job.head,
+                rollouts,
+                echo,
+                width,
+                loop.timings,
+                lambda loss: policy.accumulate(loss, lambda: f"optimizer step {loop.global_step + 1}"),
+            )
+            seen = []
+            for rollout, mean_kl in zip(rollouts, kls, strict=True):
                 action = rollout.action
                 text = job.loaded.tokenizer.decode(action, skip_special_tokens=False) if action else ""
-                mean_kl = None
-                if action:
-                    loss, mean_kl, env = candidate_loss(model, rollout, echo, weight, loop.timings)
-                    values.append(policy.accumulate(loss, lambda: f"optimizer step {loop.global_step + 1}"))
-                    found.append(env)
-                    loop.action_tokens += len(action)
-                    loop.env_tokens += env[1] if env is not None else 0
-                else:
-                    loop.empty += 1
+                loop.action_tokens += len(action)
+                loop.empty += 0 if action else 1
                 seen.append((rollout, text, mean_kl))
+            loop.env_tokens += sum(env[1] for env in found if env is not None)
             if values:  # a step whose rollouts are all empty takes no optimizer step (and keeps its place)
                 policy.apply(position=position)
                 loop.echo.add(grpo_obj.step_echo_ce(found))
