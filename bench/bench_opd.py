@@ -226,29 +226,21 @@ def side_kiln(args: argparse.Namespace) -> dict[str, Any]:
     scorer.score = clocks.timed(scorer.score, "teacher")
     kiln.teachers.open_scorer = lambda pinned, registry_dir: scorer
     mark = {"start": None, "last": None}
-    original_sample = sampling.sample
 
-    def sample(*a: Any, **k: Any) -> Any:
-        t0 = time.perf_counter()
-        mark["start"] = t0
-        try:
-            return original_sample(*a, **k)
-        finally:
-            clocks.add("rollout", time.perf_counter() - t0)
+    def marked(original: Any) -> Any:  # a rollout: its start marks the candidate's step, its time is "rollout"
+        def wrapper(*a: Any, **k: Any) -> Any:
+            t0 = time.perf_counter()
+            mark["start"] = t0
+            try:
+                return original(*a, **k)
+            finally:
+                clocks.add("rollout", time.perf_counter() - t0)
 
-    sampling.sample = sample
-    original_batch = kiln.model.sample_batch
+        return wrapper
 
-    def sample_batch(*a: Any, **k: Any) -> Any:
-        t0 = time.perf_counter()
-        mark["start"] = t0
-        try:
-            return original_batch(*a, **k)
-        finally:
-            clocks.add("rollout", time.perf_counter() - t0)
-
+    sampling.sample = marked(sampling.sample)
     if args.batch > 1:  # a batch of one goes through sample, already timed
-        kiln.model.sample_batch = sample_batch
+        kiln.model.sample_batch = marked(kiln.model.sample_batch)
     original_attach = kit.attach_lora
 
     def attach_lora(*a: Any, **k: Any) -> Any:
