@@ -19,7 +19,7 @@ SCHEMA_DIGESTS: dict[str, str] = {
     "kiln-artifacts-v1.schema.json": "sha256:70a3e16848c634d8ff5b5f7863c99cb456eea9ca4aeb0f426af09496e3aea740",
     "kiln-checkpoint-v1.schema.json": "sha256:7069cd48e8e551e0b4337fa77579c49f2b9a22ac989ced74004f43e04824437a",
     "kiln-common-v1.schema.json": "sha256:578fb0867921ff18b61214d1e6a909abccdcc2532c6c6bd5a1c1aada83583c73",
-    "kiln-config-v1.schema.json": "sha256:90fb1826182bb468ad29c24ca9e84c62134aed459f49b194e5860513b5957ec6",
+    "kiln-config-v1.schema.json": "sha256:5af01d04359cb63b595b0c7cf07b8b5446afe4fc2582184e1b7a52fda4e77c5f",
     "kiln-control-plane-v1.schema.json": "sha256:a2057565d5635796d6082ee43951200755a0bbdc5960a43d24c9c6afa909ada2",
     "kiln-observability-v1.schema.json": "sha256:6f0bc47ffee00565b9fcff807ddbbfc8e2a57ca93e1f13e915de1dde8427e513"
 }

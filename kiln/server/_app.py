@@ -157,6 +157,8 @@ def build_server(settings: Settings) -> Server:
         base=base,
         generator=generator,
         base_sha256=identity.base_weight_shard_manifest["aggregate_sha256"],
+        model_path=Path(path),
+        model_is_default=is_default,
     )
     ref: list[Server] = []
     jobs = JobManager(
@@ -604,24 +606,9 @@ def detail(server: Server, job_id: str) -> dict[str, Any]:
 def interrupted_reason(registry: Path, job: Any) -> str:
     """Why a job that was running when the server stopped failed, and what continues it: its adapter's newest
     checkpoint, or -- when it published none -- a fresh submission of its replay request."""
-    from kiln.checkpoints import latest_checkpoint
-    from kiln.errors import CheckpointError
+    from kiln.server._worker_process import continuation
 
-    stopped = "interrupted: the server stopped while this job was running"
-    try:
-        checkpoint = latest_checkpoint(registry, job.adapter_name)
-    except (CheckpointError, OSError) as exc:
-        return f"{stopped}; its checkpoints cannot be read ({exc}): see checkpoint_error in the job detail"
-    if checkpoint is None:
-        return (
-            f"{stopped}, before it published a checkpoint: there is no checkpoint to resume it from; submit its "
-            "replay_request again (without config.resume_checkpoint) to train it from the start"
-        )
-    return (
-        f"{stopped}; its newest checkpoint {checkpoint['resume_checkpoint']} (step {checkpoint['global_step']}/"
-        f"{checkpoint['total_steps']}) resumes it: submit its replay_request with config.resume_checkpoint set to "
-        "that name"
-    )
+    return f"interrupted: the server stopped while this job was running; {continuation(registry, job.adapter_name)}"
 
 
 def adapter_receipt(server: Server, name: str) -> dict[str, Any]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
+import os
 import threading
 import uuid
 from collections.abc import Callable
@@ -27,6 +28,7 @@ from kiln import contracts
 from kiln.errors import CapacityError, ConflictError, ContractError, RequestError
 from kiln.server._jobs import Job, Outcome
 from kiln.trainers import TRAINERS, TrainingContext, check_sources
+from kiln.worker import SPEC_SCHEMA, run_spec
 
 log = logging.getLogger("kiln.server.training")
 
@@ -41,6 +43,8 @@ class Engine:
     admission_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
     base_sha256: str = ""  # the base-weight content aggregate (evaluation targets)
     jobs: Any = None  # kiln.server._jobs.JobManager (the gate records its evaluation jobs there)
+    model_path: Path | None = None  # where the base model lies (a training worker loads it from there)
+    model_is_default: bool = False  # the built-in tiny model
 
     @property
     def registry(self) -> Path:
@@ -157,70 +161,61 @@ def _writer_conflict(jobs: Any, adapter: str) -> None:
         )
 
 
-def _revalidation_failed(changed: list[str]) -> Outcome:
-    return Outcome(
-        "failed",
-        "revalidation_failed: changed since the job was admitted: "
-        + "; ".join(changed)
-        + ". Nothing was trained; submit the job again",
-    )
-
-
-def _run_failed(result: Any) -> Outcome:
-    """A trainer's failed result as the job's outcome: reason and message, the failed receipt."""
-    receipt = result.receipt
-    error = f"{receipt['failure_reason']}: {receipt.get('failure_message') or 'no detail'}"
-    return Outcome("failed", error, str(result.receipt_path), None)
-
-
-def _changed(before: dict[str, Any], now: dict[str, Any]) -> list[str]:
-    labels = {
-        "data_sha256": "the training data",
-        "teacher": "the teacher",
-        "seed": "the effective seed",
-        "loss_route": "the loss route",
-        "loss_chunk_size": "the loss chunk size",
-        "checkpoint": "the resume checkpoint",
+def job_spec(engine: Engine, job: Job, request: dict[str, Any], events: str | None = None) -> dict[str, Any]:
+    """The ``kiln.worker-spec.v1`` that trains ``job``: its replay ``request`` and where it trains."""
+    context = engine.context()
+    return {
+        "schema": SPEC_SCHEMA,
+        "kind": job.job_type,
+        "adapter_name": job.adapter_name,
+        "request": request,
+        "fingerprint": job.fingerprint,
+        "events": events,
+        "server_pid": os.getpid(),  # the worker ends when this process does
+        "context": {
+            "registry": str(context.registry),
+            "model_path": str(engine.model_path),
+            "model_is_default": engine.model_is_default,
+            "teachers_root": None if context.teachers_root is None else str(context.teachers_root),
+            "checkpoint_interval": context.checkpoint_interval,
+            "data_roots": None if context.data_roots is None else [str(p) for p in context.data_roots],
+        },
     }
-    return [f"{labels[k]} ({before.get(k)} → {now.get(k)})" for k in labels if before.get(k) != now.get(k)]
 
 
 def run(engine: Engine, job: Job, cancel: threading.Event, report: Callable[[dict[str, Any]], None]) -> Outcome:
-    """Revalidate the job at dequeue, train it on a private copy of the weights, then activate it."""
-    from kiln.server import _evals
+    """Train the job -- in a worker process (``training.worker = "process"``, the default) or in this thread
+    (``"thread"``); either way the same ``kiln.worker.run_spec`` revalidates it at dequeue, trains and publishes --
+    then activate what it published."""
+    from kiln.server import _evals, _worker_process
 
     if job.job_type == "eval":
         return _evals.run_job(engine, job, cancel)
     active = engine.generator.active() if engine.generator is not None else None
     job.active_before = active["name"] if active else None
-    trainer = TRAINERS[job.job_type]
     body = without_gate(job.request)
     config = dict(body["config"])
     config.pop("auto_load", None)
-    with engine.admission_lock:
-        admitted = trainer.admit({**body, "config": config}, adapter_name=job.adapter_name, context=engine.context())
-    changed = _changed(job.fingerprint, admitted.fingerprint())
-    if changed:
-        return _revalidation_failed(changed)
-    if not admitted.dry_run:
-        admitted.loaded = dataclasses.replace(engine.base, model=copy.deepcopy(engine.base.model))
+    request = {**body, "config": config}
+    if engine.settings.get("training", "worker", "process") == "thread":
 
-    def progress(event: dict[str, Any]) -> None:
-        if event.get("loss") is not None:  # an OPD candidate with an empty rollout settles without a loss
-            report(event)
+        def private_weights(admitted: Any) -> None:
+            admitted.loaded = dataclasses.replace(engine.base, model=copy.deepcopy(engine.base.model))
 
-    def checkpoint_landed(published: Any) -> None:
-        t = published.timings
-        report({"kind": "checkpoint", "seconds": (t.capture_ms + t.encode_ms + t.write_ms) / 1000})
-
-    result = trainer.run(admitted, progress=progress, cancel=cancel, on_checkpoint=checkpoint_landed)
-    admitted.loaded = None  # drop the private weights now, not when the job record goes
-    if result.status != "success":
-        return _run_failed(result)
-    if result.manifest_path is not None:  # a dry run, or a filter that left nothing to train, publishes none
+        found = run_spec(
+            job_spec(engine, job, request),
+            lambda event: _worker_process.forward(event, report),
+            cancel,
+            context=engine.context(),
+            admission_lock=engine.admission_lock,
+            private_weights=private_weights,
+        )
+    else:
+        found = _worker_process.launch(engine, job, job_spec, request, cancel, report)
+    outcome = Outcome(found["state"], found["error"], found["receipt_path"], found["adapter_path"])
+    if outcome.state == "completed" and found["activate"]:
         _activate(engine, job, cancel)
-    adapter = str(result.adapter_dir) if result.manifest_path is not None else None
-    return Outcome("completed", None, str(result.receipt_path), adapter)
+    return outcome
 
 
 def without_gate(body: dict[str, Any]) -> dict[str, Any]:

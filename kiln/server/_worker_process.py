@@ -1,0 +1,186 @@
+"""The server's half of a training worker: launch ``python -m kiln.worker``, read its events, cancel it, and say
+why it died when it dies.
+
+``launch(engine, job, cancel, report)`` writes the job's spec into its directory (``<home>/jobs/<job_id>/``), starts
+the worker with the server's own interpreter, forwards each progress and checkpoint event to ``report`` as the
+worker appends it to ``events.jsonl``, turns ``cancel`` into one ``SIGTERM`` (the worker's cooperative cancel), and
+returns the worker's outcome line. A worker that exits without one -- a ``SIGKILL``, the kernel's OOM killer, a
+segfault, a bug before the event file opened -- fails the job with a category: ``oom`` when the kernel's OOM
+killer fired while it ran (the cgroup's ``memory.events`` ``oom_kill`` count rose), else ``training_error``; the
+message names the exit status and the checkpoint that resumes the job (the worker's checkpoints are published
+atomically, so the newest one is whole). The worker's standard output and error go to ``worker.log`` beside
+the events.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from kiln._fs import atomic_write_bytes
+
+POLL_S = 0.05
+LOG_TAIL = 2000  # characters of worker.log a failure message quotes
+
+__all__ = ["EventReader", "classify_exit", "continuation", "forward", "launch", "oom_kills"]
+
+
+class EventReader:
+    """Complete lines appended to the event file since the last read (a partial last line waits for its end)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self._offset, self._partial = path, 0, b""
+
+    def read(self) -> Iterator[dict[str, Any]]:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self._offset)
+                data = f.read()
+        except FileNotFoundError:
+            return
+        self._offset += len(data)
+        *lines, self._partial = (self._partial + data).split(b"\n")
+        for line in lines:
+            if line.strip():
+                yield json.loads(line)
+
+
+def oom_kills(events_file: Path | None = None) -> int | None:
+    """The kernel's OOM-kill count for this process's cgroup (v2 ``memory.events``, else v1 ``memory.oom_control``);
+    None when neither can be read."""
+    candidates = [events_file] if events_file is not None else _cgroup_files()
+    for path in candidates:
+        try:
+            for line in path.read_text().splitlines():
+                key, _, value = line.partition(" ")
+                if key == "oom_kill":
+                    return int(value)
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+def _cgroup_files() -> list[Path]:
+    files = []
+    try:
+        for line in Path("/proc/self/cgroup").read_text().splitlines():
+            _, controllers, relative = line.split(":", 2)
+            root = Path("/sys/fs/cgroup")
+            if controllers == "":  # v2: the unified hierarchy
+                files.append(root / relative.lstrip("/") / "memory.events")
+            elif "memory" in controllers.split(","):
+                files.append(root / "memory" / relative.lstrip("/") / "memory.oom_control")
+    except (OSError, ValueError):
+        pass
+    return files
+
+
+def continuation(registry: Path, adapter_name: str) -> str:
+    """What continues a job that stopped: its adapter's newest checkpoint, or a fresh submission."""
+    from kiln.checkpoints import latest_checkpoint
+    from kiln.errors import CheckpointError
+
+    try:
+        checkpoint = latest_checkpoint(registry, adapter_name)
+    except (CheckpointError, OSError) as exc:
+        return f"its checkpoints cannot be read ({exc}): see checkpoint_error in the job detail"
+    if checkpoint is None:
+        return (
+            "it published no checkpoint to resume from; submit its replay_request again (without "
+            "config.resume_checkpoint) to train it from the start"
+        )
+    return (
+        f"its newest checkpoint {checkpoint['resume_checkpoint']} (step {checkpoint['global_step']}/"
+        f"{checkpoint['total_steps']}) resumes it: submit its replay_request with config.resume_checkpoint set to "
+        "that name"
+    )
+
+
+def classify_exit(returncode: int, oom_before: int | None, oom_after: int | None) -> tuple[str, str]:
+    """``(category, how it ended)`` for a worker that exited without an outcome."""
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = f"signal {-returncode}"
+        how = f"killed by {name} (exit status {returncode})"
+    else:
+        how = f"exited with status {returncode} without reporting an outcome"
+    killed_for_memory = oom_before is not None and oom_after is not None and oom_after > oom_before
+    if killed_for_memory and returncode == -signal.SIGKILL:
+        return "oom", f"{how}: the kernel's OOM killer ended it (the cgroup's oom_kill count rose)"
+    return "training_error", how
+
+
+def launch(
+    engine: Any,
+    job: Any,
+    job_spec: Callable[..., dict[str, Any]],
+    request: dict[str, Any],
+    cancel: threading.Event,
+    report: Callable[[dict[str, Any]], None],
+    *,
+    oom_events: Path | None = None,
+) -> dict[str, Any]:
+    """Train ``job`` (its replay ``request``) in a worker process; returns the worker's outcome, or the failure the
+    server classified when it left none. ``job_spec(engine, job, request, events)`` is the spec it runs."""
+    directory = engine.settings.job_store.parent / "jobs" / job.job_id
+    directory.mkdir(parents=True, exist_ok=True)
+    events = directory / "events.jsonl"
+    events.unlink(missing_ok=True)  # a job runs once; a stale file would replay old events
+    spec = job_spec(engine, job, request, str(events))
+    atomic_write_bytes(directory / "spec.json", json.dumps(spec, indent=1).encode("utf-8"))
+    oom_before = oom_kills(oom_events)
+    reader = EventReader(events)
+    outcome: dict[str, Any] | None = None
+    with open(directory / "worker.log", "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "kiln.worker", str(directory / "spec.json")],
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=str(directory),
+        )
+        job.worker_pid = proc.pid
+        signalled = False
+        while True:
+            for event in reader.read():
+                outcome = forward(event, report) or outcome
+            if cancel.is_set() and not signalled:
+                proc.send_signal(signal.SIGTERM)
+                signalled = True
+            try:
+                proc.wait(timeout=POLL_S)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+    for event in reader.read():
+        outcome = forward(event, report) or outcome
+    job.worker_pid = None
+    if outcome is not None:
+        return outcome
+    category, how = classify_exit(proc.returncode, oom_before, oom_kills(oom_events))
+    tail = (directory / "worker.log").read_text(encoding="utf-8", errors="replace")[-LOG_TAIL:].strip()
+    error = f"{category}: the training worker (pid {proc.pid}) {how}; {continuation(engine.registry, job.adapter_name)}"
+    if tail:
+        error += f". Its last output: {tail}"
+    return {"event": "outcome", "state": "failed", "error": error, "receipt_path": None, "adapter_path": None,
+            "activate": False}  # fmt: skip
+
+
+def forward(event: dict[str, Any], report: Callable[[dict[str, Any]], None]) -> dict[str, Any] | None:
+    """Hand a worker event to the job's ``report``; returns it when it is the outcome."""
+    kind = event.get("event")
+    if kind == "outcome":
+        return event
+    if kind == "checkpoint":
+        report({"kind": "checkpoint", "seconds": event["seconds"]})
+    elif kind == "progress":
+        report({k: v for k, v in event.items() if k != "event"})
+    return None

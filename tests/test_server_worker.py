@@ -1,0 +1,121 @@
+"""Training in a worker process: a SIGKILLed worker fails only its job -- the server keeps serving, the queue goes
+on, the last checkpoint resumes the job -- and a kill by the kernel's OOM killer is told apart from other deaths."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import pytest
+from _server import ServerProcess, wait_for
+from conftest import ADAPTER_CONVERSATIONS
+
+from kiln import contracts
+from kiln.server._worker_process import EventReader, classify_exit, oom_kills
+
+ROWS = ADAPTER_CONVERSATIONS * 2
+
+
+def _submit(http, config):
+    answer = http.post("/v1/train/sft", json={"examples": ROWS, "config": config})
+    assert answer.status_code == 200, answer.text
+    return answer.json()["job_id"]
+
+
+def _detail(http, job_id):
+    answer = http.get(f"/v1/train/jobs/{job_id}")
+    assert answer.status_code == 200, answer.text
+    assert contracts.problems("TrainingJobDetail", answer.json()) == []
+    return answer.json()
+
+
+def _worker_pids(job_id: str) -> list[int]:
+    """Processes running ``python -m kiln.worker`` on this job's spec."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            words = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"kiln.worker" in words and any(job_id.encode() in w for w in words):
+            found.append(int(entry.name))
+    return found
+
+
+@pytest.mark.slow
+def test_a_sigkilled_worker_fails_its_job_and_nothing_else(tmp_path, tiny_model_dir):
+    config = {"epochs": 40, "seed": 5, "checkpoint_interval": 2, "auto_load": False}
+    with ServerProcess(tmp_path / "home", tiny_model_dir) as server, server.client() as http:
+        doomed = _submit(http, {**config, "output_name": "doomed"})
+        queued = _submit(http, {"epochs": 1, "seed": 6, "output_name": "next", "auto_load": False})
+        running = wait_for(
+            lambda: (d := _detail(http, doomed))["latest_checkpoint"] is not None and d["state"] == "running" and d,
+            timeout=300,
+        )
+        pids = _worker_pids(doomed)
+        assert len(pids) == 1, pids
+        assert pids[0] != server.proc.pid  # training is not in the server's process
+        os.kill(pids[0], signal.SIGKILL)
+        failed = wait_for(lambda: (d := _detail(http, doomed))["state"] == "failed" and d, timeout=120)
+        assert failed["error"].startswith("training_error: the training worker"), failed["error"]
+        assert "killed by SIGKILL (exit status -9)" in failed["error"]
+        checkpoint = failed["latest_checkpoint"]
+        assert checkpoint is not None
+        assert checkpoint["global_step"] >= running["latest_checkpoint"]["global_step"]
+        assert checkpoint["resume_checkpoint"] in failed["error"]  # the message says what resumes it
+        # the server is up, the queue went on, and the checkpoint resumes the job
+        assert http.get("/health").status_code == 200
+        assert http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                         "max_tokens": 2}).status_code == 200  # fmt: skip
+        nxt = wait_for(lambda: (d := _detail(http, queued))["state"] in ("completed", "failed") and d, timeout=300)
+        assert nxt["state"] == "completed", nxt.get("error")
+        resumed = _submit(
+            http, {**config, "output_name": "doomed", "resume_checkpoint": checkpoint["resume_checkpoint"]}
+        )
+        done = wait_for(lambda: (d := _detail(http, resumed))["state"] in ("completed", "failed") and d, timeout=600)
+        assert done["state"] == "completed", done.get("error")
+        assert done["train_receipt"]["status"] == "success"
+
+
+@pytest.mark.slow
+def test_a_worker_does_not_outlive_its_server(tmp_path, tiny_model_dir):
+    server = ServerProcess(tmp_path / "home", tiny_model_dir).start()
+    try:
+        with server.client() as http:
+            job = _submit(http, {"epochs": 40, "seed": 5, "auto_load": False, "output_name": "orphan"})
+            assert wait_for(lambda: _detail(http, job)["state"] == "running" and _worker_pids(job), timeout=300)
+    finally:
+        server.kill()  # a crash: SIGKILL, no shutdown
+    assert wait_for(lambda: not _worker_pids(job), timeout=30), "the worker kept training after its server died"
+
+
+def test_exits_are_classified_by_how_the_worker_died():
+    assert classify_exit(-signal.SIGKILL, 3, 4)[0] == "oom"  # the cgroup's oom_kill count rose: the OOM killer
+    category, how = classify_exit(-signal.SIGKILL, 3, 3)
+    assert (category, how) == ("training_error", "killed by SIGKILL (exit status -9)")
+    assert classify_exit(-signal.SIGKILL, None, None)[0] == "training_error"  # no counter: no claim of OOM
+    assert classify_exit(-signal.SIGSEGV, 0, 1) == ("training_error", "killed by SIGSEGV (exit status -11)")
+    assert classify_exit(1, 0, 0) == ("training_error", "exited with status 1 without reporting an outcome")
+
+
+def test_the_oom_counter_is_read_from_the_cgroup_file(tmp_path):
+    events = tmp_path / "memory.events"
+    events.write_text("low 0\nhigh 0\nmax 2\noom 1\noom_kill 1\noom_group_kill 0\n")
+    assert oom_kills(events) == 1
+    events.write_text("oom_kill 7\n")
+    assert oom_kills(events) == 7
+    assert oom_kills(tmp_path / "absent") is None
+
+
+def test_the_event_reader_yields_only_complete_lines(tmp_path):
+    path = tmp_path / "events.jsonl"
+    reader = EventReader(path)
+    assert list(reader.read()) == []  # not there yet
+    path.write_bytes(b'{"event": "progress", "step": 1}\n{"event": "prog')
+    assert list(reader.read()) == [{"event": "progress", "step": 1}]
+    with open(path, "ab") as f:
+        f.write(b'ress", "step": 2}\n')
+    assert list(reader.read()) == [{"event": "progress", "step": 2}]
