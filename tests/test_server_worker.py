@@ -92,6 +92,18 @@ def test_a_worker_does_not_outlive_its_server(tmp_path, tiny_model_dir):
     assert wait_for(lambda: not _worker_pids(job), timeout=30), "the worker kept training after its server died"
 
 
+@pytest.mark.slow
+def test_thread_mode_trains_in_the_server_process(tmp_path, tiny_model_dir):
+    home = tmp_path / "home"
+    with ServerProcess(home, tiny_model_dir, env={"KILN_TRAINING_WORKER": "thread"}) as server, server.client() as http:
+        assert http.get("/v1/config").json()["effective_config"]["training"]["worker"] == "thread"
+        job = _submit(http, {"epochs": 1, "seed": 3, "output_name": "here", "auto_load": False})
+        done = wait_for(lambda: (d := _detail(http, job))["state"] in ("completed", "failed") and d, timeout=300)
+        assert done["state"] == "completed", done.get("error")
+        assert done["train_receipt"]["status"] == "success"
+    assert not (home / "server" / "jobs" / job).exists()  # no worker spec, events or log: it never left the server
+
+
 def test_exits_are_classified_by_how_the_worker_died():
     assert classify_exit(-signal.SIGKILL, 3, 4)[0] == "oom"  # the cgroup's oom_kill count rose: the OOM killer
     category, how = classify_exit(-signal.SIGKILL, 3, 3)

@@ -1,15 +1,15 @@
 """The server's half of a training worker: launch ``python -m kiln.worker``, read its events, cancel it, and say
 why it died when it dies.
 
-``launch(engine, job, cancel, report)`` writes the job's spec into its directory (``<home>/jobs/<job_id>/``), starts
-the worker with the server's own interpreter, forwards each progress and checkpoint event to ``report`` as the
-worker appends it to ``events.jsonl``, turns ``cancel`` into one ``SIGTERM`` (the worker's cooperative cancel), and
-returns the worker's outcome line. A worker that exits without one -- a ``SIGKILL``, the kernel's OOM killer, a
-segfault, a bug before the event file opened -- fails the job with a category: ``oom`` when the kernel's OOM
-killer fired while it ran (the cgroup's ``memory.events`` ``oom_kill`` count rose), else ``training_error``; the
-message names the exit status and the checkpoint that resumes the job (the worker's checkpoints are published
-atomically, so the newest one is whole). The worker's standard output and error go to ``worker.log`` beside
-the events.
+``launch(engine, job, job_spec, request, cancel, report)`` writes the job's spec into its directory
+(``<home>/server/jobs/<job_id>/``), starts the worker with the server's own interpreter, forwards each progress and
+checkpoint event to ``report`` as the worker appends it to ``events.jsonl``, turns ``cancel`` into one ``SIGTERM``
+(the worker's cooperative cancel), and returns the worker's outcome line. A worker that exits without one -- a
+``SIGKILL``, the kernel's OOM killer, a segfault, a bug before the event file opened -- fails the job with a
+category: ``oom`` when the kernel's OOM killer fired while it ran (the cgroup's ``memory.events`` ``oom_kill`` count
+rose), else ``training_error``; the message names the exit status and the checkpoint that resumes the job (the
+worker's checkpoints are published atomically, so the newest one is whole). The worker's standard output and error
+go to ``worker.log`` beside the events.
 """
 
 from __future__ import annotations
