@@ -586,6 +586,8 @@ def main() -> None:
     parser.add_argument("--keep", action="store_true")
     parser.add_argument("--no-profile", action="store_true", help="skip the py-spy windows")
     parser.add_argument("--no-strace", action="store_true")
+    parser.add_argument("--worker", choices=("process", "thread"), default="process",
+                        help="training.worker of the server: a worker process per job (default) or a server thread")  # fmt: skip
     args = parser.parse_args()
     quick = args.quick
     args.seconds = args.seconds or (3.0 if quick else 10.0)
@@ -613,7 +615,7 @@ def run(work: Path, args: argparse.Namespace, levels: list[int]) -> None:
         f"python {platform.python_version()}, {platform.machine()}, {os.cpu_count()} cpus ({cpu_model()}), "
         f"torch {torch.__version__}, httpx {httpx.__version__}"
     )
-    print(f"work dir {work} ({filesystem_of(work)}); load average {load()}")
+    print(f"work dir {work} ({filesystem_of(work)}); load average {load()}; training.worker {args.worker}")
     facts = build_registry(work, args.adapters, args.sweep)
     registry: Path = facts["registry"]
     print(
@@ -623,7 +625,7 @@ def run(work: Path, args: argparse.Namespace, levels: list[int]) -> None:
     )
     print(f"sweep adapter: {len(facts['sweep_checkpoints'])} checkpoints (one per step) in {facts['sweep_s']:.1f} s")
 
-    server = Server(work / "home", facts["model"])
+    server = Server(work / "home", facts["model"], env={"KILN_TRAINING_WORKER": args.worker})
     phases: list[Phase] = []
     try:
         http = httpx.Client(base_url=server.url, timeout=600.0)
