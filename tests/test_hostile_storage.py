@@ -318,7 +318,8 @@ def test_writable_problem_probe_reports_a_read_only_file_system_naming_the_neare
 
 @pytest.fixture(scope="module")
 def http(tmp_path_factory, tiny_model_dir):
-    """An in-process server (its worker thread included) on the tiny model, with its registry made."""
+    """An in-process server on the tiny model, with its registry made; it trains in its own thread
+    (``training.worker = "thread"``), so the storage faults these tests patch in reach the trainer."""
     from fastapi.testclient import TestClient
 
     from kiln.server._app import build_server, create_app
@@ -327,7 +328,9 @@ def http(tmp_path_factory, tiny_model_dir):
     home = tmp_path_factory.mktemp("serve") / "home"
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("KILN_HOME", str(home))
-        settings = resolve_settings({"paths.home": str(home), "model.path": str(tiny_model_dir)})
+        settings = resolve_settings(
+            {"paths.home": str(home), "model.path": str(tiny_model_dir), "training.worker": "thread"}
+        )
         settings.registry.mkdir(parents=True)
         with TestClient(create_app(build_server(settings))) as client:
             client.registry = settings.registry
