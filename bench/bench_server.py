@@ -72,7 +72,7 @@ ROOT = Path(__file__).resolve().parent.parent
 DATASET = ROOT / "examples" / "sft_corrections.jsonl"
 JOB_ADAPTER = "trainee"
 SWEEP_ADAPTER = "sweep"
-JOB_EPOCHS = 100_000
+JOB_EPOCHS = 50_000  # x 12 rows: under admission's bound of 1,000,000 steps
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
@@ -625,7 +625,9 @@ def run(work: Path, args: argparse.Namespace, levels: list[int]) -> None:
     )
     print(f"sweep adapter: {len(facts['sweep_checkpoints'])} checkpoints (one per step) in {facts['sweep_s']:.1f} s")
 
-    server = Server(work / "home", facts["model"], env={"KILN_TRAINING_WORKER": args.worker})
+    # the job reads the repository's example file: its directory is a data root of this server
+    env = {"KILN_TRAINING_WORKER": args.worker, "KILN_TRAINING_DATA_ROOTS": str(DATASET.parent)}
+    server = Server(work / "home", facts["model"], env=env)
     phases: list[Phase] = []
     try:
         http = httpx.Client(base_url=server.url, timeout=600.0)
@@ -637,7 +639,8 @@ def run(work: Path, args: argparse.Namespace, levels: list[int]) -> None:
             "output_name": JOB_ADAPTER,
         }
         answer = http.post("/v1/train/sft", json={"dataset_path": str(DATASET), "config": config})
-        answer.raise_for_status()
+        if answer.status_code != 200:
+            raise RuntimeError(f"the job was refused: {answer.status_code} {answer.text}")
         job_id = answer.json()["job_id"]
         total_steps = int(re.search(r"\((\d+) steps", answer.json()["message"])[1])
         detail_path, adapters_path = f"/v1/train/jobs/{job_id}", "/v1/adapters"
