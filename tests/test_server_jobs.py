@@ -134,7 +134,11 @@ def test_only_terminal_jobs_can_be_forgotten(tmp_path):
         manager.forget(job.job_id)
     assert info.value.code == "job_not_terminal"
     manager.cancel(job.job_id)
+    worker_files = manager.store.job_directory(job.job_id)
+    worker_files.mkdir(parents=True)
+    (worker_files / "events.jsonl").write_text("{}\n")
     assert manager.forget(job.job_id) is True
+    assert not worker_files.exists()  # the worker's spec, events and log go with the job
     with pytest.raises(NotFoundError):
         manager.get(job.job_id)
     assert JobManager(JobStore(tmp_path / "jobs.db"), max_queued=8, runner=FakeRunner()).jobs == {}

@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import shutil
 import sqlite3
 import threading
 import time
@@ -173,6 +174,10 @@ class JobStore:
             "PRIMARY KEY (job_id, position)) WITHOUT ROWID",
         ):
             self._db.execute(f"CREATE TABLE IF NOT EXISTS {table}")
+
+    def job_directory(self, job_id: str) -> Path:
+        """Where a job's worker keeps its spec, events and log (``kiln.server._worker_process``)."""
+        return self.path.parent / "jobs" / job_id
 
     def save(self, job: Job) -> None:
         with self._lock:
@@ -512,6 +517,7 @@ class JobManager:
                     hint=f"cancel it first: DELETE /v1/train/queue/{job_id}",
                 )
             del self.jobs[job_id]
+            shutil.rmtree(self.store.job_directory(job_id), ignore_errors=True)  # its worker's spec, events, log
             return self.store.delete(job_id)
 
     def ordered(self, *, evaluation: bool | None = None) -> list[Job]:

@@ -130,7 +130,7 @@ def launch(
 ) -> dict[str, Any]:
     """Train ``job`` (its replay ``request``) in a worker process; returns the worker's outcome, or the failure the
     server classified when it left none. ``job_spec(engine, job, request, events)`` is the spec it runs."""
-    directory = engine.settings.job_store.parent / "jobs" / job.job_id
+    directory = engine.jobs.store.job_directory(job.job_id)
     directory.mkdir(parents=True, exist_ok=True)
     events = directory / "events.jsonl"
     events.unlink(missing_ok=True)  # a job runs once; a stale file would replay old events
