@@ -81,7 +81,6 @@ class Job:
     result: dict[str, Any] | None = None  # eval: the EvalResult
     linked_eval_job_ids: list[str] = field(default_factory=list)  # training: the gate's evaluations
     gate: dict[str, Any] | None = None  # training: the GateVerdict
-    worker_pid: int | None = None  # the training worker's process while it runs (kiln.server._worker_process)
 
     @property
     def terminal(self) -> bool:

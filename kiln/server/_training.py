@@ -161,9 +161,12 @@ def _writer_conflict(jobs: Any, adapter: str) -> None:
         )
 
 
-def job_spec(engine: Engine, job: Job, request: dict[str, Any], events: str | None = None) -> dict[str, Any]:
-    """The ``kiln.worker-spec.v1`` that trains ``job``: its replay ``request`` and where it trains."""
-    context = engine.context()
+def job_spec(
+    engine: Engine, job: Job, request: dict[str, Any], events: str | None = None, context: TrainingContext | None = None
+) -> dict[str, Any]:
+    """The ``kiln.worker-spec.v1`` that trains ``job``: its replay ``request`` and where it trains (``context``, by
+    default the engine's)."""
+    context = engine.context() if context is None else context
     return {
         "schema": SPEC_SCHEMA,
         "kind": job.job_type,
@@ -202,11 +205,12 @@ def run(engine: Engine, job: Job, cancel: threading.Event, report: Callable[[dic
         def private_weights(admitted: Any) -> None:
             admitted.loaded = dataclasses.replace(engine.base, model=copy.deepcopy(engine.base.model))
 
+        context = engine.context()
         found = run_spec(
-            job_spec(engine, job, request),
+            job_spec(engine, job, request, context=context),
             lambda event: _worker_process.forward(event, report),
             cancel,
-            context=engine.context(),
+            context=context,
             admission_lock=engine.admission_lock,
             private_weights=private_weights,
         )

@@ -125,8 +125,6 @@ def launch(
     request: dict[str, Any],
     cancel: threading.Event,
     report: Callable[[dict[str, Any]], None],
-    *,
-    oom_events: Path | None = None,
 ) -> dict[str, Any]:
     """Train ``job`` (its replay ``request``) in a worker process; returns the worker's outcome, or the failure the
     server classified when it left none. ``job_spec(engine, job, request, events)`` is the spec it runs."""
@@ -136,7 +134,7 @@ def launch(
     events.unlink(missing_ok=True)  # a job runs once; a stale file would replay old events
     spec = job_spec(engine, job, request, str(events))
     atomic_write_bytes(directory / "spec.json", json.dumps(spec, indent=1).encode("utf-8"))
-    oom_before = oom_kills(oom_events)
+    oom_before = oom_kills()
     reader = EventReader(events)
     outcome: dict[str, Any] | None = None
     with open(directory / "worker.log", "wb") as log:
@@ -147,7 +145,6 @@ def launch(
             stderr=subprocess.STDOUT,
             cwd=str(directory),
         )
-        job.worker_pid = proc.pid
         signalled = False
         while True:
             for event in reader.read():
@@ -162,10 +159,9 @@ def launch(
                 continue
     for event in reader.read():
         outcome = forward(event, report) or outcome
-    job.worker_pid = None
     if outcome is not None:
         return outcome
-    category, how = classify_exit(proc.returncode, oom_before, oom_kills(oom_events))
+    category, how = classify_exit(proc.returncode, oom_before, oom_kills())
     tail = (directory / "worker.log").read_text(encoding="utf-8", errors="replace")[-LOG_TAIL:].strip()
     error = f"{category}: the training worker (pid {proc.pid}) {how}; {continuation(engine.registry, job.adapter_name)}"
     if tail:

@@ -108,7 +108,6 @@ def candidate_loss(
     import torch
 
     from kiln.model import forward_logits
-    from kiln.training import grpo_objective as grpo_obj
     from kiln.training.opd_objective import top_k_reverse_kl
 
     prefix, action = rollout.prefix, rollout.action
@@ -126,12 +125,21 @@ def candidate_loss(
     env = None
     if echo is not None and observed:
         positions = torch.tensor(observed, dtype=torch.long)
-        logp = torch.log_softmax(logits[positions - 1].float(), dim=-1)
-        taken = logp.gather(-1, ids[0, positions].unsqueeze(-1)).squeeze(-1)
-        term, env_ce = grpo_obj.echo_loss(taken, torch.ones_like(taken, dtype=torch.bool), float(echo["lambda"]))
-        loss = loss + (term if weights[1] == 1.0 else term * weights[1])
-        env = None if env_ce is None else (env_ce, len(observed))
+        term, env = _echo_share(logits[positions - 1], ids[0, positions], echo, weights[1])
+        loss = loss + term
     return loss, mean_kl, env
+
+
+def _echo_share(rows: Any, targets: Any, echo: dict[str, Any], weight: float) -> tuple[Any, tuple[float, int] | None]:
+    """ECHO's part of a step's loss from the logits ``rows`` of a rollout's observation targets: λ times their mean
+    cross-entropy, times ``weight``; and ``(CE, tokens)``."""
+    import torch
+
+    from kiln.training import grpo_objective as grpo_obj
+
+    taken = torch.log_softmax(rows.float(), dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    term, env_ce = grpo_obj.echo_loss(taken, torch.ones_like(taken, dtype=torch.bool), float(echo["lambda"]))
+    return (term if weight == 1.0 else term * weight), (None if env_ce is None else (env_ce, len(targets)))
 
 
 def batch_loss(
@@ -144,10 +152,8 @@ def batch_loss(
 ) -> tuple[Any, list[tuple[float, tuple[float, int] | None]]]:
     """The summed shares of several non-empty rollouts from one right-padded forward, and per rollout its mean KL and
     ``(ECHO CE, observation tokens)``."""
-    import torch
 
     from kiln.trainers._forwards import selected_logits
-    from kiln.training import grpo_objective as grpo_obj
     from kiln.training.opd_objective import top_k_reverse_kl
 
     wanted, observed = [], []
@@ -172,10 +178,8 @@ def batch_loss(
         loss = loss * kl_weight
         env = None
         if n:
-            taken = torch.log_softmax(rows[:n], dim=-1).gather(-1, targets[:n].unsqueeze(-1)).squeeze(-1)
-            term, env_ce = grpo_obj.echo_loss(taken, torch.ones_like(taken, dtype=torch.bool), float(echo["lambda"]))
-            loss = loss + term * echo_weight
-            env = None if env_ce is None else (env_ce, n)
+            term, env = _echo_share(rows[:n], targets[:n], echo, echo_weight)
+            loss = loss + term
         total = loss if total is None else total + loss
         out.append((float(per_position.detach().mean()), env))
     return total, out
