@@ -1,7 +1,7 @@
 """The SFT batch plan: which rows of an epoch make up each optimizer step, and how a step splits into micro-batches.
 
-An optimizer step consumes ``rows_per_step = micro_batch_size x gradient_accumulation_steps`` consecutive rows of
-the epoch's order; the last step of an epoch takes what is left (fewer rows when the row count is not a multiple),
+An optimizer step consumes ``rows_per_step = micro_batch_size x gradient_accumulation_steps x world_size``
+consecutive rows of the epoch's order (``world_size``: the data-parallel ranks, 1 for a single process); the last step of an epoch takes what is left (fewer rows when the row count is not a multiple),
 and no step spans two epochs, so an epoch has ``ceil(items / rows_per_step)`` steps. A step's rows are cut, in
 order, into micro-batches of ``micro_batch_size`` rows (one forward and backward each); the step's loss is the mean
 over every supervised token of the step, whatever the cut.
@@ -31,9 +31,11 @@ __all__ = [
 GROUP_WINDOW_STEPS = 50  # optimizer steps per length-grouping window (the Hugging Face sampler's megabatch factor)
 
 
-def rows_per_step(config: Mapping[str, Any]) -> int:
-    """Rows per optimizer step of an effective SFT config (members absent: 1, as before batching existed)."""
-    return int(config.get("micro_batch_size", 1)) * int(config.get("gradient_accumulation_steps", 1))
+def rows_per_step(config: Mapping[str, Any], world_size: int = 1) -> int:
+    """Rows per optimizer step of an effective SFT config (members absent: 1, as before batching existed) trained by
+    ``world_size`` data-parallel ranks (``kiln.training.DataParallel``): each rank takes its share of the step's
+    micro-batches, so a step is ``world_size`` times as many rows."""
+    return int(config.get("micro_batch_size", 1)) * int(config.get("gradient_accumulation_steps", 1)) * world_size
 
 
 def steps_per_epoch(items: int, rows: int) -> int:

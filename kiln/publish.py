@@ -235,4 +235,6 @@ def bind_adapter_manifest(adapter_dir: Path, receipt: dict[str, Any]) -> Path:
         manifest["execution_provenance"] = runtime["execution_provenance"]
     if runtime.get("training_precision"):
         manifest["training_precision"] = runtime["training_precision"]
+    if runtime.get("data_parallel"):
+        manifest["data_parallel"] = runtime["data_parallel"]
     return contracts.write("AdapterManifest", adapter_dir / MANIFEST, manifest)

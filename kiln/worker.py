@@ -15,8 +15,15 @@ only; the server reads it and never writes it:
   the last line, synced to disk before the process exits 0. ``activate`` says the run published an adapter
   (the server then runs its gate or ``auto_load``).
 
+Data parallelism (SFT): a spec whose ``launch`` asks for more than one rank (``nproc_per_node`` processes on each
+of ``nnodes`` nodes) makes the worker replace itself (``exec``, same process id) with ``torchrun`` running this
+entry point once per rank. Every rank loads the model, re-admits the request against the fingerprint and joins the
+``torch.distributed`` group (``kiln.training.DataParallel``); rank 0 alone writes the events and publishes. The
+cancel signal goes to ``torchrun``, which forwards it to every rank; the ranks agree on the step they stop at.
+
 The worker ends with the server: it asks the kernel for ``SIGKILL`` when its parent dies, so a crashed server
-leaves no training behind it (what was published stays). Cancellation is ``SIGTERM`` (or ``SIGINT``), which the worker turns into the trainers' cooperative cancel: the
+leaves no training behind it (what was published stays). ``torchrun`` inherits that request across its ``exec``, and
+each rank asks for the same when ``torchrun`` dies. Cancellation is ``SIGTERM`` (or ``SIGINT``), which the worker turns into the trainers' cooperative cancel: the
 step in flight finishes, a checkpoint is published, the cancelled receipt is written. A worker that dies without
 an outcome line (killed, out of memory, a crash in native code) leaves the job to the server to classify
 (``kiln.server._worker_process``); everything it published before stays, checksummed, resumable.
@@ -31,7 +38,7 @@ import signal
 import sys
 import threading
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -46,15 +53,23 @@ FINGERPRINT_LABELS = {
     "checkpoint": "the resume checkpoint",
 }
 
+SHUTDOWN_TIMEOUT_S = 600  # how long torchrun waits for cancelled ranks to publish before it kills them
+
 __all__ = [
     "FINGERPRINT_LABELS",
+    "SHUTDOWN_TIMEOUT_S",
     "SPEC_SCHEMA",
+    "EventReader",
     "EventWriter",
     "changed",
+    "launch_ranks",
     "main",
+    "outcome_of",
     "revalidation_failed",
     "run_spec",
     "spec_context",
+    "torchrun_argv",
+    "train_admitted",
 ]
 
 
@@ -65,6 +80,27 @@ def changed(before: dict[str, Any], now: dict[str, Any]) -> list[str]:
         for key, label in FINGERPRINT_LABELS.items()
         if before.get(key) != now.get(key)
     ]
+
+
+class EventReader:
+    """The reading half of the channel: the complete lines appended since the last read (a partial last line waits
+    for its end)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self._offset, self._partial = path, 0, b""
+
+    def read(self) -> Iterator[dict[str, Any]]:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self._offset)
+                data = f.read()
+        except FileNotFoundError:
+            return
+        self._offset += len(data)
+        *lines, self._partial = (self._partial + data).split(b"\n")
+        for line in lines:
+            if line.strip():
+                yield json.loads(line)
 
 
 class EventWriter:
@@ -95,10 +131,37 @@ def revalidation_failed(differences: list[str]) -> str:
     )
 
 
-def spec_context(spec: dict[str, Any]) -> Any:
-    """The ``TrainingContext`` a spec describes, its base model loaded from disk."""
+def launch_ranks(spec: dict[str, Any]) -> int:
+    """How many ranks a spec's ``launch`` asks for in all (``nproc_per_node x nnodes``; 1 without a launch)."""
+    launch = spec.get("launch") or {}
+    return int(launch.get("nproc_per_node", 1)) * int(launch.get("nnodes", 1))
+
+
+def torchrun_argv(spec_path: str, launch: dict[str, Any]) -> list[str]:
+    """The ``torchrun`` command that runs this entry point once per rank for ``launch``: one node stands alone
+    (a rendezvous on a free local port); several meet at ``rdzv_endpoint`` (c10d) under ``rdzv_id``."""
+    argv = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={int(launch['nproc_per_node'])}"]
+    nnodes = int(launch.get("nnodes", 1))
+    if nnodes == 1 and not launch.get("rdzv_endpoint"):
+        argv.append("--standalone")
+    else:
+        argv += [
+            f"--nnodes={nnodes}",
+            f"--node-rank={int(launch.get('node_rank', 0))}",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={launch['rdzv_endpoint']}",
+            f"--rdzv-id={launch.get('rdzv_id') or 'kiln'}",
+        ]
+    argv += ["--max-restarts=0", f"--shutdown-timeout={SHUTDOWN_TIMEOUT_S}", "-m", "kiln.worker", spec_path]
+    return argv
+
+
+def spec_context(spec: dict[str, Any], data_parallel: Any = None) -> Any:
+    """The ``TrainingContext`` a spec describes, its base model loaded from disk (``data_parallel``: the group this
+    process trains in)."""
     from kiln.model import load_base_model
     from kiln.trainers import TrainingContext
+    from kiln.training import DataParallel
 
     ctx = spec["context"]
     return TrainingContext(
@@ -107,6 +170,7 @@ def spec_context(spec: dict[str, Any]) -> Any:
         teachers_root=Path(ctx["teachers_root"]) if ctx.get("teachers_root") else None,
         checkpoint_interval=ctx.get("checkpoint_interval"),
         data_roots=tuple(Path(p) for p in ctx["data_roots"]) if ctx.get("data_roots") is not None else None,
+        data_parallel=data_parallel or DataParallel(),
     )
 
 
@@ -118,19 +182,21 @@ def run_spec(
     context: Any = None,
     admission_lock: Any = None,
     private_weights: Callable[[Any], None] | None = None,
+    data_parallel: Any = None,
 ) -> dict[str, Any]:
     """Re-admit and train the job ``spec`` describes, sending its events to ``emit``; returns the outcome.
 
     A worker process passes nothing else: the context comes from the spec, with the base model loaded from disk.
     The server's in-process mode (``training.worker = "thread"``) passes its context (the pristine base it admits
-    against), its admission lock, and ``private_weights`` to give the admitted job a copy of its own to train."""
+    against), its admission lock, and ``private_weights`` to give the admitted job a copy of its own to train. A rank
+    of a data-parallel group passes its ``data_parallel`` group."""
     from kiln.errors import KilnError
     from kiln.trainers import TRAINERS
 
     if spec.get("schema") != SPEC_SCHEMA:
         raise ValueError(f"not a {SPEC_SCHEMA} spec: schema {spec.get('schema')!r}")
     try:
-        context = spec_context(spec) if context is None else context
+        context = spec_context(spec, data_parallel) if context is None else context
         trainer = TRAINERS[spec["kind"]]
         with admission_lock if admission_lock is not None else contextlib.nullcontext():
             admitted = trainer.admit(spec["request"], adapter_name=spec["adapter_name"], context=context)
@@ -139,23 +205,46 @@ def run_spec(
             return _failed(revalidation_failed(differences))
         if private_weights is not None and not admitted.dry_run:
             private_weights(admitted)
-
-        def progress(event: dict[str, Any]) -> None:
-            if event.get("loss") is not None:  # an OPD candidate with an empty rollout settles without a loss
-                emit({"event": "progress", **event})
-
-        def checkpoint_landed(published: Any) -> None:
-            t = published.timings
-            emit({"event": "checkpoint", "seconds": (t.capture_ms + t.encode_ms + t.write_ms) / 1000})
-
-        result = trainer.run(admitted, progress=progress, cancel=cancel, on_checkpoint=checkpoint_landed)
-        admitted.loaded = None  # drop the trained weights now, not when the job goes
+        return train_admitted(trainer, admitted, emit, cancel)
     except KilnError as exc:
         return _failed(f"{exc.code}: {exc.message}")
+
+
+def train_admitted(trainer: Any, admitted: Any, emit: Callable[..., None], cancel: threading.Event) -> dict[str, Any]:
+    """Train an admitted job, its progress and checkpoints sent to ``emit`` as events; returns the outcome line.
+    ``kiln train --local`` on one process calls this directly, having admitted the job itself."""
+    from kiln.errors import KilnError
+
+    def progress(event: dict[str, Any]) -> None:
+        if event.get("loss") is not None:  # an OPD candidate with an empty rollout settles without a loss
+            emit({"event": "progress", **event})
+
+    def checkpoint_landed(published: Any) -> None:
+        t = published.timings
+        emit({"event": "checkpoint", "seconds": (t.capture_ms + t.encode_ms + t.write_ms) / 1000})
+
+    try:
+        result = trainer.run(admitted, progress=progress, cancel=cancel, on_checkpoint=checkpoint_landed)
+    except KilnError as exc:
+        return _failed(f"{exc.code}: {exc.message}")
+    finally:
+        admitted.loaded = None  # drop the trained weights now, not when the job goes
+    return outcome_of(result)
+
+
+def outcome_of(result: Any) -> dict[str, Any]:
+    """The outcome line of a finished run (a ``TrainResult``): its state, where its receipt and adapter are, and what
+    a caller prints -- the loss history, the checkpoints, whether it was cancelled."""
+    run = {
+        "losses": list(result.losses),
+        "checkpoints": [str(p) for p in result.checkpoints],
+        "latest_checkpoint": None if result.latest_checkpoint is None else str(result.latest_checkpoint),
+        "cancelled": result.cancelled,
+    }
     if result.status != "success":
         receipt = result.receipt
         error = f"{receipt['failure_reason']}: {receipt.get('failure_message') or 'no detail'}"
-        return {**_failed(error), "receipt_path": str(result.receipt_path)}
+        return {**_failed(error), "receipt_path": str(result.receipt_path), **run}
     published = result.manifest_path is not None  # a dry run, or filters that left nothing, publish no adapter
     return {
         "event": "outcome",
@@ -164,6 +253,7 @@ def run_spec(
         "receipt_path": str(result.receipt_path),
         "adapter_path": str(result.adapter_dir) if published else None,
         "activate": published,
+        **run,
     }
 
 
@@ -192,7 +282,16 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python -m kiln.worker SPEC.json", file=sys.stderr)
         return 2
     spec = json.loads(Path(args[0]).read_text(encoding="utf-8"))
-    die_with_parent(spec.get("server_pid"))
+    under_torchrun = "TORCHELASTIC_RUN_ID" in os.environ
+    if launch_ranks(spec) > 1 and not under_torchrun:
+        die_with_parent(spec.get("server_pid"))  # inherited by torchrun through the exec below
+        argv = torchrun_argv(str(Path(args[0]).resolve()), spec["launch"])
+        sys.stdout.flush()
+        os.execv(argv[0], argv)  # noqa: S606 - the argv is ours: this interpreter running torchrun
+    die_with_parent(os.getppid() if under_torchrun else spec.get("server_pid"))
+    from kiln.training import DataParallel
+
+    group = DataParallel.from_environment()
     cancel = threading.Event()
 
     def on_signal(_signum: int, _frame: Any) -> None:
@@ -200,15 +299,23 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    events = EventWriter(Path(spec["events"]))
+    events = EventWriter(Path(spec["events"])) if group.publishes else None  # rank 0 speaks for the group
     try:
-        outcome = run_spec(spec, events.send, cancel)
+        outcome = run_spec(spec, events.send if events else _silent, cancel, data_parallel=group)
     except Exception as exc:  # noqa: BLE001 - an outcome line even for a bug, so the job says what happened
         traceback.print_exc()  # into worker.log
         outcome = _failed(f"internal_error: {type(exc).__name__}: {exc}")
-    events.send(outcome, sync=True)
-    events.close()
+    if events is not None:
+        events.send(outcome, sync=True)
+        events.close()
+    elif outcome["state"] != "completed":  # rank 0 reports the group's outcome; this rank's own reason goes to the log
+        print(f"rank {group.rank}: {outcome['error']}", file=sys.stderr)
+    group.leave()
     return 0
+
+
+def _silent(_event: dict[str, Any], *, sync: bool = False) -> None:
+    """The events of a rank other than 0: rank 0 reports the group's."""
 
 
 if __name__ == "__main__":

@@ -12,7 +12,8 @@ from _server import ServerProcess, wait_for
 from conftest import ADAPTER_CONVERSATIONS
 
 from kiln import contracts
-from kiln.server._worker_process import EventReader, classify_exit, oom_kills
+from kiln.server._worker_process import classify_exit, oom_kills
+from kiln.worker import EventReader
 
 ROWS = ADAPTER_CONVERSATIONS * 2
 

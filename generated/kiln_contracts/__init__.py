@@ -16,10 +16,10 @@ from importlib import resources
 from typing import Any
 
 SCHEMA_DIGESTS: dict[str, str] = {
-    "kiln-artifacts-v1.schema.json": "sha256:70a3e16848c634d8ff5b5f7863c99cb456eea9ca4aeb0f426af09496e3aea740",
-    "kiln-checkpoint-v1.schema.json": "sha256:7069cd48e8e551e0b4337fa77579c49f2b9a22ac989ced74004f43e04824437a",
+    "kiln-artifacts-v1.schema.json": "sha256:26877dcad285987f0fa4b6b9665d570c1dab9e53c212f0e32197b6cbd9019249",
+    "kiln-checkpoint-v1.schema.json": "sha256:40f2f23b53561eaca7040113a06aea056e0ac8f95172d7f10c65195bd3f5f7f7",
     "kiln-common-v1.schema.json": "sha256:578fb0867921ff18b61214d1e6a909abccdcc2532c6c6bd5a1c1aada83583c73",
-    "kiln-config-v1.schema.json": "sha256:5af01d04359cb63b595b0c7cf07b8b5446afe4fc2582184e1b7a52fda4e77c5f",
+    "kiln-config-v1.schema.json": "sha256:9a891eecb621931b3796792d4774f96f8e4bb4c399b739292d7d2704f0da30ae",
     "kiln-control-plane-v1.schema.json": "sha256:a2057565d5635796d6082ee43951200755a0bbdc5960a43d24c9c6afa909ada2",
     "kiln-observability-v1.schema.json": "sha256:6f0bc47ffee00565b9fcff807ddbbfc8e2a57ca93e1f13e915de1dde8427e513"
 }

@@ -285,7 +285,7 @@ def _sft_step_accounting(doc: dict[str, Any], at: str) -> Iterable[Problem]:
             f"effective_config.epochs is {epochs!r}; a resolved SFT config names its number of epochs as an integer",
         )
         return
-    rows = _step_rows(config)
+    rows = _step_rows(doc)
     if rows is None:  # manifest.effective-config names the member
         return
     per_epoch = steps_per_epoch(count, rows) if count else 0
@@ -322,12 +322,26 @@ def _sft_step_accounting(doc: dict[str, Any], at: str) -> Iterable[Problem]:
         )
 
 
-def _step_rows(config: dict[str, Any]) -> int | None:
-    """Rows (OPD: candidates) per optimizer step of a manifest's effective config; None when a member is not a positive integer."""
+def _step_rows(doc: dict[str, Any]) -> int | None:
+    """Rows (OPD: candidates) per optimizer step of a manifest: its effective config's micro-batch and accumulation
+    times, for SFT, the data-parallel world size of its planning identity; None when a member is not a positive
+    integer."""
+    config = doc["effective_config"]
     members = [config.get(name, 1) for name in ("micro_batch_size", "gradient_accumulation_steps")]
     if not all(_is_int(m) and m >= 1 for m in members):
         return None
-    return rows_per_step(config)
+    return rows_per_step(config, _world_size(doc))
+
+
+def _world_size(doc: dict[str, Any]) -> int:
+    """The data-parallel world size an SFT manifest's planning identity records (1 when it records none)."""
+    if doc["training_kind"] != "sft":
+        return 1
+    aux = doc.get("auxiliary_state")
+    planning = aux.get("training_runtime_planning_identity") if isinstance(aux, dict) else None
+    plan = planning.get("data_parallel") if isinstance(planning, dict) else None
+    world = plan.get("world_size") if isinstance(plan, dict) else None
+    return world if _is_int(world) and world >= 2 else 1
 
 
 @semantic_rule(DOC, "manifest.epoch-order")
@@ -348,7 +362,7 @@ def _epoch_order(doc: dict[str, Any], at: str) -> Iterable[Problem]:
     if not order or len(order) != count:  # empty: finished; other lengths: manifest.data-order-permutation
         return
     expected = epoch_order(stream["seed"], stream["position"], count)
-    rows = _step_rows(doc["effective_config"]) if doc["training_kind"] == "sft" else 1
+    rows = _step_rows(doc) if doc["training_kind"] == "sft" else 1
     if rows is not None and doc["training_kind"] == "sft" and doc["effective_config"].get("group_by_length") is True:
         yield from _grouped_order(order, expected, rows, stream, at)
         return
@@ -716,7 +730,7 @@ def _opd_candidate_cursor(doc: dict[str, Any], at: str) -> Iterable[Problem]:
             f"auxiliary_state.candidates_consumed ({consumed}) is below progress.global_step ({progress['global_step']}): "
             "every optimizer step consumes a candidate",
         )
-    per_step = _step_rows(doc["effective_config"])  # the same product of the same two members
+    per_step = _step_rows(doc)  # the same product of the same two members
     if per_step is not None and progress["cursor_in_epoch"] % per_step:
         yield Problem(
             "inconsistent_fields",

@@ -104,6 +104,46 @@ def _without_environment(aux: dict[str, Any]) -> dict[str, Any]:
     return {**aux, "execution_provenance": provenance}
 
 
+_PLANNING = ("auxiliary_state", "training_runtime_planning_identity", "data_parallel")
+
+
+def _plan(aux: dict[str, Any]) -> Any:
+    """An SFT checkpoint's data-parallel plan; a single process (no plan recorded) is world size 1."""
+    planning = aux.get(_PLANNING[1])
+    if not isinstance(planning, dict):
+        return _ABSENT
+    return planning.get(_PLANNING[2], {"world_size": 1})
+
+
+def _without_plan(aux: dict[str, Any]) -> dict[str, Any]:
+    planning = aux.get(_PLANNING[1])
+    if not isinstance(planning, dict):
+        return aux
+    return {**aux, _PLANNING[1]: {k: v for k, v in planning.items() if k != _PLANNING[2]}}
+
+
+def _data_parallel_problems(old: dict[str, Any], new: dict[str, Any]) -> Iterator[Problem]:
+    """The world size first (the one a user changes), then the rest of the data-parallel plan by member."""
+    a, b = _plan(old), _plan(new)
+    if not isinstance(a, dict) or not isinstance(b, dict):
+        return
+    world_a, world_b = a.get("world_size"), b.get("world_size")
+    if world_a != world_b:
+        path = (*_PLANNING, "world_size")
+        yield Problem(
+            ".".join(path),
+            "/" + "/".join(path),
+            f"{'.'.join(path)} differs: {_show(world_a)} (checkpoint) != {_show(world_b)} (this run): the checkpoint "
+            f"was trained by {world_a} rank(s) and resumes only at that world size (nodes x nproc_per_node)",
+        )
+        return
+    for path, x, y in _diff(a, b, _PLANNING):
+        dotted = ".".join(path)
+        yield Problem(
+            dotted, "/" + "/".join(path), f"{dotted} differs: {_show(x)} (checkpoint) != {_show(y)} (this run)"
+        )
+
+
 SECTIONS = (
     ("training_kind",),
     ("adapter_name",),
@@ -135,6 +175,9 @@ def incompatibilities(checkpoint: dict[str, Any], current: dict[str, Any]) -> li
     identity, and are ignored. Each problem's ``code`` is the dotted field path.
     """
     found: list[Problem] = []
+    old_aux, new_aux = _get(checkpoint, ("auxiliary_state",)), _get(current, ("auxiliary_state",))
+    if isinstance(old_aux, dict) and isinstance(new_aux, dict):  # first: a world size changes the step counts too
+        found.extend(_data_parallel_problems(old_aux, new_aux))
     for section in SECTIONS:
         old, new = _get(checkpoint, section), _get(current, section)
         if section == ("rng_states",) and isinstance(old, dict) and isinstance(new, dict):
@@ -148,6 +191,7 @@ def incompatibilities(checkpoint: dict[str, Any], current: dict[str, Any]) -> li
                 new = {k: v for k, v in new.items() if k != _SHARDS[1]}
         if section == ("auxiliary_state",) and isinstance(old, dict) and isinstance(new, dict):
             old, new = _without_environment(old), _without_environment(new)
+            old, new = _without_plan(old), _without_plan(new)
         for path, a, b in _diff(old, new, section):
             dotted = ".".join(path)
             found.append(

@@ -1,28 +1,42 @@
-"""``kiln train sft|grpo|opd --local``: one runner for every kind, through ``kiln.trainers.TRAINERS``.
+"""``kiln train sft|grpo|opd --local``: one runner for every kind, through the training worker (``kiln.worker``).
 
 The request is built from the file and the flags exactly as for a server (``kiln.cli._requests``), admitted in this
-process (the configured registry, model, teacher registry and ``training.checkpoint_interval``), then trained under
-SIGINT/SIGTERM cancellation -- the first signal asks for a checkpoint at the next step and a failed run with reason
-``cancelled``, a second aborts without one -- with a progress bar; the result is printed as lines or, with
-``--json``, one summary object. What differs between kinds is only how a run is described (``TEXTS``).
+process (the configured registry, model, teacher registry and ``training.checkpoint_interval``; for SFT the world
+size of ``--nproc-per-node`` x ``--nnodes``), then trained the way the server's workers train:
+
+* one process: ``kiln.worker.train_admitted`` in this process, on the job admitted here;
+* several ranks: the admitted job's replay request goes into a ``kiln.worker-spec.v1`` in a temporary directory and
+  ``python -m kiln.worker`` runs it (as ``torchrun``, one process per rank); this process follows its event file
+  and reads the outcome line rank 0 writes. On a multi-node run every node runs this command with the same flags
+  and its own ``--node-rank``; the node that holds rank 0 (the c10d rendezvous assigns ranks) publishes and prints
+  the result, the others report that their ranks finished.
+
+Either way the run is under SIGINT/SIGTERM cancellation -- the first signal asks for a checkpoint at the next step
+and a failed run with reason ``cancelled`` (forwarded to the ranks), a second aborts without one -- with a progress
+bar; the result is printed as lines or, with ``--json``, one summary object. What differs between kinds is only how
+a run is described (``TEXTS``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import signal
+import subprocess
 import sys
+import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from kiln.cli._requests import build_request, flag_argv, prepare, sft_resume_command, training_flags
 from kiln.errors import RequestError
 
-__all__ = ["cmd_train_local"]
+__all__ = ["cmd_train_local", "rank_flags_problem"]
 
 
 class _Cancellation:
@@ -209,11 +223,33 @@ def _failure_line(what: str, receipt: dict[str, Any]) -> str:
 # ----------------------------------------------------------------------------- the run
 
 
-def _admit(args: argparse.Namespace, kind: str, path: Path) -> Any:
+def rank_flags_problem(args: argparse.Namespace) -> str | None:
+    """What is wrong with the data-parallel flags, or None."""
+    nproc, nnodes = getattr(args, "nproc_per_node", 1), getattr(args, "nnodes", 1)
+    node_rank, endpoint = getattr(args, "node_rank", 0), getattr(args, "rdzv_endpoint", None)
+    if nproc < 1 or nnodes < 1:
+        return f"--nproc-per-node ({nproc}) and --nnodes ({nnodes}) must be at least 1"
+    if (nproc > 1 or nnodes > 1) and not args.local:
+        return "--nproc-per-node and --nnodes train with --local; a server's ranks are its training.nproc_per_node"
+    if not 0 <= node_rank < nnodes:
+        return f"--node-rank {node_rank} is not one of the {nnodes} node(s) 0..{nnodes - 1}"
+    if nnodes > 1 and not endpoint:
+        return "--nnodes > 1 needs --rdzv-endpoint HOST:PORT, where every node meets (node 0's address)"
+    return None
+
+
+def _ranks(args: argparse.Namespace) -> int:
+    """The world size of the flags: ``--nproc-per-node`` x ``--nnodes`` (1 for the kinds without them)."""
+    return int(getattr(args, "nproc_per_node", None) or 1) * int(getattr(args, "nnodes", None) or 1)
+
+
+def _admit(args: argparse.Namespace, kind: str, path: Path) -> tuple[Any, dict[str, Any], Any]:
+    """The admitted job, the replay request the ranks admit again, and the context it was admitted in."""
     from kiln.config import config_value, configured_registry, load_config
     from kiln.home import kiln_home
     from kiln.teachers import teachers_root
     from kiln.trainers import TRAINERS, TrainingContext
+    from kiln.training import DataParallel
 
     settings = load_config()
     request = build_request(args, kind, path)
@@ -223,24 +259,156 @@ def _admit(args: argparse.Namespace, kind: str, path: Path) -> Any:
         model_path=args.model or config_value(settings, "model", "path"),
         teachers_root=teachers_root(kiln_home()),
         checkpoint_interval=_configured_interval(config_value(settings, "training", "checkpoint_interval")),
+        data_parallel=DataParallel.planned(_ranks(args)),
     )
-    return TRAINERS[kind].admit(request, adapter_name=args.adapter, context=context)
+    job = TRAINERS[kind].admit(request, adapter_name=args.adapter, context=context)
+    return job, {**request, "config": dict(job.config)}, context  # the replay request: every default resolved
+
+
+def _result_of(outcome: dict[str, Any], target: Path) -> Any:
+    """The ``TrainResult`` a worker's outcome line describes (its receipt read from where the run wrote it)."""
+    from kiln._jsonio import read_json_file
+    from kiln.trainers import TrainResult
+
+    receipt_path = Path(outcome["receipt_path"]) if outcome.get("receipt_path") else None
+    adapter = Path(outcome["adapter_path"]) if outcome.get("adapter_path") else None
+    checkpoints = [Path(p) for p in outcome.get("checkpoints", [])]
+    latest = outcome.get("latest_checkpoint")
+    return TrainResult(
+        "success" if outcome["state"] == "completed" else "failed",
+        adapter or target,
+        receipt_path or target / "train_receipt.json",
+        adapter / "adapter_manifest.json" if adapter is not None else None,
+        read_json_file(receipt_path) if receipt_path is not None else _no_receipt(outcome),
+        losses=[float(x) for x in outcome.get("losses", [])],
+        checkpoints=checkpoints,
+        cancelled=bool(outcome.get("cancelled")),
+        resumed_from=Path(latest) if latest and not checkpoints else None,  # so latest_checkpoint reads the same
+    )
+
+
+def _no_receipt(outcome: dict[str, Any]) -> dict[str, Any]:
+    """A run that failed before any receipt (a rank refused its admission, a worker died): the failure as a receipt
+    would name it."""
+    reason, _, message = (outcome.get("error") or "training_error: no detail").partition(": ")
+    return {"failure_reason": reason, "failure_message": message or None}
+
+
+def _worker_spec(
+    args: argparse.Namespace, kind: str, admitted: tuple[Any, dict[str, Any], Any], events: Path
+) -> dict[str, Any]:
+    from kiln.worker import SPEC_SCHEMA
+
+    job, replay, ctx = admitted
+    return {
+        "schema": SPEC_SCHEMA,
+        "kind": kind,
+        "adapter_name": args.adapter,
+        "request": replay,
+        "fingerprint": job.fingerprint(),
+        "events": str(events),
+        "server_pid": os.getpid(),  # the ranks end when this command does
+        "launch": {
+            "nproc_per_node": int(args.nproc_per_node),
+            "nnodes": int(args.nnodes),
+            "node_rank": int(args.node_rank),
+            "rdzv_endpoint": args.rdzv_endpoint,
+            "rdzv_id": args.rdzv_id,
+        },
+        "context": {
+            "registry": str(ctx.registry),
+            "model_path": str(job.loaded.path),
+            "model_is_default": bool(job.loaded.is_default),
+            "teachers_root": None if ctx.teachers_root is None else str(ctx.teachers_root),
+            "checkpoint_interval": ctx.checkpoint_interval,
+            "data_roots": None,
+        },
+    }
+
+
+def _run_ranks(
+    args: argparse.Namespace,
+    kind: str,
+    admitted: tuple[Any, dict[str, Any], Any],
+    emit: Callable[[dict[str, Any]], None],
+    cancellation: _Cancellation,
+) -> dict[str, Any] | None:
+    """Train over several ranks: the worker (``torchrun``) in a session of its own, its events followed; returns
+    rank 0's outcome line, or None when this node's ranks ended without one (rank 0 ran on another node). The
+    workers' output goes to ``worker.log``, quoted when they end without an outcome."""
+    from kiln.worker import EventReader
+
+    with tempfile.TemporaryDirectory(prefix="kiln-ranks-") as tmp:
+        directory = Path(tmp)
+        spec_path, events, log_path = directory / "spec.json", directory / "events.jsonl", directory / "worker.log"
+        spec_path.write_text(json.dumps(_worker_spec(args, kind, admitted, events), indent=1), encoding="utf-8")
+        reader, outcome, signalled = EventReader(events), None, False
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "kiln.worker", str(spec_path)],
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # the terminal's Ctrl-C reaches this process, which forwards it once
+            )
+            try:
+                while True:
+                    for event in reader.read():
+                        if event.get("event") == "outcome":
+                            outcome = event
+                        elif event.get("event") == "progress":
+                            emit(event)
+                    if cancellation.event.is_set() and not signalled:
+                        proc.send_signal(signal.SIGTERM)  # torchrun hands it to every rank
+                        signalled = True
+                    try:
+                        proc.wait(timeout=0.1)
+                        break
+                    except subprocess.TimeoutExpired:
+                        continue
+            except KeyboardInterrupt:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                raise
+        for event in reader.read():
+            if event.get("event") == "outcome":
+                outcome = event
+        if outcome is None and proc.returncode != 0:
+            tail = log_path.read_text(encoding="utf-8", errors="replace")[-3000:].strip()
+            return {
+                "event": "outcome",
+                "state": "failed",
+                "error": f"training_error: the workers exited with status {proc.returncode} without an outcome. "
+                f"Their last output: {tail}",
+            }
+        return outcome
 
 
 def cmd_train_local(args: argparse.Namespace, kind: str) -> int:
-    """Admit, train in this process, print where the adapter, receipt and manifest are (or why it failed)."""
+    """Admit, train (in this process, or over several ranks), print where the adapter, receipt and manifest are (or
+    why it failed)."""
     from kiln.trainers import TRAINERS
+    from kiln.worker import train_admitted
 
     path = Path(args.file)
     text = TEXTS[kind]
-    job = prepare(path, lambda: _admit(args, kind, path))
-    if isinstance(job, int):
-        return job
+    problem = rank_flags_problem(args)
+    if problem is not None:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
+    admitted = prepare(path, lambda: _admit(args, kind, path))
+    if isinstance(admitted, int):
+        return admitted
+    job = admitted[0]
+    ranks = _ranks(args)
     bar = None
     if not args.json and not job.dry_run:
         from tqdm import tqdm
 
         print(text.headline(args, job))
+        if ranks > 1:
+            print(f"Data parallel: {ranks} ranks ({args.nnodes} node(s) x {args.nproc_per_node}), backend "
+                  f"{job.data_parallel.backend}")  # fmt: skip
         if job.resume is not None:
             print(f"Resuming from {job.resume.path.name} (step {job.start_step} of {job.total_steps}, verified)")
         bar = tqdm(unit=text.unit, dynamic_ncols=True, file=sys.stderr)
@@ -258,9 +426,15 @@ def cmd_train_local(args: argparse.Namespace, kind: str) -> int:
             bar.update(1)
 
     cancellation = _Cancellation(quiet=args.json)
+    target = job.registry / job.adapter_name
     try:
         with cancellation:
-            result = TRAINERS[kind].run(job, progress=progress, cancel=cancellation.event)
+            if ranks > 1:
+                found = _run_ranks(args, kind, admitted, progress, cancellation)
+            else:
+                found = train_admitted(
+                    TRAINERS[kind], job, lambda e: progress(e) if e["event"] == "progress" else None, cancellation.event
+                )
     except KeyboardInterrupt:
         if bar is not None:
             bar.close()
@@ -269,6 +443,12 @@ def cmd_train_local(args: argparse.Namespace, kind: str) -> int:
     finally:
         if bar is not None:
             bar.close()
+    if found is None:
+        print(
+            f"✓ node {args.node_rank}: its ranks finished; rank 0, on another node, publishes adapter '{args.adapter}'"
+        )
+        return 0
+    result = _result_of(found, target)
     latest = result.latest_checkpoint
     failed = result.status != "success"
     resume = text.resume(args, path, job, latest.name) if latest is not None and failed else None
@@ -288,6 +468,7 @@ def cmd_train_local(args: argparse.Namespace, kind: str) -> int:
             "checkpoints": [str(p) for p in result.checkpoints],
             "resume_checkpoint": latest.name if resume is not None else None,
             "resume_command": resume,
+            "world_size": ranks,
             **text.summary(job, result),
         }
         print(json.dumps(summary, indent=2))

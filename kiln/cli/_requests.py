@@ -201,12 +201,25 @@ def flag_argv(flags: Iterable[tuple[str, Any]]) -> list[str]:
     return argv
 
 
+def _rank_flags(args: argparse.Namespace) -> tuple[tuple[str, Any], ...]:
+    """The data-parallel flags of a local SFT run, those that differ from one process on one node."""
+    nproc, nnodes = getattr(args, "nproc_per_node", 1) or 1, getattr(args, "nnodes", 1) or 1
+    return (
+        ("--nproc-per-node", nproc if nproc > 1 else None),
+        ("--nnodes", nnodes if nnodes > 1 else None),
+        ("--rdzv-endpoint", getattr(args, "rdzv_endpoint", None)),
+        ("--rdzv-id", getattr(args, "rdzv_id", None)),
+    )
+
+
 def sft_resume_command(args: argparse.Namespace, checkpoint: str, interval: int | None, *, local: bool = True) -> str:
     """The command that continues this run from ``checkpoint`` (same options, no seed: the checkpoint has it)."""
     argv = ["kiln", "train", "sft", *(["--local"] if local else [])]
     argv += ["-f", str(Path(args.file).resolve()), "--adapter", args.adapter]
     where = (("--adapter-dir", args.adapter_dir), ("--model", args.model)) if local else (("--url", args.url),)
     argv += flag_argv((*where, *training_flags(args, "sft"), ("--checkpoint-interval", interval)))
+    if local:  # a checkpoint resumes only at the world size it was written at
+        argv += flag_argv(_rank_flags(args))
     if not local and args.no_auto_load:
         argv.append("--no-auto-load")
     return shlex.join([*argv, "--resume-checkpoint", checkpoint])

@@ -16,7 +16,7 @@ from typing import Any
 
 from kiln.cli._client import DEFAULT_URL, add_client_options
 from kiln.cli._jobs import cmd_train_cancel, cmd_train_status, submit
-from kiln.cli._local import cmd_train_local
+from kiln.cli._local import cmd_train_local, rank_flags_problem
 
 OPTIMIZERS = ("muon", "adam_w", "sgd")
 
@@ -91,6 +91,19 @@ def add_train_parser(sub: Any) -> None:
         help="continue an interrupted run from this checkpoint (basename in the adapter registry, or an "
         "absolute path directly inside it); every other option must match the original run",
     )
+    ranks = p.add_argument_group(
+        "data parallelism (--local)",
+        "train over several ranks with torchrun: each rank a process (gloo on CPU, NCCL on CUDA) taking its share of "
+        "every optimizer step's micro-batches; a step is micro-batch x accumulation x world size conversations; "
+        "rank 0 publishes. A checkpoint resumes only at the world size it was written at.",
+    )
+    ranks.add_argument("--nproc-per-node", type=int, default=1, metavar="N", help="ranks on this machine (default 1)")
+    ranks.add_argument("--nnodes", type=int, default=1, metavar="N", help="machines in the run (default 1)")
+    ranks.add_argument("--node-rank", type=int, default=0, metavar="R", help="this machine's index, 0..nnodes-1")
+    ranks.add_argument(
+        "--rdzv-endpoint", metavar="HOST:PORT", help="where the nodes meet (c10d rendezvous; needed with --nnodes > 1)"
+    )
+    ranks.add_argument("--rdzv-id", metavar="ID", help="the run's rendezvous id, the same on every node")
     _add_job_options(
         p,
         json_help="print the result as JSON: the server's TrainingResponse (the final "
@@ -240,6 +253,9 @@ def add_models_parser(sub: Any) -> None:
 
 
 def cmd_train_sft(args: argparse.Namespace) -> int:
+    if not args.local and rank_flags_problem(args) is not None:
+        print(f"error: {rank_flags_problem(args)}", file=sys.stderr)
+        return 2
     return cmd_train_local(args, "sft") if args.local else submit(args, "sft")
 
 

@@ -50,11 +50,21 @@ class Engine:
     def registry(self) -> Path:
         return self.settings.registry
 
-    def context(self) -> TrainingContext:
-        """Where the trainers admit and run: the server's registry, its base model, teachers and interval."""
+    def ranks(self, kind: str) -> int:
+        """The data-parallel ranks a job of ``kind`` trains with: ``training.nproc_per_node`` for a kind that trains
+        over several ranks (SFT) in worker processes, else 1."""
+        if self.settings.get("training", "worker", "process") == "thread" or not TRAINERS[kind].data_parallel:
+            return 1  # a thread of the server is one process
+        return int(self.settings.get("training", "nproc_per_node", 1))
+
+    def context(self, kind: str | None = None) -> TrainingContext:
+        """Where the trainers admit and run: the server's registry, its base model, teachers and interval, and for
+        ``kind`` the data-parallel group its workers will form."""
         from kiln.teachers import teachers_root
+        from kiln.training import DataParallel
 
         return TrainingContext(
+            data_parallel=DataParallel.planned(self.ranks(kind) if kind is not None else 1),
             registry=self.registry,
             loaded=self.base,
             teachers_root=teachers_root(self.settings.home),
@@ -117,7 +127,7 @@ def admit(engine: Engine, kind: str, body: Any, jobs: Any) -> dict[str, Any]:
     resume = config.get("resume_checkpoint")
     _writer_conflict(jobs, adapter)
     with engine.admission_lock:
-        admitted = TRAINERS[kind].admit({**body, "config": config}, adapter_name=adapter, context=engine.context())
+        admitted = TRAINERS[kind].admit({**body, "config": config}, adapter_name=adapter, context=engine.context(kind))
     need, have = admitted.memory_estimate(), _available_memory()
     if need is not None and have is not None and need > have:
         raise CapacityError(
@@ -175,6 +185,7 @@ def job_spec(
         "fingerprint": job.fingerprint,
         "events": events,
         "server_pid": os.getpid(),  # the worker ends when this process does
+        "launch": {"nproc_per_node": engine.ranks(job.job_type)},  # more than 1: torchrun, one process per rank
         "context": {
             "registry": str(context.registry),
             "model_path": str(engine.model_path),

@@ -19,36 +19,17 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from kiln._fs import atomic_write_bytes
+from kiln.worker import EventReader
 
 POLL_S = 0.05
 LOG_TAIL = 2000  # characters of worker.log a failure message quotes
 
-__all__ = ["EventReader", "classify_exit", "continuation", "forward", "launch", "oom_kills"]
-
-
-class EventReader:
-    """Complete lines appended to the event file since the last read (a partial last line waits for its end)."""
-
-    def __init__(self, path: Path) -> None:
-        self.path, self._offset, self._partial = path, 0, b""
-
-    def read(self) -> Iterator[dict[str, Any]]:
-        try:
-            with open(self.path, "rb") as f:
-                f.seek(self._offset)
-                data = f.read()
-        except FileNotFoundError:
-            return
-        self._offset += len(data)
-        *lines, self._partial = (self._partial + data).split(b"\n")
-        for line in lines:
-            if line.strip():
-                yield json.loads(line)
+__all__ = ["classify_exit", "continuation", "forward", "launch", "oom_kills"]
 
 
 def oom_kills(events_file: Path | None = None) -> int | None:
@@ -102,8 +83,10 @@ def continuation(registry: Path, adapter_name: str) -> str:
     )
 
 
-def classify_exit(returncode: int, oom_before: int | None, oom_after: int | None) -> tuple[str, str]:
-    """``(category, how it ended)`` for a worker that exited without an outcome."""
+def classify_exit(returncode: int, oom_before: int | None, oom_after: int | None, *, ranks: int = 1) -> tuple[str, str]:
+    """``(category, how it ended)`` for a worker that exited without an outcome. A worker of several ranks is
+    ``torchrun``, which ends with status 1 when a rank died (it then stops the others): with the OOM count risen,
+    that rank was the kernel's victim."""
     if returncode < 0:
         try:
             name = signal.Signals(-returncode).name
@@ -113,7 +96,7 @@ def classify_exit(returncode: int, oom_before: int | None, oom_after: int | None
     else:
         how = f"exited with status {returncode} without reporting an outcome"
     killed_for_memory = oom_before is not None and oom_after is not None and oom_after > oom_before
-    if killed_for_memory and returncode == -signal.SIGKILL:
+    if killed_for_memory and (returncode == -signal.SIGKILL or (ranks > 1 and returncode > 0)):
         return "oom", f"{how}: the kernel's OOM killer ended it (the cgroup's oom_kill count rose)"
     return "training_error", how
 
@@ -161,7 +144,8 @@ def launch(
         outcome = forward(event, report) or outcome
     if outcome is not None:
         return outcome
-    category, how = classify_exit(proc.returncode, oom_before, oom_kills())
+    ranks = int(spec.get("launch", {}).get("nproc_per_node", 1))
+    category, how = classify_exit(proc.returncode, oom_before, oom_kills(), ranks=ranks)
     tail = (directory / "worker.log").read_text(encoding="utf-8", errors="replace")[-LOG_TAIL:].strip()
     error = f"{category}: the training worker (pid {proc.pid}) {how}; {continuation(engine.registry, job.adapter_name)}"
     if tail:

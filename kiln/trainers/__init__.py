@@ -30,6 +30,7 @@ class Trainer:
     request_type: str  # the schema definition of its HTTP request body
     admit_kind: Callable[..., AdmittedJob]  # the kind's own admission, after ``check_sources``
     run: Callable[..., TrainResult]  # (job, *, progress=None, cancel=None, on_checkpoint=None) -> result
+    data_parallel: bool = False  # whether it trains over several ranks (kiln.training.DataParallel)
 
     def admit(self, request: dict[str, Any], *, adapter_name: str, context: TrainingContext) -> AdmittedJob:
         """Admit ``request``: what it may read (``kiln.trainers._sources``), then the kind's own rules; raises
@@ -39,7 +40,7 @@ class Trainer:
 
 
 TRAINERS: dict[str, Trainer] = {
-    "sft": Trainer("sft", "SftRequest", sft.admit_request, sft.run_sft),
+    "sft": Trainer("sft", "SftRequest", sft.admit_request, sft.run_sft, data_parallel=True),
     "grpo": Trainer("grpo", "GrpoRequest", grpo.admit_request, grpo.run_grpo),
     "opd": Trainer("opd", "OpdRequest", opd.admit_request, opd.run_opd),
 }

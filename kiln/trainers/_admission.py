@@ -16,8 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from kiln.checkpoints import LoadedCheckpoint
+from kiln.training import DataParallel
 
-__all__ = ["AdmittedJob", "TrainingContext", "base_model", "job_fields"]
+__all__ = ["AdmittedJob", "TrainingContext", "base_model", "job_fields", "single_process"]
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,8 @@ class TrainingContext:
     # the only directories a dataset_path may lie in, and base_adapter only in the registry (kiln.trainers._sources);
     # None: no restriction (a --local run reads its user's own files)
     data_roots: tuple[Path, ...] | None = None
+    # the data-parallel group this process trains in (torchrun's ranks); one process by default
+    data_parallel: DataParallel = field(default_factory=DataParallel)
 
 
 @dataclass(kw_only=True)
@@ -45,6 +48,7 @@ class AdmittedJob:
     precision: dict[str, Any]
     resume: LoadedCheckpoint | None = None
     dry_run: bool = False
+    data_parallel: DataParallel = field(default_factory=DataParallel)  # rank 0 alone publishes
     kind: str = field(default="", init=False)
 
     @property
@@ -87,6 +91,19 @@ class AdmittedJob:
     def memory_estimate(self) -> int | None:
         """A coarse upper bound of the run's extra host memory in bytes (None: no estimate for this kind)."""
         return None
+
+
+def single_process(context: TrainingContext, kind: str) -> None:
+    """Refuse a data-parallel group for a kind that trains in one process only (GRPO, OPD)."""
+    if context.data_parallel.active:
+        from kiln.errors import RequestError
+
+        raise RequestError(
+            f"{kind} trains in one process; data parallelism (world size {context.data_parallel.world_size}) is "
+            "available for sft only",
+            code="training_backend_unsupported",
+            hint="run this job with nproc_per_node 1 on one node",
+        )
 
 
 def base_model(model_path: str | None, loaded: Any) -> Any:

@@ -98,7 +98,10 @@ def guarded(
         exc = _as_failure(raised, job)
         failure = classify_failure(exc)
         receipt = failed_receipt(failure, exc)
-        receipt_path = _write_failed_receipt(job, receipt, failure)
+        if job.data_parallel.publishes:
+            receipt_path = _write_failed_receipt(job, receipt, failure)
+        else:  # rank 0 writes the run's receipt; this rank's failure ends the group, which rank 0 reports
+            receipt_path = job.registry / job.adapter_name / RECEIPT
         if isinstance(exc, KeyboardInterrupt):
             raise
         return TrainResult(
@@ -144,7 +147,11 @@ def check_pin(path: Any, pin: str | None) -> None:
 
 
 def publish_adapter(job: Any, model: Any, receipt: Callable[[Path], dict[str, Any]], **result: Any) -> TrainResult:
-    """Publish the trained adapter with its receipt (``receipt(staged adapter directory)``) and manifest."""
+    """Publish the trained adapter with its receipt (``receipt(staged adapter directory)``) and manifest (rank 0 of
+    a data-parallel group; the other ranks publish nothing and return where rank 0 publishes)."""
+    if not job.data_parallel.publishes:
+        target = job.registry / job.adapter_name
+        return TrainResult("success", target, target / RECEIPT, None, {}, **result)
     published = publish_trained_adapter(model, job.registry, job.adapter_name, receipt)
     return TrainResult(
         "success",
@@ -181,6 +188,9 @@ class Policy:
         self.params = lora_parameters(self.model)
         self.optimizer = build_optimizer(cfg["optimizer"], list(self.params.values()), cfg["learning_rate"])
         self.timings = dict.fromkeys(PHASES, 0.0)
+        # in a data-parallel group the finiteness of the step's summed loss is checked on every rank alike
+        # (kiln.training.StepSync.reduce), so no rank stops alone and leaves the others waiting
+        self.local_check = not job.data_parallel.active
         # the schedule: the rate of a step follows from its position alone (kiln.training._schedule)
         self.schedule, self.base_rate, self.planned = cfg["lr_scheduler"], cfg["learning_rate"], job.schedule_steps
         self.steps_taken = job.start_step
@@ -209,7 +219,7 @@ class Policy:
         import torch
 
         value = float(loss.detach())
-        if not torch.isfinite(loss.detach()):
+        if self.local_check and not torch.isfinite(loss.detach()):
             raise NonFiniteLossError(f"non-finite loss {value} at {where()}")
         t0 = time.perf_counter()
         loss.backward()
@@ -241,8 +251,11 @@ class Cadence:
         publish: Callable[[], Any],
         cancel: threading.Event | None,
         on_checkpoint: Callable[[Any], None] | None = None,
+        *,
+        sync: Any = None,
     ) -> None:
         self.interval = job.config["checkpoint_interval"]
+        self.publishes, self.sync = job.data_parallel.publishes, sync  # kiln.training.StepSync of a group
         self.adapter_name = job.adapter_name
         self._publish = publish
         self.cancel = cancel
@@ -251,7 +264,13 @@ class Cadence:
         # a checkpoint of a step may already exist: published by the run this one resumed from
         self.steps = {c.global_step for c in list_checkpoints(job.registry, job.adapter_name)}
 
-    def publish(self, step: int) -> Path:
+    def publish(self, step: int) -> Path | None:
+        """Publish a checkpoint of ``step`` (rank 0 of a group, once every rank is proven to hold its weights)."""
+        if self.sync is not None:
+            self.sync.check_same()
+        if not self.publishes:
+            self.steps.add(step)
+            return None
         done = self._publish()
         self.published.append(done.path)
         self.steps.add(step)

@@ -45,7 +45,7 @@ from typing import Any
 from kiln.artifacts.checkpoint_manifest import GRPO_SOURCE_KINDS
 from kiln.digests import json_sha256, raw_hex
 from kiln.errors import ZeroGroupsError
-from kiln.trainers._admission import AdmittedJob, TrainingContext, base_model, job_fields
+from kiln.trainers._admission import AdmittedJob, TrainingContext, base_model, job_fields, single_process
 from kiln.trainers._checkpointing import CheckpointProgress, manifest_head, publish_state, restore_policy
 from kiln.trainers._grpo_config import check_grpo_data, check_grpo_request, effective_grpo_config
 from kiln.trainers._grpo_parts import (
@@ -180,6 +180,7 @@ def admit_grpo(
 
 def admit_request(request: dict[str, Any], *, adapter_name: str, context: TrainingContext) -> AdmittedGrpo:
     """A ``GrpoRequest`` body admitted in ``context`` (a dry run gets no default checkpoint interval)."""
+    single_process(context, "GRPO")
     config = dict(request.get("config") or {})
     if config.get("checkpoint_interval") is None and not request.get("dry_run"):
         config["checkpoint_interval"] = context.checkpoint_interval

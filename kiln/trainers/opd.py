@@ -58,7 +58,7 @@ from kiln.batch_plan import rows_per_step, steps_per_epoch
 from kiln.digests import json_sha256, raw_hex, teacher_identity_revision
 from kiln.epoch_order import ALGORITHM_ID, epoch_order
 from kiln.errors import ZeroActionTokensError
-from kiln.trainers._admission import AdmittedJob, TrainingContext, base_model, job_fields
+from kiln.trainers._admission import AdmittedJob, TrainingContext, base_model, job_fields, single_process
 from kiln.trainers._checkpointing import (
     CheckpointProgress,
     base_adapter_block,
@@ -223,6 +223,7 @@ def admit_opd(
 
 def admit_request(request: dict[str, Any], *, adapter_name: str, context: TrainingContext) -> AdmittedOpd:
     """An ``OpdRequest`` body admitted in ``context`` (its teachers registry, its default checkpoint interval)."""
+    single_process(context, "OPD")
     return admit_opd(
         adapter_name=adapter_name,
         registry=context.registry,

@@ -52,12 +52,14 @@ from kiln.trainers._resume import claim_target, load_resume, resume_metadata
 from kiln.trainers._sft_config import check_sft_data, effective_config, resolve_max_seq_len
 from kiln.training import (
     LORA_INIT_ALGORITHM,
+    DataParallel,
+    StepSync,
     adapter_tensors,
     decoder_of,
     encode_tensors,
     lora_delta_norms,
+    lora_grad_norms,
     model_head,
-    module_of,
     optimizer_tensors,
     planning_identity,
 )
@@ -85,7 +87,11 @@ class AdmittedSft(AdmittedJob):
 
     @property
     def steps_per_epoch(self) -> int:
-        return steps_per_epoch(len(self.ingestion.examples), rows_per_step(self.config))
+        return steps_per_epoch(len(self.ingestion.examples), self.rows_per_step)
+
+    @property
+    def rows_per_step(self) -> int:
+        return rows_per_step(self.config, self.data_parallel.world_size)
 
     @property
     def data_sha256(self) -> str:
@@ -111,7 +117,7 @@ class AdmittedSft(AdmittedJob):
 
     def memory_estimate(self) -> int:
         """A private copy of the weights, LoRA with gradients and two optimizer slots, activations of a micro-batch
-        of the longest row and the loss route's buffers."""
+        of the longest row and the loss route's buffers, for each data-parallel rank."""
         model = self.loaded.model
         weights = sum(p.numel() * p.element_size() for p in model.parameters())
         config = model.config
@@ -129,7 +135,7 @@ class AdmittedSft(AdmittedJob):
         activations = longest * hidden * layers * 4 * 32
         vocab = int(config.vocab_size)
         loss = (self.loss_route.chunk_size or vocab) * vocab * 4 + longest * hidden * 4 * 2
-        return weights + lora + activations + loss
+        return (weights + lora + activations + loss) * self.data_parallel.world_size  # each rank holds all of it
 
     def identity_manifest(self, *, lora_init_position: int = 0) -> dict[str, Any]:
         cfg, examples = self.config, self.ingestion.examples
@@ -147,7 +153,9 @@ class AdmittedSft(AdmittedJob):
                 "epoch-order": {"algorithm": ALGORITHM_ID, "seed": cfg["seed"], "position": 0},
                 "lora-init": {"algorithm": LORA_INIT_ALGORITHM, "seed": cfg["seed"], "position": lora_init_position},
             },
-            planning=planning_identity(device="cpu", sft_loss_route=self.route),
+            planning=planning_identity(
+                device="cpu", sft_loss_route=self.route, data_parallel=self.data_parallel.plan()
+            ),
             auxiliary={
                 "ingestion_receipt_sha256": json_sha256(record),
                 "valid_indices_sha256": json_sha256([ex.row_index for ex in examples]),
@@ -164,11 +172,13 @@ def admit_sft(
     dataset_path: str | Path | None = None,
     model_path: str | None = None,
     loaded: Any = None,
+    data_parallel: DataParallel | None = None,
 ) -> AdmittedSft:
     """Everything that can fail before training; raises ``KilnError`` and publishes nothing.
 
     ``loaded``: an already loaded base model (the server's) to admit against instead of
     loading ``model_path``; admission only reads it (tokenizer, head shape, paths).
+    ``data_parallel``: the group this process trains in (a single process by default).
     """
     import torch
 
@@ -212,6 +222,7 @@ def admit_sft(
         route=choice.route,
         loss_route=choice,
         head=head_of_model,
+        data_parallel=data_parallel or DataParallel(),
     )
     job.resume = load_resume(checkpoint_path, job.identity_manifest())
     return job
@@ -230,6 +241,7 @@ def admit_request(request: dict[str, Any], *, adapter_name: str, context: Traini
         dataset_path=request.get("dataset_path"),
         model_path=context.model_path,
         loaded=context.loaded,
+        data_parallel=context.data_parallel,
     )
 
 
@@ -254,7 +266,8 @@ def run_sft(
     cfg, examples = job.config, job.ingestion.examples
     micro = cfg["micro_batch_size"]
     lengths = [len(ex.input_ids) for ex in examples] if cfg["group_by_length"] else None
-    loop = SftLoop(len(examples), cfg["epochs"], cfg["seed"], rows_per_step(cfg), lengths)
+    group = job.data_parallel
+    loop = SftLoop(len(examples), cfg["epochs"], cfg["seed"], job.rows_per_step, lengths)
     state: dict[str, Any] = {"timings": {}, "delta_norms": [], "cadence": None}
 
     def train() -> TrainResult:
@@ -271,8 +284,9 @@ def run_sft(
             lora_init_position = job.resume.manifest["rng_states"]["lora-init"]["position"]
         else:
             loop.refresh_order()
+        sync = StepSync(group, params, cancel)  # a data-parallel group's one collective per step
         cadence = state["cadence"] = Cadence(
-            job, lambda: _publish(job, loop, policy, lora_init_position), cancel, on_checkpoint
+            job, lambda: _publish(job, loop, policy, lora_init_position), sync.cancel, on_checkpoint, sync=sync
         )
         causal = policy.model.get_base_model()
         body, head = decoder_of(causal), causal.get_output_embeddings()
@@ -282,8 +296,7 @@ def run_sft(
             step_rows = loop.step_rows()
             supervised = sum(examples[i].supervised_tokens for i in step_rows)
             value, norms = 0.0, {}
-            for start in range(0, len(step_rows), micro):
-                batch = step_rows[start : start + micro]
+            for batch in group.micro_batches(step_rows, micro):  # all of them in a single process
                 t0 = time.perf_counter()
                 hidden, targets = _forward(body, [rows_of[i] for i in batch])
                 loss = sft_loss(
@@ -301,7 +314,8 @@ def run_sft(
                 value += policy.accumulate(
                     loss, lambda rows=step_rows: _where(loop, [examples[i].row_index for i in rows])
                 )
-            policy.apply(before_step=lambda found=norms: found.update(_grad_norms(params)))
+            value = sync.reduce(value, lambda rows=step_rows: _where(loop, [examples[i].row_index for i in rows]))
+            policy.apply(before_step=lambda found=norms: found.update(lora_grad_norms(params)))
             loop.commit(value, norms, len(step_rows))
             if progress:
                 tokens = sum(len(rows_of[i][0]) for i in step_rows)
@@ -312,6 +326,7 @@ def run_sft(
                 due=cadence.due(loop.global_step),
                 cancelled=lambda name: f"cancelled after step {loop.global_step} of {loop.total}; resume from {name}",
             )
+        sync.check_same()
         state["delta_norms"] = lora_delta_norms(policy.model)
         final = _final_state(policy, loop) if keep_final_state else None
         return publish_adapter(
@@ -373,22 +388,6 @@ def _final_state(policy: Policy, loop: SftLoop) -> FinalState:
     )
 
 
-def _grad_norms(params: dict[str, Any]) -> dict[str, float]:
-    """L2 norm of the LoRA gradients of each target module at this step."""
-    import torch
-
-    named = [(name, param.grad) for name, param in params.items() if param.grad is not None]
-    if not named:
-        return {}
-    # one host transfer per step for every parameter's squared norm
-    values = torch.stack([grad.detach().pow(2).sum() for _, grad in named]).tolist()
-    squares: dict[str, float] = {}
-    for (name, _), value in zip(named, values, strict=True):
-        module = module_of(name)
-        squares[module] = squares.get(module, 0.0) + value
-    return {module: sq**0.5 for module, sq in squares.items()}
-
-
 # ----------------------------------------------------------------------------- the receipt
 
 
@@ -437,4 +436,6 @@ def _receipt(job, loop, state, started, *, adapter_dir=None, failure=None) -> di
         sft_loss_implementation=job.loss_route.implementation,
         sft_logits=job.head.as_record(),
     )
+    if job.data_parallel.active:
+        receipt["runtime"]["data_parallel"] = job.data_parallel.plan()
     return receipt

@@ -3,10 +3,18 @@ state as checkpoint files and back, the receipt base."""
 
 from __future__ import annotations
 
+from kiln.training._data_parallel import SHARDING_RULE, DataParallel, RanksDivergedError, StepSync
 from kiln.training._defaults import default_by, schema_defaults
 from kiln.training._failures import classify_failure
 from kiln.training._head import ModelHead, decoder_of, model_head
-from kiln.training._lora import attach_lora, lora_delta_norms, lora_parameters, module_of, target_modules
+from kiln.training._lora import (
+    attach_lora,
+    lora_delta_norms,
+    lora_grad_norms,
+    lora_parameters,
+    module_of,
+    target_modules,
+)
 from kiln.training._optim import build_optimizer, effective_optimizer
 from kiln.training._receipt import receipt_base
 from kiln.training._schedule import effective_schedule, schedule_state, scheduled_rate
@@ -29,7 +37,11 @@ __all__ = [
     "ADAPTER_FILE",
     "LORA_INIT_ALGORITHM",
     "OPTIMIZER_FILE",
+    "SHARDING_RULE",
+    "DataParallel",
     "ModelHead",
+    "RanksDivergedError",
+    "StepSync",
     "adapter_tensors",
     "attach_lora",
     "auxiliary_identity",
@@ -42,6 +54,7 @@ __all__ = [
     "effective_schedule",
     "encode_tensors",
     "lora_delta_norms",
+    "lora_grad_norms",
     "lora_parameters",
     "model_head",
     "module_of",

@@ -164,3 +164,19 @@ def lora_delta_norms(peft_model: Any) -> list[dict[str, Any]]:
             }
         )
     return out
+
+
+def lora_grad_norms(params: dict[str, Any]) -> dict[str, float]:
+    """L2 norm of the LoRA gradients of each target module (after a step's backward, before its optimizer step)."""
+    import torch
+
+    named = [(name, param.grad) for name, param in params.items() if param.grad is not None]
+    if not named:
+        return {}
+    # one host transfer per step for every parameter's squared norm
+    values = torch.stack([grad.detach().pow(2).sum() for _, grad in named]).tolist()
+    squares: dict[str, float] = {}
+    for (name, _), value in zip(named, values, strict=True):
+        module = module_of(name)
+        squares[module] = squares.get(module, 0.0) + value
+    return {module: sq**0.5 for module, sq in squares.items()}

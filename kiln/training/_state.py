@@ -143,8 +143,11 @@ def _host_memory_bytes() -> int:
         return 1
 
 
-def planning_identity(*, device: str, sft_loss_route: str | None = None) -> dict[str, Any]:
-    """Planning identity v3 (GRPO, OPD) or, with an SFT loss route, v4."""
+def planning_identity(
+    *, device: str, sft_loss_route: str | None = None, data_parallel: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """Planning identity v3 (GRPO, OPD) or, with an SFT loss route, v4 (with the data-parallel plan of a run over
+    several ranks)."""
     record: dict[str, Any] = {
         "schema": "kiln.training-checkpoint-planning.v4" if sft_loss_route else "kiln.training-checkpoint-planning.v3",
         "gradient_checkpoint_policy": {"mode": "disabled", "segments": None},
@@ -157,6 +160,8 @@ def planning_identity(*, device: str, sft_loss_route: str | None = None) -> dict
     }
     if sft_loss_route:
         record["sft_loss_route"] = sft_loss_route
+    if data_parallel is not None:
+        record["data_parallel"] = data_parallel
     return record
 
 

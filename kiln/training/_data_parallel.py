@@ -1,0 +1,164 @@
+"""Data parallelism: one SFT step spread over several ranks (processes) of a ``torch.distributed`` group.
+
+The rule (``SHARDING_RULE``, recorded in the checkpoint's planning identity, the receipt and the adapter manifest):
+
+1. An optimizer step consumes ``micro_batch_size x gradient_accumulation_steps x world_size`` consecutive rows of the
+   epoch's seeded order (``kiln.batch_plan.rows_per_step``), the last step of an epoch what is left.
+2. The step's rows are cut, in order, into micro-batches of ``micro_batch_size`` rows; micro-batch ``j`` goes to rank
+   ``j mod world_size`` (``DataParallel.micro_batches``). A rank may get none in a short last step.
+3. Every rank scales each micro-batch's loss by its share of the *step's* supervised tokens (every rank knows the
+   whole plan), so the sum of the ranks' gradients is the gradient of the step's token mean: ``StepSync.reduce``
+   sums the LoRA gradients, the loss shares and the ranks' cancellation flags in one collective, and every rank then
+   takes the same optimizer step, checks the same loss for finiteness and agrees on the same step to stop at.
+4. Rank 0 alone publishes (checkpoints, receipt, adapter); ``StepSync.check_same`` proves before each publication
+   that every rank holds byte-identical LoRA weights.
+
+Every rank's cursor is the global cursor and no stream draws per rank (the epoch order and the LoRA initialisation
+are seeded and global), so the checkpoint binds each rank's position through the world size and this rule.
+
+``DataParallel.from_environment`` reads the group ``torchrun`` describes (``WORLD_SIZE``, ``RANK``) and joins it:
+``gloo`` on CPU, ``nccl`` on CUDA. Without ``torchrun`` it is the single-process plan, and nothing here runs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from kiln.errors import NonFiniteLossError, TrainingFailedError
+
+__all__ = ["SHARDING_RULE", "DataParallel", "RanksDivergedError", "StepSync"]
+
+SHARDING_RULE = "kiln.sft-step-round-robin.v1"
+
+
+class RanksDivergedError(TrainingFailedError):
+    """Two ranks hold different LoRA weights before a publication: the group is not in lockstep (``training_error``)."""
+
+
+@dataclass(frozen=True)
+class DataParallel:
+    """This process's place in a data-parallel group: ``world_size`` ranks, this one ``rank``, the backend."""
+
+    world_size: int = 1
+    rank: int = 0
+    backend: str | None = None  # "gloo" | "nccl"; None for a single process
+
+    @property
+    def active(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def publishes(self) -> bool:
+        """Whether this rank writes artifacts and events (rank 0 does, and a single process)."""
+        return self.rank == 0
+
+    def plan(self) -> dict[str, Any] | None:
+        """The ``DataParallelPlan`` record, or None for a single process (the record is then omitted)."""
+        if not self.active:
+            return None
+        return {"world_size": self.world_size, "backend": self.backend, "sharding": SHARDING_RULE}
+
+    def micro_batches(self, rows: list[int], micro: int) -> list[list[int]]:
+        """This rank's micro-batches of a step's ``rows``: the step cut in order, dealt to the ranks in turn."""
+        batches = [rows[start : start + micro] for start in range(0, len(rows), micro)]
+        return batches[self.rank :: self.world_size]
+
+    @classmethod
+    def planned(cls, world_size: int) -> DataParallel:
+        """The group ``world_size`` ranks will form, as admission sees it (rank 0; the backend this machine gives)."""
+        if world_size <= 1:
+            return cls()
+        import torch
+
+        return cls(world_size=world_size, rank=0, backend="nccl" if torch.cuda.is_available() else "gloo")
+
+    @classmethod
+    def from_environment(cls, environ: dict[str, str] | None = None) -> DataParallel:
+        """The group ``torchrun`` launched this process into, joined; a single process without one."""
+        env = os.environ if environ is None else environ
+        world = int(env.get("WORLD_SIZE", "1"))
+        if world <= 1:
+            return cls()
+        import torch
+        import torch.distributed as dist
+
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if not dist.is_initialized():
+            dist.init_process_group(backend=backend)
+        return cls(world_size=dist.get_world_size(), rank=dist.get_rank(), backend=backend)
+
+    def leave(self) -> None:
+        """Leave the process group (after the run; a single process has none)."""
+        if self.active:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+
+class StepSync:
+    """The one collective of a step: the ranks' LoRA gradients, loss shares and cancellation flags, summed.
+
+    ``cancel`` is the event the loop's cadence watches: for a single process the caller's own, for a group one
+    that is set on every rank at the same step, once any rank was asked to stop."""
+
+    def __init__(self, group: DataParallel, params: dict[str, Any], cancel: threading.Event | None) -> None:
+        self.group, self.params, self._asked = group, params, cancel
+        self.cancel = threading.Event() if group.active else cancel
+
+    def reduce(self, value: float, where: Callable[[], str]) -> float:
+        """Sum the step's gradients over the ranks (into every parameter's ``grad``); returns the step's loss, the
+        sum of the ranks' shares, after checking it is finite on every rank alike (``nan_loss`` naming ``where()``).
+        A single process: ``value`` unchanged (its micro-batches were checked as they ran)."""
+        if not self.group.active:
+            return value
+        import torch
+        import torch.distributed as dist
+
+        tensors = list(self.params.values())
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in tensors]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+        asked = self._asked is not None and self._asked.is_set()
+        scalars = torch.tensor([value, 1.0 if asked else 0.0], dtype=torch.float64, device=flat.device)
+        dist.all_reduce(scalars, op=dist.ReduceOp.SUM)
+        offset = 0
+        for param in tensors:
+            size = param.numel()
+            param.grad = flat[offset : offset + size].view_as(param).clone()
+            offset += size
+        total, flags = scalars.tolist()
+        if not math.isfinite(total):
+            raise NonFiniteLossError(
+                f"non-finite loss {total} at {where()} (summed over {self.group.world_size} ranks)"
+            )
+        if flags > 0:
+            self.cancel.set()
+        return total
+
+    def check_same(self) -> None:
+        """Every rank holds byte-identical LoRA weights (a digest of them gathered from each rank); raises
+        ``RanksDivergedError`` naming the ranks that differ from rank 0. A single process: nothing to check."""
+        if not self.group.active:
+            return
+        import torch
+        import torch.distributed as dist
+
+        digest = hashlib.sha256()
+        for name in sorted(self.params):
+            digest.update(name.encode())
+            digest.update(self.params[name].detach().cpu().contiguous().numpy().tobytes())
+        mine = torch.tensor(list(digest.digest()), dtype=torch.int32)
+        if self.group.backend == "nccl":
+            mine = mine.cuda()
+        gathered = [torch.zeros_like(mine) for _ in range(self.group.world_size)]
+        dist.all_gather(gathered, mine)
+        differ = [rank for rank, other in enumerate(gathered) if not torch.equal(other, gathered[0])]
+        if differ:
+            raise RanksDivergedError(f"ranks {differ} hold other LoRA weights than rank 0")
