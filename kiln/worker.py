@@ -291,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     die_with_parent(os.getppid() if under_torchrun else spec.get("server_pid"))
     from kiln.training import DataParallel
 
-    group = DataParallel.from_environment()
+    group = DataParallel.from_environment(threads=(spec.get("launch") or {}).get("threads_per_rank"))
     cancel = threading.Event()
 
     def on_signal(_signum: int, _frame: Any) -> None:

@@ -21,7 +21,7 @@ def main() -> int:
     from kiln.training import DataParallel
 
     plan = json.loads(Path(sys.argv[1]).read_text(encoding="utf-8"))
-    group = DataParallel.from_environment()
+    group = DataParallel.from_environment(threads=plan["threads"])  # what an admission in another process planned
     context = TrainingContext(registry=Path(plan["registry"]), model_path=plan["model"], data_parallel=group)
     job = TRAINERS["sft"].admit(plan["request"], adapter_name=plan["adapter"], context=context)
     cancel = threading.Event()

@@ -57,6 +57,7 @@ def _torchrun(tmp_path: Path, name: str, plan: dict, nproc: int = 2) -> dict:
 def _plan(tmp_path: Path, model: Path, adapter: str, config: dict, **extra) -> dict:
     request = {"dataset_path": str(DATA), "config": {**CONFIG, **config}}
     return {
+        "threads": DataParallel.planned(2).threads,  # the ranks run as an admission in another process planned
         "registry": str(tmp_path / "adapters"),
         "model": str(model),
         "adapter": adapter,
@@ -128,12 +129,17 @@ def test_cancel_then_resume_at_world_size_2_is_byte_identical_to_an_uninterrupte
     assert receipt["failure_reason"] == "cancelled"
 
     resume = {**config, "resume_checkpoint": cut["checkpoints"][-1]}
-    # the same checkpoint at world size 1 (and 3) is refused, naming the world size first
+    # admitted in this process for two ranks (as a server or `kiln train --local` admits), the checkpoint resumes...
+    request = {"dataset_path": str(DATA), "config": {**CONFIG, **resume}}
+    context = TrainingContext(
+        registry=tmp_path / "adapters", model_path=str(tiny_model_dir), data_parallel=DataParallel.planned(2)
+    )
+    assert TRAINERS["sft"].admit(request, adapter_name="cut", context=context).start_step == 3
+    # ...and at world size 1 (and 3) it is refused, naming the world size first
     for world in (1, 3):
         context = TrainingContext(
             registry=tmp_path / "adapters", model_path=str(tiny_model_dir), data_parallel=DataParallel.planned(world)
         )
-        request = {"dataset_path": str(DATA), "config": {**CONFIG, **resume}}
         with pytest.raises(CheckpointError) as refused:
             TRAINERS["sft"].admit(request, adapter_name="cut", context=context)
         assert refused.value.code == "checkpoint_incompatible"

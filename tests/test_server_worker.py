@@ -111,7 +111,14 @@ def test_exits_are_classified_by_how_the_worker_died():
     assert (category, how) == ("training_error", "killed by SIGKILL (exit status -9)")
     assert classify_exit(-signal.SIGKILL, None, None)[0] == "training_error"  # no counter: no claim of OOM
     assert classify_exit(-signal.SIGSEGV, 0, 1) == ("training_error", "killed by SIGSEGV (exit status -11)")
-    assert classify_exit(1, 0, 0) == ("training_error", "exited with status 1 without reporting an outcome")
+    assert classify_exit(1, 0, 0) == ("training_error", "exited with status 1")
+    # torchrun (several ranks) ends with status 1 when a rank died: with the OOM count risen, that was the kernel
+    assert classify_exit(1, 0, 1, ranks=2) == (
+        "oom",
+        "exited with status 1: the kernel's OOM killer ended it (the cgroup's oom_kill count rose)",
+    )
+    assert classify_exit(1, 0, 0, ranks=2)[0] == "training_error"
+    assert classify_exit(1, 0, 1)[0] == "training_error"  # one process exiting 1 was not killed
 
 
 def test_the_oom_counter_is_read_from_the_cgroup_file(tmp_path):
@@ -132,3 +139,50 @@ def test_the_event_reader_yields_only_complete_lines(tmp_path):
     with open(path, "ab") as f:
         f.write(b'ress", "step": 2}\n')
     assert list(reader.read()) == [{"event": "progress", "step": 2}]
+
+
+def _rank_pids(job_id: str) -> list[int]:
+    """The ranks torchrun started for this job (the worker processes that carry a ``LOCAL_RANK``)."""
+    ranks = []
+    for pid in _worker_pids(job_id):
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if any(entry.startswith(b"LOCAL_RANK=") for entry in environ):
+            ranks.append(pid)
+    return ranks
+
+
+@pytest.mark.slow
+def test_a_server_trains_sft_over_two_ranks_and_survives_a_rank_killed_mid_step(tmp_path, tiny_model_dir):
+    env = {"KILN_TRAINING_NPROC_PER_NODE": "2"}
+    with ServerProcess(tmp_path / "home", tiny_model_dir, env=env) as server, server.client() as http:
+        assert http.get("/v1/config").json()["effective_config"]["training"]["nproc_per_node"] == 2
+        short = _submit(http, {"epochs": 1, "seed": 4, "output_name": "pair", "auto_load": False})
+        done = wait_for(lambda: (d := _detail(http, short))["state"] in ("completed", "failed") and d, timeout=300)
+        assert done["state"] == "completed", done.get("error")
+        assert len(done["loss_history"]) == 2  # 4 conversations at 2 a step (micro-batch 1 x 2 ranks)
+        plan = {"world_size": 2, "backend": "gloo", "sharding": "kiln.sft-step-round-robin.v1"}
+        assert done["train_receipt"]["runtime"]["data_parallel"] == plan
+
+        config = {"epochs": 60, "seed": 5, "checkpoint_interval": 2, "auto_load": False}
+        doomed = _submit(http, {**config, "output_name": "doomed"})
+        wait_for(lambda: (d := _detail(http, doomed))["latest_checkpoint"] is not None and d["state"] == "running",
+                 timeout=300)  # fmt: skip
+        ranks = wait_for(lambda: len(pids := _rank_pids(doomed)) == 2 and pids, timeout=60)
+        os.kill(ranks[1], signal.SIGKILL)
+        failed = wait_for(lambda: (d := _detail(http, doomed))["state"] == "failed" and d, timeout=300)
+        assert "torchrun exited with status 1" in failed["error"], failed["error"]
+        checkpoint = failed["latest_checkpoint"]
+        assert checkpoint is not None
+        assert checkpoint["resume_checkpoint"] in failed["error"]  # the message says what resumes it
+        assert wait_for(lambda: not _worker_pids(doomed), timeout=60)  # no rank outlives the group
+        assert http.get("/health").status_code == 200
+        resumed = _submit(
+            http, {**config, "output_name": "doomed", "resume_checkpoint": checkpoint["resume_checkpoint"]}
+        )
+        finished = wait_for(
+            lambda: (d := _detail(http, resumed))["state"] in ("completed", "failed") and d, timeout=600
+        )
+        assert finished["state"] == "completed", finished.get("error")

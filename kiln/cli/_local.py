@@ -259,7 +259,7 @@ def _admit(args: argparse.Namespace, kind: str, path: Path) -> tuple[Any, dict[s
         model_path=args.model or config_value(settings, "model", "path"),
         teachers_root=teachers_root(kiln_home()),
         checkpoint_interval=_configured_interval(config_value(settings, "training", "checkpoint_interval")),
-        data_parallel=DataParallel.planned(_ranks(args)),
+        data_parallel=DataParallel.planned(_ranks(args), getattr(args, "nproc_per_node", 1)),
     )
     job = TRAINERS[kind].admit(request, adapter_name=args.adapter, context=context)
     return job, {**request, "config": dict(job.config)}, context  # the replay request: every default resolved
@@ -314,6 +314,7 @@ def _worker_spec(
             "node_rank": int(args.node_rank),
             "rdzv_endpoint": args.rdzv_endpoint,
             "rdzv_id": args.rdzv_id,
+            "threads_per_rank": job.data_parallel.threads,
         },
         "context": {
             "registry": str(ctx.registry),

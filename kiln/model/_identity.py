@@ -143,10 +143,10 @@ def _versions() -> dict[str, str]:
     }
 
 
-def _runtime(device: str) -> tuple[dict[str, Any], list[str], str]:
+def _runtime(device: str, threads: int | None = None) -> tuple[dict[str, Any], list[str], str]:
     import torch
 
-    threads = torch.get_num_threads()
+    threads = torch.get_num_threads() if threads is None else threads
     capability = torch.backends.cpu.get_cpu_capability()
     features = {f"cpu_capability:{capability.lower()}"}
     if torch.backends.mkldnn.is_available():
@@ -179,8 +179,10 @@ def capture_identity(
     inference_dtype: str = "f32",
     training_policy: dict[str, Any] | None = None,
     server_config: dict[str, Any] | None = None,
+    intra_op_threads: int | None = None,
 ) -> ModelIdentity:
-    """Capture the model's and the process's identity (hashes every weight shard)."""
+    """Capture the model's and the process's identity (hashes every weight shard). ``intra_op_threads``: the thread
+    count of the process that will train (a data-parallel rank), when it is not this one's."""
     template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else ""
     config_hash = _file_hash(path / "config.json")
     tokenizer_config_hash = _file_hash(path / "tokenizer_config.json")
@@ -188,7 +190,7 @@ def capture_identity(
     template_hash = _text_hash(template)
     combined = json_sha256({"tokenizer_config": tokenizer_config_hash, "chat_template": template_hash})
     shards = build_base_weight_manifest(path)
-    runtime, features, device_label = _runtime(device)
+    runtime, features, device_label = _runtime(device, intra_op_threads)
     versions = _versions()
     tree, commit, dirty = _source_identity()
     build: dict[str, Any] = {

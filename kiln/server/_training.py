@@ -176,7 +176,7 @@ def job_spec(
 ) -> dict[str, Any]:
     """The ``kiln.worker-spec.v1`` that trains ``job``: its replay ``request`` and where it trains (``context``, by
     default the engine's)."""
-    context = engine.context() if context is None else context
+    context = engine.context(job.job_type) if context is None else context
     return {
         "schema": SPEC_SCHEMA,
         "kind": job.job_type,
@@ -185,7 +185,8 @@ def job_spec(
         "fingerprint": job.fingerprint,
         "events": events,
         "server_pid": os.getpid(),  # the worker ends when this process does
-        "launch": {"nproc_per_node": engine.ranks(job.job_type)},  # more than 1: torchrun, one process per rank
+        # more than 1 rank: torchrun, one process per rank, each with the threads admission recorded for it
+        "launch": {"nproc_per_node": engine.ranks(job.job_type), "threads_per_rank": context.data_parallel.threads},
         "context": {
             "registry": str(context.registry),
             "model_path": str(engine.model_path),

@@ -94,7 +94,7 @@ def classify_exit(returncode: int, oom_before: int | None, oom_after: int | None
             name = f"signal {-returncode}"
         how = f"killed by {name} (exit status {returncode})"
     else:
-        how = f"exited with status {returncode} without reporting an outcome"
+        how = f"exited with status {returncode}"
     killed_for_memory = oom_before is not None and oom_after is not None and oom_after > oom_before
     if killed_for_memory and (returncode == -signal.SIGKILL or (ranks > 1 and returncode > 0)):
         return "oom", f"{how}: the kernel's OOM killer ended it (the cgroup's oom_kill count rose)"
@@ -142,12 +142,21 @@ def launch(
                 continue
     for event in reader.read():
         outcome = forward(event, report) or outcome
+    ranks = int(spec.get("launch", {}).get("nproc_per_node", 1))
+    if outcome is not None and outcome["state"] == "failed" and ranks > 1 and proc.returncode != 0:
+        # rank 0 reported the group's end (a collective that broke); torchrun's status says a rank died
+        category, how = classify_exit(proc.returncode, oom_before, oom_kills(), ranks=ranks)
+        outcome = {**outcome, "error": f"{outcome['error']}; torchrun {how} ({category}: a rank died, each "
+                   f"rank's end is in {directory / 'worker.log'}); {continuation(engine.registry, job.adapter_name)}"}  # fmt: skip
     if outcome is not None:
         return outcome
-    ranks = int(spec.get("launch", {}).get("nproc_per_node", 1))
     category, how = classify_exit(proc.returncode, oom_before, oom_kills(), ranks=ranks)
     tail = (directory / "worker.log").read_text(encoding="utf-8", errors="replace")[-LOG_TAIL:].strip()
-    error = f"{category}: the training worker (pid {proc.pid}) {how}; {continuation(engine.registry, job.adapter_name)}"
+    error = (
+        f"{category}: the training worker (pid {proc.pid}) {how}"
+        f"{' without reporting an outcome' if proc.returncode >= 0 else ''}; "
+        f"{continuation(engine.registry, job.adapter_name)}"
+    )
     if tail:
         error += f". Its last output: {tail}"
     return {"event": "outcome", "state": "failed", "error": error, "receipt_path": None, "adapter_path": None,

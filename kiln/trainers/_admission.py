@@ -117,11 +117,18 @@ def base_model(model_path: str | None, loaded: Any) -> Any:
 
 
 def job_fields(
-    adapter_name: str, registry: Path, config: dict[str, Any], loaded: Any, *, optimizer_kind: str | None = None
+    adapter_name: str,
+    registry: Path,
+    config: dict[str, Any],
+    loaded: Any,
+    *,
+    optimizer_kind: str | None = None,
+    threads: int | None = None,
 ) -> dict[str, Any]:
     """The ``AdmittedJob`` fields of a run on ``loaded``: target, effective config (with ``lora_target_modules``
     resolved against the model: the request's, checked, or the architecture's default), the model, and the
-    precision policy and identity -- deterministic algorithms switched on first (the provenance records it)."""
+    precision policy and identity -- deterministic algorithms switched on first (the provenance records it);
+    ``threads``: the intra-op threads of the ranks that will train, when they are not this process's."""
     import torch
 
     from kiln.model import capture_identity, training_precision
@@ -131,7 +138,7 @@ def job_fields(
 
     torch.use_deterministic_algorithms(True)
     precision = training_precision(optimizer_kind=optimizer_kind or config["optimizer"]["kind"])
-    identity = capture_identity(loaded.path, loaded.tokenizer, training_policy=precision)
+    identity = capture_identity(loaded.path, loaded.tokenizer, training_policy=precision, intra_op_threads=threads)
     return {
         "adapter_name": adapter_name,
         "registry": registry,

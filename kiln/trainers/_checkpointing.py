@@ -111,7 +111,7 @@ def manifest_head(
         "state_files": state_files,
         "auxiliary_state": {
             "loop_state_type": f"kiln.{kind}-loop-state.v1",
-            **auxiliary_identity(job.identity, job.precision, planning),
+            **auxiliary_identity(job.identity, job.precision, planning, threads=job.data_parallel.threads),
             planning_key: planning,
             **auxiliary,
         },

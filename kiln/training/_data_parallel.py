@@ -48,6 +48,7 @@ class DataParallel:
     world_size: int = 1
     rank: int = 0
     backend: str | None = None  # "gloo" | "nccl"; None for a single process
+    threads: int | None = None  # each rank's intra-op threads (None: whatever this process has)
 
     @property
     def active(self) -> bool:
@@ -70,17 +71,26 @@ class DataParallel:
         return batches[self.rank :: self.world_size]
 
     @classmethod
-    def planned(cls, world_size: int) -> DataParallel:
-        """The group ``world_size`` ranks will form, as admission sees it (rank 0; the backend this machine gives)."""
+    def planned(cls, world_size: int, nproc_per_node: int | None = None) -> DataParallel:
+        """The group ``world_size`` ranks will form, as admission sees it: rank 0, the backend this machine gives,
+        and this process's intra-op threads shared among the ``nproc_per_node`` ranks of a machine (all of them on
+        one node by default), so the ranks do not oversubscribe the cores and admission records their identity."""
         if world_size <= 1:
             return cls()
         import torch
 
-        return cls(world_size=world_size, rank=0, backend="nccl" if torch.cuda.is_available() else "gloo")
+        per_node = world_size if nproc_per_node is None else nproc_per_node
+        return cls(
+            world_size=world_size,
+            rank=0,
+            backend="nccl" if torch.cuda.is_available() else "gloo",
+            threads=max(1, torch.get_num_threads() // per_node),
+        )
 
     @classmethod
-    def from_environment(cls, environ: dict[str, str] | None = None) -> DataParallel:
-        """The group ``torchrun`` launched this process into, joined; a single process without one."""
+    def from_environment(cls, threads: int | None = None, environ: dict[str, str] | None = None) -> DataParallel:
+        """The group ``torchrun`` launched this process into, joined, with ``threads`` intra-op threads (what the
+        job was admitted for); a single process without one."""
         env = os.environ if environ is None else environ
         world = int(env.get("WORLD_SIZE", "1"))
         if world <= 1:
@@ -88,10 +98,13 @@ class DataParallel:
         import torch
         import torch.distributed as dist
 
+        if threads is not None:
+            torch.set_num_threads(threads)
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if not dist.is_initialized():
             dist.init_process_group(backend=backend)
-        return cls(world_size=dist.get_world_size(), rank=dist.get_rank(), backend=backend)
+        rank = dist.get_rank()
+        return cls(world_size=dist.get_world_size(), rank=rank, backend=backend, threads=torch.get_num_threads())
 
     def leave(self) -> None:
         """Leave the process group (after the run; a single process has none)."""

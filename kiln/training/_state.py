@@ -165,8 +165,11 @@ def planning_identity(
     return record
 
 
-def auxiliary_identity(identity: Any, precision: dict[str, Any], planning: dict[str, Any]) -> dict[str, Any]:
-    """The identity members of ``auxiliary_state`` shared by every training kind."""
+def auxiliary_identity(
+    identity: Any, precision: dict[str, Any], planning: dict[str, Any], *, threads: int | None = None
+) -> dict[str, Any]:
+    """The identity members of ``auxiliary_state`` shared by every training kind (``threads``: a data-parallel rank's
+    intra-op threads, when admission runs in another process)."""
     import torch
 
     provenance = identity.execution_provenance
@@ -183,7 +186,7 @@ def auxiliary_identity(identity: Any, precision: dict[str, Any], planning: dict[
             "device": provenance["backend"]["device"],
             "torch_version": str(torch.__version__),
             "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
-            "intra_op_threads": torch.get_num_threads(),
+            "intra_op_threads": torch.get_num_threads() if threads is None else threads,
         },
         "kiln_train_version": __version__,
         "gradient_checkpoint_plan_sha256": json_sha256(GRADIENT_CHECKPOINT_PLAN),
