@@ -15,8 +15,11 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -216,3 +219,42 @@ def test_grpo_and_opd_refuse_a_world_size_above_one(kind, tmp_path, tiny_model_d
         TRAINERS[kind].admit({"config": {}}, adapter_name="x", context=context)
     assert refused.value.code == "training_backend_unsupported"
     assert "world size 2" in refused.value.message
+
+
+def test_a_signal_to_kiln_train_local_cancels_every_rank_and_its_resume_command_continues_the_run(
+    tmp_path, tiny_model_dir
+):
+    registry = tmp_path / "adapters"
+    argv = [sys.executable, "-m", "kiln.cli", "train", "sft", "--local", "-f", str(DATA), "--adapter", "stop",
+            "--adapter-dir", str(registry), "--model", str(tiny_model_dir), "--seed", "5", "--lora-rank", "4",
+            "--lora-alpha", "8", "--epochs", "100", "--checkpoint-interval", "25", "--nproc-per-node", "2"]  # fmt: skip
+    proc = subprocess.Popen(argv, env=_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        # 600 steps; once the first checkpoint is on disk the run is a second or two in, far from its end
+        first = registry / "stop-checkpoint-step-00000025.kiln-checkpoint"
+        deadline = time.monotonic() + 300
+        while not first.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert first.exists(), proc.communicate()
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, out + err
+    assert "failure_reason cancelled" in err
+    receipt = _loaded("TrainReceipt", registry / "stop" / "train_receipt.json")
+    assert receipt["failure_reason"] == "cancelled"
+    assert receipt["runtime"]["data_parallel"]["world_size"] == 2
+    command = err.split("Resume with:\n", 1)[1].strip().splitlines()[0]
+    words = shlex.split(command)
+    assert words[words.index("--nproc-per-node") + 1] == "2"  # a checkpoint resumes at its world size
+    checkpoint = words[words.index("--resume-checkpoint") + 1]
+    step = int(checkpoint.split("-step-")[1].split(".")[0])
+    assert 25 <= step < 600
+    # the printed command, run as printed, finishes the run
+    resumed = subprocess.run(
+        [sys.executable, "-m", "kiln.cli", *words[1:], "--json"], env=_env(tmp_path), capture_output=True, text=True
+    )
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-3000:]
+    assert json.loads(resumed.stdout)["status"] == "success"
