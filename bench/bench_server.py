@@ -588,6 +588,8 @@ def main() -> None:
     parser.add_argument("--no-strace", action="store_true")
     parser.add_argument("--worker", choices=("process", "thread"), default="process",
                         help="training.worker of the server: a worker process per job (default) or a server thread")  # fmt: skip
+    parser.add_argument("--worker-threads", type=int, default=None,
+                        help="training.worker_threads of the server (default: its own, all cores but one)")  # fmt: skip
     args = parser.parse_args()
     quick = args.quick
     args.seconds = args.seconds or (3.0 if quick else 10.0)
@@ -615,7 +617,11 @@ def run(work: Path, args: argparse.Namespace, levels: list[int]) -> None:
         f"python {platform.python_version()}, {platform.machine()}, {os.cpu_count()} cpus ({cpu_model()}), "
         f"torch {torch.__version__}, httpx {httpx.__version__}"
     )
-    print(f"work dir {work} ({filesystem_of(work)}); load average {load()}; training.worker {args.worker}")
+    threads = args.worker_threads if args.worker_threads is not None else "default (all cores but one)"
+    print(
+        f"work dir {work} ({filesystem_of(work)}); load average {load()}; training.worker {args.worker}, "
+        f"worker_threads {threads}"
+    )
     facts = build_registry(work, args.adapters, args.sweep)
     registry: Path = facts["registry"]
     print(
@@ -627,6 +633,8 @@ def run(work: Path, args: argparse.Namespace, levels: list[int]) -> None:
 
     # the job reads the repository's example file: its directory is a data root of this server
     env = {"KILN_TRAINING_WORKER": args.worker, "KILN_TRAINING_DATA_ROOTS": str(DATASET.parent)}
+    if args.worker_threads is not None:
+        env["KILN_TRAINING_WORKER_THREADS"] = str(args.worker_threads)
     server = Server(work / "home", facts["model"], env=env)
     phases: list[Phase] = []
     try:

@@ -8,6 +8,7 @@ import signal
 from pathlib import Path
 
 import pytest
+import torch
 from _server import ServerProcess, wait_for
 from conftest import ADAPTER_CONVERSATIONS
 
@@ -73,6 +74,9 @@ def test_a_sigkilled_worker_fails_its_job_and_nothing_else(tmp_path, tiny_model_
                                                          "max_tokens": 2}).status_code == 200  # fmt: skip
         nxt = wait_for(lambda: (d := _detail(http, queued))["state"] in ("completed", "failed") and d, timeout=300)
         assert nxt["state"] == "completed", nxt.get("error")
+        # the worker trained on all of the server's threads but one (training.worker_threads' default)
+        device = nxt["train_receipt"]["runtime"]["execution_provenance"]["backend"]["device"]
+        assert device.endswith(f", {max(1, torch.get_num_threads() - 1)} threads)"), device
         resumed = _submit(
             http, {**config, "output_name": "doomed", "resume_checkpoint": checkpoint["resume_checkpoint"]}
         )
@@ -165,6 +169,8 @@ def test_a_server_trains_sft_over_two_ranks_and_survives_a_rank_killed_mid_step(
         assert len(done["loss_history"]) == 2  # 4 conversations at 2 a step (micro-batch 1 x 2 ranks)
         plan = {"world_size": 2, "backend": "gloo", "sharding": "kiln.sft-step-round-robin.v1"}
         assert done["train_receipt"]["runtime"]["data_parallel"] == plan
+        device = done["train_receipt"]["runtime"]["execution_provenance"]["backend"]["device"]
+        assert device.endswith(f", {max(1, max(1, torch.get_num_threads() - 1) // 2)} threads)"), device
 
         config = {"epochs": 60, "seed": 5, "checkpoint_interval": 2, "auto_load": False}
         doomed = _submit(http, {**config, "output_name": "doomed"})

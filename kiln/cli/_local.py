@@ -262,7 +262,7 @@ def _admit(args: argparse.Namespace, kind: str, path: Path) -> tuple[Any, dict[s
         data_parallel=DataParallel.planned(_ranks(args), getattr(args, "nproc_per_node", 1)),
     )
     job = TRAINERS[kind].admit(request, adapter_name=args.adapter, context=context)
-    return job, {**request, "config": dict(job.config)}, context  # the replay request: every default resolved
+    return job, {**request, "config": job.replay_config(request["config"])}, context  # what the ranks admit again
 
 
 def _result_of(outcome: dict[str, Any], target: Path) -> Any:

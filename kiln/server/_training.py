@@ -57,14 +57,25 @@ class Engine:
             return 1  # a thread of the server is one process
         return int(self.settings.get("training", "nproc_per_node", 1))
 
+    def worker_threads(self) -> int:
+        """The intra-op threads of a training worker process: ``training.worker_threads``, else all of this
+        process's but one (at least 1), so the server keeps a core while a job trains."""
+        import torch
+
+        configured = self.settings.get("training", "worker_threads")
+        return int(configured) if configured is not None else max(1, torch.get_num_threads() - 1)
+
     def context(self, kind: str | None = None) -> TrainingContext:
         """Where the trainers admit and run: the server's registry, its base model, teachers and interval, and for
-        ``kind`` the data-parallel group its workers will form."""
+        ``kind`` the worker processes (ranks, threads) it will train in."""
         from kiln.teachers import teachers_root
         from kiln.training import DataParallel
 
+        in_workers = kind is not None and self.settings.get("training", "worker", "process") == "process"
         return TrainingContext(
-            data_parallel=DataParallel.planned(self.ranks(kind) if kind is not None else 1),
+            data_parallel=DataParallel.planned(self.ranks(kind), threads=self.worker_threads())
+            if in_workers
+            else DataParallel(),
             registry=self.registry,
             loaded=self.base,
             teachers_root=teachers_root(self.settings.home),
@@ -124,7 +135,6 @@ def admit(engine: Engine, kind: str, body: Any, jobs: Any) -> dict[str, Any]:
     auto_load = bool(config.pop("auto_load", True))
     adapter = config.get("output_name") or f"{kind}-{uuid.uuid4().hex[:8]}"
     config["output_name"] = adapter
-    resume = config.get("resume_checkpoint")
     _writer_conflict(jobs, adapter)
     with engine.admission_lock:
         admitted = TRAINERS[kind].admit({**body, "config": config}, adapter_name=adapter, context=engine.context(kind))
@@ -138,9 +148,7 @@ def admit(engine: Engine, kind: str, body: Any, jobs: Any) -> dict[str, Any]:
     replay = {k: v for k, v in body.items() if k != "config"}
     if replay.get("dataset_path") is not None:
         replay["dataset_path"] = str(Path(replay["dataset_path"]).resolve())
-    replay["config"] = {**admitted.config, "auto_load": auto_load}
-    if resume is not None:
-        replay["config"]["resume_checkpoint"] = resume
+    replay["config"] = {**admitted.replay_config(config), "auto_load": auto_load}
     history = admitted.resumed_history()
     total = admitted.total_steps
     fields = {

@@ -84,6 +84,14 @@ class AdmittedJob:
         digest = hashlib.sha256((self.resume.path / "checkpoint_manifest.json").read_bytes()).hexdigest()
         return {"name": self.resume.path.name, "manifest_sha256": digest}
 
+    def replay_config(self, requested: dict[str, Any]) -> dict[str, Any]:
+        """The config a replay of this job sends (a server's dequeue, a rank of ``kiln train --local``): the effective
+        config, every default resolved and the seed filled in, with the ``requested`` config's resume checkpoint."""
+        config = dict(self.config)
+        if requested.get("resume_checkpoint") is not None:
+            config["resume_checkpoint"] = requested["resume_checkpoint"]
+        return config
+
     def resumed_history(self) -> list[dict[str, Any]]:
         """The loss curve up to the resume checkpoint, as job-detail entries (empty when the kind reports none)."""
         return []
@@ -123,12 +131,13 @@ def job_fields(
     loaded: Any,
     *,
     optimizer_kind: str | None = None,
-    threads: int | None = None,
+    data_parallel: DataParallel | None = None,
 ) -> dict[str, Any]:
     """The ``AdmittedJob`` fields of a run on ``loaded``: target, effective config (with ``lora_target_modules``
     resolved against the model: the request's, checked, or the architecture's default), the model, and the
     precision policy and identity -- deterministic algorithms switched on first (the provenance records it);
-    ``threads``: the intra-op threads of the ranks that will train, when they are not this process's."""
+    ``data_parallel``: the process(es) that will train -- their number and intra-op threads, when admission runs in
+    another process (a server's, ``kiln train --local`` of several ranks)."""
     import torch
 
     from kiln.model import capture_identity, training_precision
@@ -138,7 +147,10 @@ def job_fields(
 
     torch.use_deterministic_algorithms(True)
     precision = training_precision(optimizer_kind=optimizer_kind or config["optimizer"]["kind"])
-    identity = capture_identity(loaded.path, loaded.tokenizer, training_policy=precision, intra_op_threads=threads)
+    data_parallel = data_parallel or DataParallel()
+    identity = capture_identity(
+        loaded.path, loaded.tokenizer, training_policy=precision, intra_op_threads=data_parallel.threads
+    )
     return {
         "adapter_name": adapter_name,
         "registry": registry,
@@ -146,4 +158,5 @@ def job_fields(
         "loaded": loaded,
         "identity": identity,
         "precision": precision,
+        "data_parallel": data_parallel,
     }

@@ -140,8 +140,10 @@ def admit_grpo(
     request: dict[str, Any],
     model_path: str | None = None,
     loaded: Any = None,
+    data_parallel: Any = None,
 ) -> AdmittedGrpo:
-    """Everything that can fail before training; raises ``KilnError`` and publishes nothing."""
+    """Everything that can fail before training; raises ``KilnError`` and publishes nothing (``data_parallel``: the
+    one worker process it trains in, when not this one)."""
     from kiln.data import check_unchanged, dataset_sha256, read_groups
 
     check_grpo_request(request)
@@ -166,7 +168,7 @@ def admit_grpo(
     if pin is not None:  # the bytes the streamed pass read are the bytes pinned before it
         check_unchanged(dataset_path, pin, now=ingestion.source_sha256)
     job = AdmittedGrpo(
-        **job_fields(adapter_name, registry, cfg, loaded),
+        **job_fields(adapter_name, registry, cfg, loaded, data_parallel=data_parallel),
         ingestion=ingestion,
         tokenize_ms=tokenize_ms,
         dry_run=bool(request.get("dry_run")),
@@ -190,6 +192,7 @@ def admit_request(request: dict[str, Any], *, adapter_name: str, context: Traini
         request={**request, "config": config},
         model_path=context.model_path,
         loaded=context.loaded,
+        data_parallel=context.data_parallel,
     )
 
 

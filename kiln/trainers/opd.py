@@ -169,8 +169,10 @@ def admit_opd(
     model_path: str | None = None,
     loaded: Any = None,
     server_checkpoint_interval: int | None = None,
+    data_parallel: Any = None,
 ) -> AdmittedOpd:
-    """Everything that can fail before training; raises ``KilnError`` and publishes nothing."""
+    """Everything that can fail before training; raises ``KilnError`` and publishes nothing (``data_parallel``: the
+    one worker process it trains in, when not this one)."""
     from kiln.model import max_positions, special_tokens, stop_token_ids
 
     mode = check_opd_request(request)
@@ -183,7 +185,7 @@ def admit_opd(
     # the identity comes first: the source is checked against the student's tokenizer, and the effective config
     # against the source's teacher (its top-K bound)
     kind = (config.get("optimizer") or {}).get("kind", schema_defaults("OpdConfig")["optimizer"]["kind"])
-    fields = job_fields(adapter_name, registry, {}, loaded, optimizer_kind=kind)
+    fields = job_fields(adapter_name, registry, {}, loaded, optimizer_kind=kind, data_parallel=data_parallel)
     start = time.perf_counter()
     admitted = admitted_source(mode, request, teacher, loaded, fields["identity"])
     cfg = effective_opd_config(
@@ -232,6 +234,7 @@ def admit_request(request: dict[str, Any], *, adapter_name: str, context: Traini
         model_path=context.model_path,
         loaded=context.loaded,
         server_checkpoint_interval=context.checkpoint_interval,
+        data_parallel=context.data_parallel,
     )
 
 

@@ -203,8 +203,7 @@ def admit_sft(
     )
     tokenize_ms = (time.perf_counter() - start) * 1000
     check_sft_data(cfg, ingestion.examples, loaded)
-    data_parallel = data_parallel or DataParallel()
-    fields = job_fields(adapter_name, registry, cfg, loaded, threads=data_parallel.threads)
+    fields = job_fields(adapter_name, registry, cfg, loaded, data_parallel=data_parallel)
     head = loaded.model.get_output_embeddings().weight
     choice = choose_loss_route(
         "cpu",
@@ -223,7 +222,6 @@ def admit_sft(
         route=choice.route,
         loss_route=choice,
         head=head_of_model,
-        data_parallel=data_parallel,
     )
     job.resume = load_resume(checkpoint_path, job.identity_manifest())
     return job

@@ -71,35 +71,38 @@ class DataParallel:
         return batches[self.rank :: self.world_size]
 
     @classmethod
-    def planned(cls, world_size: int, nproc_per_node: int | None = None) -> DataParallel:
+    def planned(cls, world_size: int, nproc_per_node: int | None = None, *, threads: int | None = None) -> DataParallel:
         """The group ``world_size`` ranks will form, as admission sees it: rank 0, the backend this machine gives,
-        and this process's intra-op threads shared among the ``nproc_per_node`` ranks of a machine (all of them on
-        one node by default), so the ranks do not oversubscribe the cores and admission records their identity."""
-        if world_size <= 1:
-            return cls()
+        and ``threads`` (default: this process's intra-op threads) shared among the ``nproc_per_node`` ranks of a
+        machine (all of them on one node by default), so the ranks do not oversubscribe the cores and admission
+        records their identity. One process: a plan only when ``threads`` is given (a worker process of a server)."""
         import torch
 
+        if world_size <= 1:
+            return cls() if threads is None else cls(threads=threads)
         per_node = world_size if nproc_per_node is None else nproc_per_node
+        total = torch.get_num_threads() if threads is None else threads
         return cls(
             world_size=world_size,
             rank=0,
             backend="nccl" if torch.cuda.is_available() else "gloo",
-            threads=max(1, torch.get_num_threads() // per_node),
+            threads=max(1, total // per_node),
         )
 
     @classmethod
     def from_environment(cls, threads: int | None = None, environ: dict[str, str] | None = None) -> DataParallel:
         """The group ``torchrun`` launched this process into, joined, with ``threads`` intra-op threads (what the
         job was admitted for); a single process without one."""
-        env = os.environ if environ is None else environ
-        world = int(env.get("WORLD_SIZE", "1"))
-        if world <= 1:
-            return cls()
         import torch
-        import torch.distributed as dist
 
         if threads is not None:
             torch.set_num_threads(threads)
+        env = os.environ if environ is None else environ
+        world = int(env.get("WORLD_SIZE", "1"))
+        if world <= 1:
+            return cls(threads=threads)
+        import torch.distributed as dist
+
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if not dist.is_initialized():
             dist.init_process_group(backend=backend)
