@@ -28,7 +28,7 @@ from _server import free_port
 from kiln import contracts
 from kiln.errors import CheckpointError, RequestError
 from kiln.trainers import TRAINERS, TrainingContext
-from kiln.training import DataParallel
+from kiln.training import DataParallel, backend_for
 
 pytestmark = pytest.mark.slow
 
@@ -88,6 +88,9 @@ def test_a_step_s_micro_batches_are_dealt_to_the_ranks_in_turn():
     assert DataParallel(3, 2, "gloo").micro_batches([0, 1, 2], 2) == []  # a short last step leaves this rank none
     assert DataParallel().micro_batches(rows, 4) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
     assert DataParallel().plan() is None
+    # the trainers train on the CPU: gloo, also where CUDA is available (nccl would refuse CPU tensors)
+    assert DataParallel.planned(2).backend == backend_for("cpu") == "gloo"
+    assert backend_for("cuda:0") == "nccl"
     assert DataParallel(2, 0, "gloo").plan() == {
         "world_size": 2,
         "backend": "gloo",

@@ -3,7 +3,7 @@ state as checkpoint files and back, the receipt base."""
 
 from __future__ import annotations
 
-from kiln.training._data_parallel import SHARDING_RULE, DataParallel, RanksDivergedError, StepSync
+from kiln.training._data_parallel import SHARDING_RULE, DataParallel, RanksDivergedError, StepSync, backend_for
 from kiln.training._defaults import default_by, schema_defaults
 from kiln.training._failures import classify_failure
 from kiln.training._head import ModelHead, decoder_of, model_head
@@ -45,6 +45,7 @@ __all__ = [
     "adapter_tensors",
     "attach_lora",
     "auxiliary_identity",
+    "backend_for",
     "base_adapter_dir",
     "build_optimizer",
     "classify_failure",

@@ -16,8 +16,10 @@ The rule (``SHARDING_RULE``, recorded in the checkpoint's planning identity, the
 Every rank's cursor is the global cursor and no stream draws per rank (the epoch order and the LoRA initialisation
 are seeded and global), so the checkpoint binds each rank's position through the world size and this rule.
 
-``DataParallel.from_environment`` reads the group ``torchrun`` describes (``WORLD_SIZE``, ``RANK``) and joins it:
-``gloo`` on CPU, ``nccl`` on CUDA. Without ``torchrun`` it is the single-process plan, and nothing here runs.
+``DataParallel.from_environment`` reads the group ``torchrun`` describes (``WORLD_SIZE``, ``RANK``) and joins it
+with the backend of the training device (``backend_for``): Kiln's trainers train on the CPU, so the ranks sum CPU
+tensors over ``gloo`` -- also on a machine with GPUs, where ``nccl`` would refuse CPU tensors; ``nccl`` is the
+backend of a CUDA training device. Without ``torchrun`` it is the single-process plan, and nothing here runs.
 """
 
 from __future__ import annotations
@@ -35,6 +37,12 @@ from kiln.errors import NonFiniteLossError, TrainingFailedError
 __all__ = ["SHARDING_RULE", "DataParallel", "RanksDivergedError", "StepSync"]
 
 SHARDING_RULE = "kiln.sft-step-round-robin.v1"
+TRAINING_DEVICE = "cpu"  # where the trainers put the model (kiln.trainers: planning identity, loss route)
+
+
+def backend_for(device: str) -> str:
+    """The ``torch.distributed`` backend that sums tensors on ``device``: ``nccl`` for CUDA, ``gloo`` otherwise."""
+    return "nccl" if device.startswith("cuda") else "gloo"
 
 
 class RanksDivergedError(TrainingFailedError):
@@ -83,10 +91,7 @@ class DataParallel:
         per_node = world_size if nproc_per_node is None else nproc_per_node
         total = torch.get_num_threads() if threads is None else threads
         return cls(
-            world_size=world_size,
-            rank=0,
-            backend="nccl" if torch.cuda.is_available() else "gloo",
-            threads=max(1, total // per_node),
+            world_size=world_size, rank=0, backend=backend_for(TRAINING_DEVICE), threads=max(1, total // per_node)
         )
 
     @classmethod
@@ -103,7 +108,7 @@ class DataParallel:
             return cls(threads=threads)
         import torch.distributed as dist
 
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        backend = backend_for(TRAINING_DEVICE)
         if not dist.is_initialized():
             dist.init_process_group(backend=backend)
         rank = dist.get_rank()
@@ -171,7 +176,7 @@ class StepSync:
             digest.update(name.encode())
             digest.update(self.params[name].detach().cpu().contiguous().numpy().tobytes())
         mine = torch.tensor(list(digest.digest()), dtype=torch.int32)
-        if self.group.backend == "nccl":
+        if self.group.backend == "nccl":  # NCCL sums and gathers CUDA tensors only
             mine = mine.cuda()
         gathered = [torch.zeros_like(mine) for _ in range(self.group.world_size)]
         dist.all_gather(gathered, mine)
