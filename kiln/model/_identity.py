@@ -82,6 +82,9 @@ def _executable_sha256() -> str:
     return prefixed(file_sha256(Path(os.path.realpath(sys.executable)))[0])
 
 
+GIT_TIMEOUT_S = 60
+
+
 @cache
 def _source_identity() -> tuple[str, str | None, bool | None]:
     """(source tree digest over the installed kiln and generated packages, git commit, dirty)."""
@@ -101,17 +104,24 @@ def _source_identity() -> tuple[str, str | None, bool | None]:
     git = shutil.which("git")
     if git is None:
         return tree, None, None
+    # The answer is part of a checkpoint's identity, so it must not depend on load: a generous timeout (several
+    # processes -- a job's ranks, a busy machine -- may ask at once), and no index refresh written behind our back
+    # (--no-optional-locks), so concurrent askers never contend for the index lock.
     try:
         out = subprocess.run(
-            [git, "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5, check=False
+            [git, "--no-optional-locks", "-C", str(repo), "rev-parse", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=GIT_TIMEOUT_S,
+            check=False,
         )
         if out.returncode == 0:
             commit = out.stdout.strip() or None
             status = subprocess.run(
-                [git, "-C", str(repo), "status", "--porcelain", "--untracked-files=no"],
+                [git, "--no-optional-locks", "-C", str(repo), "status", "--porcelain", "--untracked-files=no"],
                 capture_output=True,
                 text=True,
-                timeout=5,
+                timeout=GIT_TIMEOUT_S,
                 check=False,
             )
             dirty = bool(status.stdout.strip()) if status.returncode == 0 else None
