@@ -145,16 +145,17 @@ def test_the_event_reader_yields_only_complete_lines(tmp_path):
     assert list(reader.read()) == [{"event": "progress", "step": 2}]
 
 
-def _rank_pids(job_id: str) -> list[int]:
-    """The ranks torchrun started for this job (the worker processes that carry a ``LOCAL_RANK``)."""
-    ranks = []
+def _rank_pids(job_id: str) -> dict[int, int]:
+    """The ranks torchrun started for this job: local rank -> pid (the worker processes that carry a ``LOCAL_RANK``)."""
+    ranks = {}
     for pid in _worker_pids(job_id):
         try:
             environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
         except OSError:
             continue
-        if any(entry.startswith(b"LOCAL_RANK=") for entry in environ):
-            ranks.append(pid)
+        for entry in environ:
+            if entry.startswith(b"LOCAL_RANK="):
+                ranks[int(entry.split(b"=", 1)[1])] = pid
     return ranks
 
 
@@ -177,7 +178,7 @@ def test_a_server_trains_sft_over_two_ranks_and_survives_a_rank_killed_mid_step(
         wait_for(lambda: (d := _detail(http, doomed))["latest_checkpoint"] is not None and d["state"] == "running",
                  timeout=300)  # fmt: skip
         ranks = wait_for(lambda: len(pids := _rank_pids(doomed)) == 2 and pids, timeout=60)
-        os.kill(ranks[1], signal.SIGKILL)
+        os.kill(ranks[1], signal.SIGKILL)  # not rank 0, which reports the group's end
         failed = wait_for(lambda: (d := _detail(http, doomed))["state"] == "failed" and d, timeout=300)
         assert "torchrun exited with status 1" in failed["error"], failed["error"]
         checkpoint = failed["latest_checkpoint"]
