@@ -35,6 +35,7 @@ import contextlib
 import json
 import os
 import signal
+import subprocess
 import sys
 import threading
 import traceback
@@ -53,6 +54,7 @@ FINGERPRINT_LABELS = {
     "checkpoint": "the resume checkpoint",
 }
 
+FOLLOW_POLL_S = 0.05  # how often the launcher reads the event file and checks for a cancel
 SHUTDOWN_TIMEOUT_S = 600  # how long torchrun waits for cancelled ranks to publish before it kills them
 
 __all__ = [
@@ -62,6 +64,7 @@ __all__ = [
     "EventReader",
     "EventWriter",
     "changed",
+    "follow",
     "launch_ranks",
     "main",
     "outcome_of",
@@ -120,6 +123,62 @@ class EventWriter:
 
     def close(self) -> None:
         self._file.close()
+
+
+def follow(
+    spec_path: Path,
+    log_path: Path,
+    cancel: threading.Event,
+    on_event: Callable[[dict[str, Any]], None],
+    *,
+    cwd: Path | None = None,
+    new_session: bool = False,
+) -> tuple[subprocess.Popen[bytes], dict[str, Any] | None]:
+    """Run ``python -m kiln.worker SPEC`` with this interpreter until it exits, its output to ``log_path``: each
+    event it appends to the spec's event file goes to ``on_event`` as it lands, ``cancel`` becomes one ``SIGTERM``
+    (the cooperative cancel; ``torchrun`` hands it to every rank). Returns the ended process and the outcome line
+    (None when it left none). ``new_session``: the worker in a session of its own, which an interrupt of the caller
+    (``KeyboardInterrupt``) kills whole before re-raising."""
+    reader = EventReader(Path(json.loads(spec_path.read_text(encoding="utf-8"))["events"]))
+    outcome: dict[str, Any] | None = None
+
+    def drain() -> None:
+        nonlocal outcome
+        for event in reader.read():
+            if event.get("event") == "outcome":
+                outcome = event
+            on_event(event)
+
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "kiln.worker", str(spec_path)],
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=None if cwd is None else str(cwd),
+            start_new_session=new_session,
+        )
+        signalled = False
+        try:
+            while True:
+                drain()
+                if cancel.is_set() and not signalled:
+                    proc.send_signal(signal.SIGTERM)
+                    signalled = True
+                try:
+                    proc.wait(timeout=FOLLOW_POLL_S)
+                    break
+                except subprocess.TimeoutExpired:
+                    continue
+        except KeyboardInterrupt:
+            if new_session:
+                os.killpg(proc.pid, signal.SIGKILL)
+            else:
+                proc.kill()
+            proc.wait()
+            raise
+    drain()
+    return proc, outcome
 
 
 def revalidation_failed(differences: list[str]) -> str:

@@ -24,7 +24,6 @@ import json
 import os
 import shlex
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -337,43 +336,19 @@ def _run_ranks(
     """Train over several ranks: the worker (``torchrun``) in a session of its own, its events followed; returns
     rank 0's outcome line, or None when this node's ranks ended without one (rank 0 ran on another node). The
     workers' output goes to ``worker.log``, quoted when they end without an outcome."""
-    from kiln.worker import EventReader
+    from kiln.worker import follow
 
     with tempfile.TemporaryDirectory(prefix="kiln-ranks-") as tmp:
         directory = Path(tmp)
         spec_path, events, log_path = directory / "spec.json", directory / "events.jsonl", directory / "worker.log"
         spec_path.write_text(json.dumps(_worker_spec(args, kind, admitted, events), indent=1), encoding="utf-8")
-        reader, outcome, signalled = EventReader(events), None, False
-        with open(log_path, "wb") as log:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "kiln.worker", str(spec_path)],
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,  # the terminal's Ctrl-C reaches this process, which forwards it once
-            )
-            try:
-                while True:
-                    for event in reader.read():
-                        if event.get("event") == "outcome":
-                            outcome = event
-                        elif event.get("event") == "progress":
-                            emit(event)
-                    if cancellation.event.is_set() and not signalled:
-                        proc.send_signal(signal.SIGTERM)  # torchrun hands it to every rank
-                        signalled = True
-                    try:
-                        proc.wait(timeout=0.1)
-                        break
-                    except subprocess.TimeoutExpired:
-                        continue
-            except KeyboardInterrupt:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-                raise
-        for event in reader.read():
-            if event.get("event") == "outcome":
-                outcome = event
+        proc, outcome = follow(
+            spec_path,
+            log_path,
+            cancellation.event,
+            lambda event: emit(event) if event.get("event") == "progress" else None,
+            new_session=True,  # the terminal's Ctrl-C reaches this process, which forwards it once
+        )
         if outcome is None and proc.returncode != 0:
             tail = log_path.read_text(encoding="utf-8", errors="replace")[-3000:].strip()
             return {

@@ -16,17 +16,14 @@ from __future__ import annotations
 
 import json
 import signal
-import subprocess
-import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from kiln._fs import atomic_write_bytes
-from kiln.worker import EventReader
+from kiln.worker import follow
 
-POLL_S = 0.05
 LOG_TAIL = 2000  # characters of worker.log a failure message quotes
 
 __all__ = ["classify_exit", "continuation", "forward", "launch", "oom_kills"]
@@ -118,30 +115,9 @@ def launch(
     spec = job_spec(engine, job, request, str(events))
     atomic_write_bytes(directory / "spec.json", json.dumps(spec, indent=1).encode("utf-8"))
     oom_before = oom_kills()
-    reader = EventReader(events)
-    outcome: dict[str, Any] | None = None
-    with open(directory / "worker.log", "wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "kiln.worker", str(directory / "spec.json")],
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            cwd=str(directory),
-        )
-        signalled = False
-        while True:
-            for event in reader.read():
-                outcome = forward(event, report) or outcome
-            if cancel.is_set() and not signalled:
-                proc.send_signal(signal.SIGTERM)
-                signalled = True
-            try:
-                proc.wait(timeout=POLL_S)
-                break
-            except subprocess.TimeoutExpired:
-                continue
-    for event in reader.read():
-        outcome = forward(event, report) or outcome
+    proc, outcome = follow(
+        directory / "spec.json", directory / "worker.log", cancel, lambda event: forward(event, report), cwd=directory
+    )
     ranks = int(spec.get("launch", {}).get("nproc_per_node", 1))
     if outcome is not None and outcome["state"] == "failed" and ranks > 1 and proc.returncode != 0:
         # rank 0 reported the group's end (a collective that broke); torchrun's status says a rank died
