@@ -97,7 +97,10 @@ def test_greedy_completion_is_deterministic_and_schema_valid(gen):
     usage = first["usage"]
     assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
     assert usage["prompt_tokens"] == len(gen._encode_prompt(MESSAGES))
-    assert _complete(gen, model="my-model")["model"] == "my-model"
+    assert _complete(gen, model="kiln-tiny")["model"] == "kiln-tiny"
+    with pytest.raises(NotFoundError) as refused:  # `model` selects the weights: an id nobody serves is refused
+        gen.complete({"messages": MESSAGES, "model": "my-model"})
+    assert refused.value.code == "not_found"
 
 
 def test_max_tokens_bounds_the_completion_with_finish_reason_length(gen):
@@ -111,7 +114,11 @@ def test_streamed_deltas_concatenate_to_the_non_streaming_content(gen):
     gen.load("bot")
     for fields in ({}, {"base_model": True}, {"temperature": 0.9, "top_p": 0.8, "seed": 11}):
         whole = _complete(gen, **fields)
-        chunks = _chunks(gen, **fields)
+        chunks = _chunks(gen, **fields, stream_options={"include_usage": True}, stream=True)
+        assert chunks[-1]["choices"] == []  # the usage chunk
+        assert chunks[-1]["usage"] == whole["usage"]
+        chunks = chunks[:-1]
+        assert all("usage" not in c for c in _chunks(gen, **fields))  # usage only when asked for
         first, last, middle = chunks[0], chunks[-1], chunks[1:-1]
         assert first["choices"][0]["delta"] == {"role": "assistant", "content": ""}
         assert first["kiln"] == whole["kiln"]
@@ -119,7 +126,6 @@ def test_streamed_deltas_concatenate_to_the_non_streaming_content(gen):
         assert all("kiln" not in c and "usage" not in c and c["choices"][0]["finish_reason"] is None for c in middle)
         assert all(c["choices"][0]["delta"]["content"] for c in middle)
         assert last["choices"][0] == {"index": 0, "delta": {}, "finish_reason": whole["choices"][0]["finish_reason"]}
-        assert last["usage"] == whole["usage"]
         assert len({c["id"] for c in chunks}) == 1
         assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == _content(whole)
 

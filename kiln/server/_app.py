@@ -45,7 +45,7 @@ from kiln.errors import (
     Problem,
     RequestError,
 )
-from kiln.server import _datasets, _evals, _training
+from kiln.server import _datasets, _evals, _openai, _training
 from kiln.server._jobs import JobManager, JobStore
 from kiln.server._settings import Settings, resolve_settings
 
@@ -87,7 +87,7 @@ class Server:
     webhook_failures: int = 0
     adapter_cache: dict[str, Any] = field(default_factory=dict)  # registry entries by stat key
     adapter_lock: threading.Lock = field(default_factory=threading.Lock)  # one listing at a time
-    teacher_protocol: Any = None  # kiln.server._teacher_protocol.TeacherProtocol (GET /v1/models, /v1/completions)
+    teacher_protocol: Any = None  # kiln.server._teacher_protocol.TeacherProtocol (base card, prompt scoring)
     model_path: Path | None = None  # the served model's directory
 
     @property
@@ -488,20 +488,26 @@ def create_app(server: Server, *, own_lifecycle: bool = True) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
         body = await _body(request, server)
-        _check("ChatCompletionRequest", body)
-        if body.get("stream"):
+        if isinstance(body, dict) and body.get("stream"):
             chunks = await _threaded(lambda: _first_then_rest(server.generator.stream(body)))
             return StreamingResponse(_sse(chunks), media_type="text/event-stream")
         return JSONResponse(await _threaded(server.generator.complete, body))
 
     @app.post("/v1/completions")
-    async def completions(request: Request) -> JSONResponse:
+    async def completions(request: Request) -> Response:
         body = await _body(request, server)
-        return JSONResponse(await _threaded(server.teacher_protocol.complete, body))
+        if isinstance(body, dict) and body.get("stream"):
+            chunks = await _threaded(lambda: _first_then_rest(_openai.completion_chunks(server, body)))
+            return StreamingResponse(_sse(chunks), media_type="text/event-stream")
+        return JSONResponse(await _threaded(_openai.completion, server, body))
 
     @app.get("/v1/models")
     def models() -> JSONResponse:
-        return JSONResponse(server.teacher_protocol.models())
+        return JSONResponse(_openai.model_list(server))
+
+    @app.get("/v1/models/{model_id:path}")
+    def model(model_id: str) -> JSONResponse:
+        return JSONResponse(_openai.model_card(server, model_id))
 
     # ------------------------------------------------------------------ observability
 

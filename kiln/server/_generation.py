@@ -72,7 +72,6 @@ import hashlib
 import inspect
 import itertools
 import re
-import secrets
 import threading
 import time
 from collections.abc import Iterator
@@ -95,7 +94,7 @@ from kiln.model import pick_token as _pick
 from kiln.model import special_tokens as _special_tokens
 from kiln.model import stop_token_ids as _stop_ids
 
-__all__ = ["CANARY_FILE", "Generator", "content_revision"]
+__all__ = ["CANARY_FILE", "Generator", "Outcome", "Piece", "Plan", "TokenScore", "content_revision"]
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -104,7 +103,6 @@ RECEIPT_FILE = "train_receipt.json"
 CHECKPOINT_SUFFIX = ".kiln-checkpoint"
 REQUEST = "ChatCompletionRequest"
 
-DEFAULT_MAX_TOKENS = 64
 CANARY_MESSAGES = ({"role": "user", "content": "Say hello in one short sentence."},)
 CANARY_MAX_TOKENS = 16
 LATENCY_FACTOR = 10.0
@@ -157,7 +155,7 @@ class _Adapter:
 
 
 @dataclass(frozen=True)
-class _Plan:
+class Plan:
     """One admitted completion request."""
 
     prompt_ids: list[int]
@@ -169,8 +167,25 @@ class _Plan:
     model: str
 
 
+@dataclass(frozen=True)
+class TokenScore:
+    """One generated token; with scoring, its log-probability and the most likely alternatives."""
+
+    token: int
+    logprob: float | None = None
+    top: list[tuple[int, float]] | None = None
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A text increment of one choice and the tokens consumed since the previous piece."""
+
+    text: str
+    tokens: list[TokenScore]
+
+
 @dataclass
-class _Outcome:
+class Outcome:
     finish_reason: str = "length"
     completion_tokens: int = 0
 
@@ -232,55 +247,25 @@ class Generator:
     # --- completions --------------------------------------------------------------------
 
     def complete(self, request: dict[str, Any]) -> dict[str, Any]:
-        """``ChatCompletionRequest`` → ``ChatCompletionResponse``."""
-        plan = self._plan(request)
-        created = int(time.time())
-        outcome = _Outcome()
-        content = "".join(self._deltas(plan, outcome))
-        response = {
-            "id": _completion_id(),
-            "object": "chat.completion",
-            "created": created,
-            "model": plan.model,
-            "choices": [
-                {
-                    "index": 0,
-                    "message": {"role": "assistant", "content": content},
-                    "finish_reason": outcome.finish_reason,
-                }
-            ],
-            "usage": _usage(plan, outcome),
-            "kiln": _weights(plan.adapter),
-        }
-        return _checked("ChatCompletionResponse", response)
+        """``ChatCompletionRequest`` → ``ChatCompletionResponse`` (``kiln.server._openai`` translates)."""
+        from kiln.server._openai import chat_completion
+
+        return chat_completion(self, request)
 
     def stream(self, request: dict[str, Any]) -> Iterator[dict[str, Any]]:
         """``ChatCompletionRequest`` → ``ChatCompletionChunk`` documents.
 
         The request is admitted (and its weights resolved) when this is called, so refusals
-        raise before the first chunk. The first chunk carries the role and ``kiln``; the last
-        one ``finish_reason`` and ``usage``.
+        raise before the first chunk.
         """
-        plan = self._plan(request)
-        return self._chunks(plan, _completion_id(), int(time.time()))
+        from kiln.server._openai import chat_chunks
 
-    def _chunks(self, plan: _Plan, completion_id: str, created: int) -> Iterator[dict[str, Any]]:
-        def chunk(delta: dict[str, str], finish_reason: str | None = None, **extra: Any) -> dict[str, Any]:
-            body = {
-                "id": completion_id,
-                "object": "chat.completion.chunk",
-                "created": created,
-                "model": plan.model,
-                "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason}],
-                **extra,
-            }
-            return _checked("ChatCompletionChunk", body)
+        return chat_chunks(self, request)
 
-        yield chunk({"role": "assistant", "content": ""}, kiln=_weights(plan.adapter))
-        outcome = _Outcome()
-        for delta in self._deltas(plan, outcome):
-            yield chunk({"content": delta})
-        yield chunk({}, outcome.finish_reason, usage=_usage(plan, outcome))
+    def adapter_named(self, name: str) -> _Adapter:
+        """The active adapter when it is ``name``, else ``name`` read from the registry (not quarantined)."""
+        current = self._active
+        return current if current is not None and current.name == name else self._read_adapter(name)
 
     # --- canary -------------------------------------------------------------------------
 
@@ -348,58 +333,13 @@ class Generator:
         """CANARY_MAX_TOKENS greedy tokens, stop tokens ignored so both timings cover equal work (None: non-finite)."""
         started = time.perf_counter()
         try:
-            ids: list[int] | None = list(self._tokens(adapter, prompt, CANARY_MAX_TOKENS, 0.0, 1.0, 0, stop=False))
+            steps = self._tokens(adapter, prompt, CANARY_MAX_TOKENS, 0.0, 1.0, 0, stop=False)
+            ids: list[int] | None = [token for token, _ in steps]
         except _NonFiniteLogitsError:
             ids = None
         return ids, time.perf_counter() - started
 
     # --- admission ----------------------------------------------------------------------
-
-    def _plan(self, request: dict[str, Any]) -> _Plan:
-        found = contracts.problems(REQUEST, request)
-        if found:
-            raise ContractError(found, document=REQUEST)
-        if "adapter" in request and request.get("base_model") is True:
-            raise ContractError(
-                [
-                    Problem(
-                        "inconsistent_fields",
-                        "/adapter",
-                        "`adapter` and `base_model: true` cannot be combined: choose one set of weights",
-                    )
-                ],
-                document=REQUEST,
-            )
-        if "adapter" in request:
-            current = self._active
-            name = request["adapter"]
-            adapter = current if current is not None and current.name == name else self._read_adapter(name)
-        elif request.get("base_model") is True:
-            adapter = None
-        else:
-            adapter = self._active
-        prompt = self._encode_prompt(request["messages"])
-        room = self._max_positions - len(prompt)
-        if room < 1:
-            raise ContractError(
-                [
-                    Problem(
-                        "out_of_range",
-                        "/messages",
-                        f"the prompt is {len(prompt)} tokens and the model's context is {self._max_positions}: no room to generate; shorten the conversation",
-                    )
-                ],
-                document=REQUEST,
-            )
-        return _Plan(
-            prompt_ids=prompt,
-            max_new=min(int(request.get("max_tokens", DEFAULT_MAX_TOKENS)), room),
-            temperature=float(request.get("temperature", 0)),
-            top_p=float(request.get("top_p", 1)),
-            seed=int(request.get("seed", 0)),
-            adapter=adapter,
-            model=request.get("model") or self._model_name,
-        )
 
     def _encode_prompt(self, messages: list[dict[str, Any]]) -> list[int]:
         """Chat-template render with a generation prompt; message text spelling a special token stays text."""
@@ -458,20 +398,44 @@ class Generator:
 
     # --- decoding -----------------------------------------------------------------------
 
-    def _deltas(self, plan: _Plan, outcome: _Outcome) -> Iterator[str]:
+    def _deltas(self, plan: Plan, outcome: Outcome) -> Iterator[str]:
         """The incremental text of one completion; fills ``outcome`` as it goes."""
+        for piece in self.pieces(plan, outcome):
+            if piece.text:
+                yield piece.text
+
+    def pieces(self, plan: Plan, outcome: Outcome, *, top_k: int | None = None, first: Any = None) -> Iterator[Piece]:
+        """The decoding loop of every route: text increments of one choice, with the tokens behind them.
+
+        With ``top_k`` every generated token carries its log-probability (temperature 1, before
+        ``top_p``) and its ``top_k`` most likely alternatives. An end-of-turn token ends the choice
+        (``outcome.finish_reason`` ``stop``), counts in ``completion_tokens`` and is no piece's token.
+        ``first`` (the log-probabilities after the last prompt token, when the caller already ran the
+        prompt forward to score it) picks the first token; for a one-token answer no forward runs.
+        """
         detok = _Detokenizer(self._decode)
+        held: list[TokenScore] = []
         try:
-            for token in self._tokens(
-                plan.adapter, plan.prompt_ids, plan.max_new, plan.temperature, plan.top_p, plan.seed
-            ):
+            steps = self._tokens(
+                plan.adapter,
+                plan.prompt_ids,
+                plan.max_new,
+                plan.temperature,
+                plan.top_p,
+                plan.seed,
+                top_k=top_k,
+                first=first,
+            )
+            for token, score in steps:
                 outcome.completion_tokens += 1
                 if token in self._stop_ids:
                     outcome.finish_reason = "stop"
                     break
+                held.append(TokenScore(token, *score) if score else TokenScore(token))
                 delta = detok.push(token)
                 if delta:
-                    yield delta
+                    yield Piece(delta, held)
+                    held = []
         except _NonFiniteLogitsError:
             if plan.adapter is None:
                 raise InternalError("the base model produced non-finite logits") from None
@@ -480,8 +444,8 @@ class Generator:
                 hint=f"run its canary; a quarantined adapter is only served with allow_quarantined ({plan.adapter.name})",
             ) from None
         tail = detok.flush()
-        if tail:
-            yield tail
+        if tail or held:
+            yield Piece(tail, held)
 
     def _tokens(
         self,
@@ -493,24 +457,43 @@ class Generator:
         seed: int,
         *,
         stop: bool = True,
-    ) -> Iterator[int]:
-        """Sampled token ids with a KV cache; the lock is held per forward pass, never across a yield."""
+        top_k: int | None = None,
+        first: Any = None,
+    ) -> Iterator[tuple[int, tuple[float, list[tuple[int, float]]] | None]]:
+        """Sampled token ids with a KV cache, each with its score when ``top_k`` is set; the lock is held per
+        forward pass, never across a yield. ``first``: see ``pieces``."""
         import torch
+
+        from kiln.teachers import stable_top_k
 
         generator = torch.Generator(device=self._device)
         generator.manual_seed(seed)
         extra = {"logits_to_keep": 1} if self._keep_last else {}
         cache = None
         step_ids = torch.tensor([prompt], device=self._device)
-        for _ in range(max_new):
-            with self.lock, torch.inference_mode(), self._applied(adapter):
-                out = self._model(input_ids=step_ids, past_key_values=cache, use_cache=True, **extra)
-                cache = out.past_key_values
-                logits = out.logits[0, -1].float()
-                if not bool(torch.isfinite(logits).all()):
-                    raise _NonFiniteLogitsError
-                token = _pick(logits, temperature, top_p, generator)
-            yield token
+        for step in range(max_new):
+            if step == 0 and first is not None:
+                logits = first.to(self._device).float()
+                if max_new > 1:  # the cache for the next steps
+                    with self.lock, torch.inference_mode(), self._applied(adapter):
+                        cache = self._model(input_ids=step_ids, use_cache=True, **extra).past_key_values
+            else:
+                with self.lock, torch.inference_mode(), self._applied(adapter):
+                    out = self._model(input_ids=step_ids, past_key_values=cache, use_cache=True, **extra)
+                    cache = out.past_key_values
+                    logits = out.logits[0, -1].float()
+            if not bool(torch.isfinite(logits).all()):
+                raise _NonFiniteLogitsError
+            token = _pick(logits, temperature, top_p, generator)
+            score = None
+            if top_k is not None:
+                row = torch.log_softmax(logits, dim=-1).cpu()
+                alternatives: list[tuple[int, float]] = []
+                if top_k:
+                    ids, values = stable_top_k(row.unsqueeze(0), top_k)
+                    alternatives = list(zip(ids[0].tolist(), values[0].tolist(), strict=True))
+                score = (float(row[token]), alternatives)
+            yield token, score
             if stop and token in self._stop_ids:
                 return
             step_ids = torch.tensor([[token]], device=self._device)
@@ -758,25 +741,6 @@ def _read_file(directory: Path, file_name: str, limit: int | None) -> bytes:
     if limit is not None and len(data) > limit:
         raise AdapterError(f"adapter {directory.name!r}: {file_name} is larger than {limit} bytes")
     return data
-
-
-def _weights(adapter: _Adapter | None) -> dict[str, str | None]:
-    if adapter is None:
-        return {"adapter": None, "adapter_manifest_sha256": None}
-    return {"adapter": adapter.name, "adapter_manifest_sha256": adapter.manifest_sha256}
-
-
-def _usage(plan: _Plan, outcome: _Outcome) -> dict[str, int]:
-    prompt = len(plan.prompt_ids)
-    return {
-        "prompt_tokens": prompt,
-        "completion_tokens": outcome.completion_tokens,
-        "total_tokens": prompt + outcome.completion_tokens,
-    }
-
-
-def _completion_id() -> str:
-    return "chatcmpl-" + secrets.token_hex(12)
 
 
 def _checked(doc_type: str, value: dict[str, Any]) -> dict[str, Any]:

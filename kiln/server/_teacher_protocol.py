@@ -1,17 +1,18 @@
-"""The vLLM-compatible teacher protocol of ``kiln serve``: ``GET /v1/models`` and ``POST /v1/completions``.
+"""The vLLM-compatible teacher protocol of ``kiln serve``: the base model's card and prompt scoring.
 
 A Kiln server can be another Kiln's ``remote`` teacher. ``GET /v1/models`` lists one card,
 the served base model, with Kiln's ``teacher_identity`` extension (``kiln.teachers.
-teacher_identity_for``, computed once at startup). ``POST /v1/completions`` scores numeric
-token ids exactly as a ``local`` teacher does (``kiln.teachers.top_k_logprobs``' functions,
-base weights only, one forward under the generator's lock) and answers in vLLM's layout:
+teacher_identity_for``, computed once at startup). ``POST /v1/completions`` (translated by
+``kiln.server._openai``) scores numeric token ids exactly as a ``local`` teacher does
+(``kiln.teachers.top_k_logprobs``' functions, one forward under the generator's lock; the
+base weights for the base model's id) and answers in vLLM's layout:
 
 * ``prompt_logprobs[0]`` is null (nothing precedes the first token);
 * ``prompt_logprobs[p]`` maps ``str(id)`` to ``{logprob, rank, decoded_token}`` for the top-N
   ids (ranks 1..N, descending log-probability, ties by ascending id) plus the prompt token
   ``prompt[p]`` with its true rank when it is outside the top N;
-* with ``max_tokens`` 1 one greedy token is generated from the last position (``stop`` when
-  it is an end-of-turn token, which is then not part of ``text``).
+* with ``max_tokens`` 1 one greedy token is picked from the same forward's last position
+  (``stop`` when it is an end-of-turn token, which is then not part of ``text``).
 
 Refusals: ``model`` other than the served id is ``not_found`` (404); ids at or above the
 vocabulary size, a prompt longer than ``max_model_len`` and ``prompt_logprobs`` above
@@ -20,19 +21,15 @@ vocabulary size, a prompt longer than ``max_model_len`` and ``prompt_logprobs`` 
 
 from __future__ import annotations
 
-import secrets
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from kiln import contracts
-from kiln.errors import ContractError, InternalError, NotFoundError, Problem
+from kiln.errors import Problem
 from kiln.teachers import MAX_TOP_K, log_probabilities, ranks_of, stable_top_k
 
 __all__ = ["TeacherProtocol"]
 
-REQUEST = "CompletionRequest"
-RESPONSE = "CompletionResponse"
 MAX_REPORTED = 5  # out-of-range token ids named in one refusal
 
 
@@ -50,40 +47,32 @@ class TeacherProtocol:
     created: int
     _decoded: dict[int, str] = field(default_factory=dict)
 
-    # --- GET /v1/models ---------------------------------------------------------------------
+    # --- GET /v1/models: the base model's card ---------------------------------------------
 
-    def models(self) -> dict[str, Any]:
+    def card(self) -> dict[str, Any]:
         card: dict[str, Any] = {
             "id": self.model_name,
             "object": "model",
             "created": self.created,
             "owned_by": "kiln",
             "max_model_len": self.max_model_len,
+            "parent": None,
+            "root": self.model_name,
         }
         if self.identity is not None:
             card["teacher_identity"] = self.identity
-        return _checked("ModelList", {"object": "list", "data": [card]})
+        return card
 
-    # --- POST /v1/completions ---------------------------------------------------------------
+    # --- POST /v1/completions: admission and scoring ------------------------------------------
 
-    def _admit(self, body: Any) -> tuple[list[int], int | None, int]:
-        found = contracts.problems(REQUEST, body)
-        if found:
-            raise ContractError(found, document=REQUEST)
-        if body["model"] != self.model_name:
-            raise NotFoundError(
-                f"this server serves {self.model_name!r}, not {body['model']!r}",
-                code="not_found",
-                hint="GET /v1/models lists the served model id",
-            )
-        prompt = [int(token) for token in body["prompt"]]  # JSON Schema counts 1.0 as an integer
-        top_n = None if body.get("prompt_logprobs") is None else int(body["prompt_logprobs"])
+    def prompt_problems(self, prompt: list[int], pointer: str) -> list[Problem]:
+        """A token prompt longer than ``max_model_len`` or holding ids outside the vocabulary."""
         problems = []
         if len(prompt) > self.max_model_len:
             problems.append(
                 Problem(
                     "out_of_range",
-                    "/prompt",
+                    pointer,
                     f"the prompt is {len(prompt)} tokens; the model accepts at most {self.max_model_len}",
                 )
             )
@@ -91,20 +80,22 @@ class TeacherProtocol:
         problems.extend(
             Problem(
                 "out_of_range",
-                f"/prompt/{i}",
+                f"{pointer}/{i}",
                 f"token id {prompt[i]} is not below the vocabulary size {self.vocab_size}",
             )
             for i in bad[:MAX_REPORTED]
         )
+        return problems
+
+    @staticmethod
+    def top_n_problems(top_n: int | None) -> list[Problem]:
         if top_n is not None and top_n > MAX_TOP_K:
-            problems.append(
+            return [
                 Problem(
                     "out_of_range", "/prompt_logprobs", f"prompt_logprobs is {top_n}; at most {MAX_TOP_K} are returned"
                 )
-            )
-        if problems:
-            raise ContractError(problems, document=REQUEST)
-        return prompt, top_n, int(body.get("max_tokens", 1))
+            ]
+        return []
 
     def _decode(self, token: int) -> str:
         text = self._decoded.get(token)
@@ -112,63 +103,49 @@ class TeacherProtocol:
             text = self._decoded[token] = self.tokenizer.decode([token], skip_special_tokens=False)
         return text
 
-    def complete(self, body: Any) -> dict[str, Any]:
-        """``CompletionRequest`` → ``CompletionResponse`` (see the module docstring)."""
+    def logprobs(self, prompt: list[int], adapter: Any = None) -> Any:
+        """``[len(prompt), V]`` log-probabilities of one forward, under the generator's lock, with ``adapter``."""
+        with self.generator.lock, self.generator._applied(adapter):
+            return log_probabilities(self.model, prompt)
+
+    @staticmethod
+    def top(rows: Any, targets: list[int], k: int) -> list[tuple[float, list[tuple[int, float]]]]:
+        """Per row: the log-probability of its target token and the top ``k`` (id, log-probability)."""
         import torch
 
-        prompt, top_n, max_tokens = self._admit(body)
-        with self.generator.lock:  # no adapter hook is ever attached outside this lock: base weights
-            logprobs = log_probabilities(self.model, prompt)
+        if not targets:
+            return []
+        ids, values = stable_top_k(rows, k) if k else (None, None)
+        own = rows.gather(1, torch.tensor(targets, dtype=torch.long).unsqueeze(1)).squeeze(1).tolist()
+        return [
+            (own[p], list(zip(ids[p].tolist(), values[p].tolist(), strict=True)) if k else [])
+            for p in range(len(targets))
+        ]
+
+    def prompt_logprobs(self, logprobs: Any, prompt: list[int], top_n: int) -> list[Any]:
+        """vLLM's ``prompt_logprobs`` of ``prompt`` from its forward's log-probabilities (see the module docstring)."""
+        import torch
+
         rows = logprobs[: len(prompt) - 1]
-        scored: list[Any] | None = None
-        if top_n is not None:
-            top_ids, top_values = stable_top_k(rows, top_n)
-            targets = torch.tensor(prompt[1:], dtype=torch.long)
-            target_values = rows.gather(1, targets.unsqueeze(1)).squeeze(1).tolist() if len(targets) else []
-            target_ranks = ranks_of(rows, targets).tolist() if len(targets) else []
-            scored = [None]
-            for p, (ids, values) in enumerate(zip(top_ids.tolist(), top_values.tolist(), strict=True)):
-                entry = {
-                    str(token): {"logprob": value, "rank": rank, "decoded_token": self._decode(token)}
-                    for rank, (token, value) in enumerate(zip(ids, values, strict=True), start=1)
+        top_ids, top_values = stable_top_k(rows, top_n)
+        targets = torch.tensor(prompt[1:], dtype=torch.long)
+        target_values = rows.gather(1, targets.unsqueeze(1)).squeeze(1).tolist() if len(targets) else []
+        target_ranks = ranks_of(rows, targets).tolist() if len(targets) else []
+        scored: list[Any] = [None]
+        for p, (ids, values) in enumerate(zip(top_ids.tolist(), top_values.tolist(), strict=True)):
+            entry = {
+                str(token): {"logprob": value, "rank": rank, "decoded_token": self._decode(token)}
+                for rank, (token, value) in enumerate(zip(ids, values, strict=True), start=1)
+            }
+            token = prompt[p + 1]
+            if str(token) not in entry:
+                entry[str(token)] = {
+                    "logprob": target_values[p],
+                    "rank": int(target_ranks[p]),
+                    "decoded_token": self._decode(token),
                 }
-                token = prompt[p + 1]
-                if str(token) not in entry:
-                    entry[str(token)] = {
-                        "logprob": target_values[p],
-                        "rank": int(target_ranks[p]),
-                        "decoded_token": self._decode(token),
-                    }
-                scored.append(entry)
-        text, finish = "", "length"
-        if max_tokens == 1:
-            token = int(stable_top_k(logprobs[len(prompt) - 1 :], 1)[0][0, 0])  # greedy: first maximum
-            if token in self.generator._stop_ids:
-                finish = "stop"
-            else:
-                text = self.tokenizer.decode([token], skip_special_tokens=True, clean_up_tokenization_spaces=False)
-        response = {
-            "id": f"cmpl-{secrets.token_hex(12)}",
-            "object": "text_completion",
-            "created": int(time.time()),
-            "model": self.model_name,
-            "choices": [
-                {"index": 0, "text": text, "finish_reason": finish, "logprobs": None, "prompt_logprobs": scored}
-            ],
-            "usage": {
-                "prompt_tokens": len(prompt),
-                "completion_tokens": max_tokens,
-                "total_tokens": len(prompt) + max_tokens,
-            },
-        }
-        return _checked(RESPONSE, response)
-
-
-def _checked(doc_type: str, value: dict[str, Any]) -> dict[str, Any]:
-    found = contracts.problems(doc_type, value)
-    if found:
-        raise InternalError(f"the server built an invalid {doc_type}: {found[0]}")
-    return value
+            scored.append(entry)
+        return scored
 
 
 def build_protocol(

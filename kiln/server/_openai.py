@@ -1,0 +1,576 @@
+"""The OpenAI-compatible surface of ``kiln serve``: requests in, documents out, over one decoding loop.
+
+``/v1/chat/completions``, ``/v1/completions`` and ``/v1/models`` translate between OpenAI's
+(and vLLM's) request and response layouts and the generation engine
+(``kiln.server._generation.Generator.pieces``, the one decoding loop); the teacher scoring
+protocol's ``prompt_logprobs`` come from ``kiln.server._teacher_protocol``. docs/server.md
+describes the surface; the rules in brief:
+
+Unknown fields
+    An OpenAI request object is open: an unknown field is ignored (as vLLM does). A known
+    OpenAI field whose non-default value Kiln cannot honour (``tools``, a json
+    ``response_format``, penalties, ``logit_bias``, ``best_of`` other than ``n``, ...) is
+    refused with 400 naming it. The schemas say both (``x-kiln-unknown-field-policy``).
+Weights
+    ``model`` is the base model's id (base weights) or a registry adapter's name (that
+    adapter); any other id is ``not_found`` (404). Kiln's ``adapter`` applies on top of the
+    base id (or an absent ``model``); naming a different adapter in ``model`` and ``adapter``,
+    or an adapter in ``model`` with ``base_model: true``, is ``inconsistent_fields``. A chat
+    request without ``model`` uses the active adapter, else the base model.
+Choices
+    Choice i samples with seed ``seed + i`` (mod 2^64); stop sequences are matched on the
+    decoded text, which is cut before the first one (``finish_reason`` ``stop``).
+Log-probabilities
+    Raw (temperature 1, before ``top_p``); ties by ascending id. Prompt scores (``echo``,
+    ``prompt_logprobs``) come from one forward of the prompt, whose last row also picks the
+    first generated token, so a one-token scoring request runs exactly one forward.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import kiln_contracts
+
+from kiln import contracts
+from kiln.errors import ContractError, InternalError, NotFoundError, Problem
+from kiln.server._generation import Outcome, Piece, Plan, TokenScore
+
+__all__ = ["chat_chunks", "chat_completion", "completion", "completion_chunks", "model_card", "model_list"]
+
+CHAT = "ChatCompletionRequest"
+COMPLETION = "CompletionRequest"
+CHAT_MAX_TOKENS = 64  # default
+COMPLETION_MAX_TOKENS = 16  # default, as OpenAI and vLLM
+SEEDS = 1 << 64
+REFUSED = (
+    "presence_penalty", "frequency_penalty", "logit_bias", "tools", "functions", "tool_choice", "function_call",
+    "response_format", "modalities", "audio", "prediction", "suffix", "best_of",
+)  # fmt: skip
+
+
+# --- admission ------------------------------------------------------------------------------
+
+
+def _admit(document: str, body: Any) -> None:
+    """Schema check; a refused OpenAI feature is named with what Kiln accepts instead."""
+    found = contracts.problems(document, body)
+    if not found:
+        return
+    props = kiln_contracts.load_bundle()["$defs"][document]["properties"]
+    named = []
+    for problem in found:
+        field_name = problem.pointer.split("/")[1] if problem.pointer.count("/") >= 1 else ""
+        if field_name in REFUSED and isinstance(body, dict):
+            why = props[field_name]["description"]
+            problem = Problem(
+                problem.code, problem.pointer, f"`{field_name}` {body.get(field_name)!r} is not supported. {why}"
+            )
+        named.append(problem)
+    raise ContractError(named, document=document)
+
+
+def _inconsistent(document: str, pointer: str, message: str) -> ContractError:
+    return ContractError([Problem("inconsistent_fields", pointer, message)], document=document)
+
+
+def _weights(gen: Any, body: dict[str, Any], document: str) -> tuple[Any, str]:
+    """(adapter or None, the id the answer names) for the request's ``model``/``adapter``/``base_model``."""
+    model, adapter, base = body.get("model"), body.get("adapter"), body.get("base_model") is True
+    if adapter is not None and base:
+        raise _inconsistent(
+            document, "/adapter", "`adapter` and `base_model: true` cannot be combined: choose one set of weights"
+        )
+    if model is None or model == gen._model_name:
+        if adapter is not None:
+            chosen = gen.adapter_named(adapter)
+        else:
+            chosen = None if (base or model is not None) else gen._active
+        return chosen, model or (chosen.name if chosen else gen._model_name)
+    if base:
+        raise _inconsistent(
+            document, "/base_model", f"`base_model: true` asks for the base weights but `model` names {model!r}"
+        )
+    if adapter is not None and adapter != model:
+        raise _inconsistent(document, "/adapter", f"`model` names {model!r} but `adapter` names {adapter!r}")
+    try:
+        return gen.adapter_named(model), model
+    except NotFoundError:
+        raise NotFoundError(
+            f"the model {model!r} does not exist: this server serves {gen._model_name!r} and its registry adapters",
+            code="not_found",
+            hint="GET /v1/models lists the model ids",
+        ) from None
+
+
+def _choices(body: dict[str, Any]) -> tuple[int, float, float, int, list[str]]:
+    stop = body.get("stop")
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    return (
+        int(body.get("n") or 1),
+        float(body.get("temperature") or 0),
+        float(body.get("top_p") if body.get("top_p") is not None else 1),
+        int(body.get("seed") or 0),
+        stops,
+    )
+
+
+def _stream_checks(document: str, body: dict[str, Any]) -> None:
+    if body.get("stream_options") is not None and not body.get("stream"):
+        raise _inconsistent(document, "/stream_options", "`stream_options` is only allowed with `stream: true`")
+
+
+# --- one choice -----------------------------------------------------------------------------
+
+
+@dataclass
+class _Choice:
+    """One choice decoding: text increments cut at the first stop sequence, with their tokens."""
+
+    gen: Any
+    plan: Plan
+    stops: list[str]
+    top_k: int | None = None
+    first: Any = None
+    outcome: Outcome = field(default_factory=Outcome)
+
+    def increments(self) -> Iterator[Piece]:
+        hold = max((len(s) for s in self.stops), default=1) - 1
+        buffer, pending = "", []
+        for piece in self.gen.pieces(self.plan, self.outcome, top_k=self.top_k, first=self.first):
+            buffer += piece.text
+            pending += piece.tokens
+            cuts = [i for i in (buffer.find(s) for s in self.stops) if i >= 0]
+            if cuts:
+                self.outcome.finish_reason = "stop"
+                yield Piece(buffer[: min(cuts)], pending)
+                return
+            ready = buffer[: len(buffer) - hold] if hold else buffer
+            if ready or (pending and not hold):
+                yield Piece(ready, pending)
+                buffer, pending = buffer[len(ready) :], []
+        if buffer or pending:
+            yield Piece(buffer, pending)
+
+
+class _Texts:
+    """Token id → its text, decoded alone with special tokens kept (cached per request)."""
+
+    def __init__(self, tokenizer: Any):
+        self._tokenizer, self._seen = tokenizer, {}
+
+    def __call__(self, token: int) -> str:
+        text = self._seen.get(token)
+        if text is None:
+            text = self._seen[token] = self._tokenizer.decode(
+                [token], skip_special_tokens=False, clean_up_tokenization_spaces=False
+            )
+        return text
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def _kiln(adapter: Any) -> dict[str, str | None]:
+    if adapter is None:
+        return {"adapter": None, "adapter_manifest_sha256": None}
+    return {"adapter": adapter.name, "adapter_manifest_sha256": adapter.manifest_sha256}
+
+
+def _checked(doc_type: str, value: dict[str, Any]) -> dict[str, Any]:
+    found = contracts.problems(doc_type, value)
+    if found:
+        raise InternalError(f"the server built an invalid {doc_type}: {found[0]}")
+    return value
+
+
+# --- chat -----------------------------------------------------------------------------------
+
+
+@dataclass
+class _ChatJob:
+    plans: list[Plan]
+    stops: list[str]
+    top_k: int | None
+    model: str
+    adapter: Any
+
+
+def _chat_job(gen: Any, body: Any) -> _ChatJob:
+    _admit(CHAT, body)
+    _stream_checks(CHAT, body)
+    if body.get("top_logprobs") is not None and not body.get("logprobs"):
+        raise _inconsistent(CHAT, "/top_logprobs", "`top_logprobs` needs `logprobs: true`")
+    adapter, model = _weights(gen, body, CHAT)
+    messages = [
+        {
+            "role": "system" if m["role"] == "developer" else m["role"],
+            "content": m["content"] if isinstance(m["content"], str) else "".join(p["text"] for p in m["content"]),
+        }
+        for m in body["messages"]
+    ]
+    prompt = gen._encode_prompt(messages)
+    room = gen._max_positions - len(prompt)
+    if room < 1:
+        raise ContractError(
+            [
+                Problem(
+                    "out_of_range",
+                    "/messages",
+                    f"the prompt is {len(prompt)} tokens and the model's context is {gen._max_positions}: no room to generate; shorten the conversation",
+                )
+            ],
+            document=CHAT,
+        )
+    limit = body.get("max_completion_tokens") or body.get("max_tokens") or CHAT_MAX_TOKENS
+    n, temperature, top_p, seed, stops = _choices(body)
+    plans = [
+        Plan(prompt, min(int(limit), room), temperature, top_p, (seed + i) % SEEDS, adapter, model) for i in range(n)
+    ]
+    top_k = int(body.get("top_logprobs") or 0) if body.get("logprobs") else None
+    return _ChatJob(plans, stops, top_k, model, adapter)
+
+
+def _chat_logprobs(texts: _Texts, tokens: list[TokenScore]) -> dict[str, Any]:
+    def alt(token: int, logprob: float) -> dict[str, Any]:
+        text = texts(token)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    return {
+        "content": [
+            {**alt(t.token, t.logprob), "top_logprobs": [alt(i, v) for i, v in t.top or []]}
+            for t in tokens
+            if t.logprob is not None
+        ]
+    }
+
+
+def chat_completion(gen: Any, body: Any) -> dict[str, Any]:
+    """``ChatCompletionRequest`` → ``ChatCompletionResponse``."""
+    job = _chat_job(gen, body)
+    created, texts = int(time.time()), _Texts(gen._tokenizer)
+    choices, generated = [], 0
+    for index, plan in enumerate(job.plans):
+        choice = _Choice(gen, plan, job.stops, job.top_k)
+        pieces = list(choice.increments())
+        choices.append(
+            {
+                "index": index,
+                "message": {"role": "assistant", "content": "".join(p.text for p in pieces)},
+                "finish_reason": choice.outcome.finish_reason,
+                "logprobs": None if job.top_k is None else _chat_logprobs(texts, [t for p in pieces for t in p.tokens]),
+            }
+        )
+        generated += choice.outcome.completion_tokens
+    response = {
+        "id": "chatcmpl-" + secrets.token_hex(12),
+        "object": "chat.completion",
+        "created": created,
+        "model": job.model,
+        "choices": choices,
+        "usage": _usage(len(job.plans[0].prompt_ids), generated),
+        "kiln": _kiln(job.adapter),
+    }
+    return _checked("ChatCompletionResponse", response)
+
+
+def chat_chunks(gen: Any, body: Any) -> Iterator[dict[str, Any]]:
+    """``ChatCompletionRequest`` → ``ChatCompletionChunk`` documents (admitted before the first one)."""
+    job = _chat_job(gen, body)
+    usage = bool((body.get("stream_options") or {}).get("include_usage"))
+    return _chat_stream(gen, job, usage, "chatcmpl-" + secrets.token_hex(12), int(time.time()))
+
+
+def _chat_stream(gen: Any, job: _ChatJob, usage: bool, completion_id: str, created: int) -> Iterator[dict[str, Any]]:
+    texts = _Texts(gen._tokenizer)
+
+    def chunk(choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+        body = {"id": completion_id, "object": "chat.completion.chunk", "created": created, "model": job.model}
+        return _checked("ChatCompletionChunk", {**body, "choices": choices, **extra})
+
+    generated = 0
+    for index, plan in enumerate(job.plans):
+        first = {"index": index, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+        yield chunk([first], **({"kiln": _kiln(job.adapter)} if index == 0 else {}))
+        choice = _Choice(gen, plan, job.stops, job.top_k)
+        for piece in choice.increments():
+            if piece.text or piece.tokens:
+                scored = None if job.top_k is None else _chat_logprobs(texts, piece.tokens)
+                increment = {"index": index, "delta": {"content": piece.text}, "finish_reason": None}
+                yield chunk([{**increment, "logprobs": scored}])
+        yield chunk([{"index": index, "delta": {}, "finish_reason": choice.outcome.finish_reason}])
+        generated += choice.outcome.completion_tokens
+    if usage:
+        yield chunk([], usage=_usage(len(job.plans[0].prompt_ids), generated))
+
+
+# --- completions ----------------------------------------------------------------------------
+
+
+@dataclass
+class _Prompt:
+    ids: list[int]
+    text: str | None  # as sent, for a text prompt
+
+
+@dataclass
+class _CompletionJob:
+    prompts: list[_Prompt]
+    n: int
+    temperature: float
+    top_p: float
+    seed: int
+    stops: list[str]
+    max_tokens: int
+    top_n: int | None  # prompt_logprobs
+    logprobs: int | None
+    echo: bool
+    model: str
+    adapter: Any
+
+
+def _prompts(gen: Any, prompt: Any) -> list[_Prompt]:
+    if isinstance(prompt, str):
+        prompt = [prompt]
+    if isinstance(prompt[0], str):
+        return [
+            _Prompt([int(i) for i in gen._tokenizer(text, add_special_tokens=False)["input_ids"]], text)
+            for text in prompt
+        ]
+    if isinstance(prompt[0], list):
+        return [_Prompt([int(t) for t in ids], None) for ids in prompt]
+    return [_Prompt([int(t) for t in prompt], None)]  # JSON Schema counts 1.0 as an integer
+
+
+def _completion_job(server: Any, body: Any) -> _CompletionJob:
+    gen, protocol = server.generator, server.teacher_protocol
+    _admit(COMPLETION, body)
+    _stream_checks(COMPLETION, body)
+    adapter, model = _weights(gen, body, COMPLETION)
+    n, temperature, top_p, seed, stops = _choices(body)
+    if body.get("best_of") is not None and body["best_of"] != n:
+        raise _inconsistent(COMPLETION, "/best_of", f"`best_of` {body['best_of']} differs from `n` {n}: not supported")
+    prompts = _prompts(gen, body["prompt"])
+    top_n = None if body.get("prompt_logprobs") is None else int(body["prompt_logprobs"])
+    problems: list[Problem] = []
+    for i, prompt in enumerate(prompts):
+        pointer = "/prompt" if len(prompts) == 1 and not isinstance(body["prompt"], list) else f"/prompt/{i}"
+        if isinstance(body["prompt"], list) and not isinstance(body["prompt"][0], str | list):
+            pointer = "/prompt"
+        if not prompt.ids:
+            problems.append(Problem("out_of_range", pointer, "the prompt is empty: there is nothing to complete"))
+        problems.extend(protocol.prompt_problems(prompt.ids, pointer))
+    problems.extend(protocol.top_n_problems(top_n))
+    if problems:
+        raise ContractError(problems, document=COMPLETION)
+    max_tokens = body.get("max_tokens")
+    return _CompletionJob(
+        prompts=prompts,
+        n=n,
+        temperature=temperature,
+        top_p=top_p,
+        seed=seed,
+        stops=stops,
+        max_tokens=COMPLETION_MAX_TOKENS if max_tokens is None else int(max_tokens),
+        top_n=top_n,
+        logprobs=None if body.get("logprobs") is None else int(body["logprobs"]),
+        echo=bool(body.get("echo")),
+        model=model,
+        adapter=adapter,
+    )
+
+
+@dataclass
+class _Scored:
+    """One prompt's forward: what the choices of that prompt share."""
+
+    prompt: _Prompt
+    echo_text: str
+    echo_tokens: list[TokenScore]  # the prompt's tokens with their scores (first: no score), for echo
+    prompt_logprobs: list[Any] | None
+    last: Any  # log-probabilities after the prompt, or None when no forward ran
+
+
+def _score(server: Any, job: _CompletionJob, prompt: _Prompt) -> _Scored:
+    gen, protocol = server.generator, server.teacher_protocol
+    scoring = job.top_n is not None or (job.echo and job.logprobs is not None)
+    rows = protocol.logprobs(prompt.ids, job.adapter) if scoring else None
+    echo_tokens: list[TokenScore] = []
+    if job.echo and job.logprobs is not None:
+        top = protocol.top(rows[: len(prompt.ids) - 1], prompt.ids[1:], job.logprobs)
+        echo_tokens = [TokenScore(prompt.ids[0])] + [
+            TokenScore(token, logprob, alternatives)
+            for token, (logprob, alternatives) in zip(prompt.ids[1:], top, strict=True)
+        ]
+    echo_text = ""
+    if job.echo:
+        echo_text = prompt.text if prompt.text is not None else gen._tokenizer.decode(prompt.ids)
+    return _Scored(
+        prompt=prompt,
+        echo_text=echo_text,
+        echo_tokens=echo_tokens,
+        prompt_logprobs=None if job.top_n is None else protocol.prompt_logprobs(rows, prompt.ids, job.top_n),
+        last=None if rows is None else rows[len(prompt.ids) - 1],
+    )
+
+
+def _legacy_logprobs(texts: _Texts, tokens: list[TokenScore], offset: int) -> dict[str, Any]:
+    """OpenAI's legacy layout for ``tokens``; ``offset`` is the choice text's length before them."""
+    out: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for t in tokens:
+        text = texts(t.token)
+        out["tokens"].append(text)
+        out["token_logprobs"].append(t.logprob)
+        top = None
+        if t.logprob is not None:
+            top = {texts(i): v for i, v in t.top or []}
+            top.setdefault(text, t.logprob)
+        out["top_logprobs"].append(top)
+        out["text_offset"].append(offset)
+        offset += len(text)
+    return out
+
+
+def _choice_runs(gen: Any, job: _CompletionJob, scored: _Scored) -> Iterator[_Choice]:
+    room = gen._max_positions - len(scored.prompt.ids) + 1  # the first token needs no new position
+    for i in range(job.n):
+        plan = Plan(
+            scored.prompt.ids,
+            max(0, min(job.max_tokens, room)),
+            job.temperature,
+            job.top_p,
+            (job.seed + i) % SEEDS,
+            job.adapter,
+            job.model,
+        )
+        yield _Choice(gen, plan, job.stops, job.logprobs, scored.last)
+
+
+def completion(server: Any, body: Any) -> dict[str, Any]:
+    """``CompletionRequest`` → ``CompletionResponse``."""
+    gen = server.generator
+    job = _completion_job(server, body)
+    texts = _Texts(gen._tokenizer)
+    choices, prompt_tokens, generated = [], 0, 0
+    for scored in (_score(server, job, prompt) for prompt in job.prompts):
+        prompt_tokens += len(scored.prompt.ids)
+        for choice in _choice_runs(gen, job, scored):
+            pieces = list(choice.increments())
+            text = "".join(p.text for p in pieces)
+            logprobs = None
+            if job.logprobs is not None:
+                tokens = [t for p in pieces for t in p.tokens]
+                logprobs = _legacy_logprobs(texts, scored.echo_tokens, 0)
+                more = _legacy_logprobs(texts, tokens, len(scored.echo_text))
+                logprobs = {key: logprobs[key] + more[key] for key in logprobs}
+            choices.append(
+                {
+                    "index": len(choices),
+                    "text": scored.echo_text + text,
+                    "finish_reason": choice.outcome.finish_reason,
+                    "logprobs": logprobs,
+                    "prompt_logprobs": scored.prompt_logprobs,
+                }
+            )
+            generated += choice.outcome.completion_tokens
+    response = {
+        "id": f"cmpl-{secrets.token_hex(12)}",
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": job.model,
+        "choices": choices,
+        "usage": _usage(prompt_tokens, generated),
+    }
+    return _checked("CompletionResponse", response)
+
+
+def completion_chunks(server: Any, body: Any) -> Iterator[dict[str, Any]]:
+    """``CompletionRequest`` with ``stream`` → ``CompletionChunk`` documents (admitted before the first)."""
+    job = _completion_job(server, body)
+    usage = bool((body.get("stream_options") or {}).get("include_usage"))
+    return _completion_stream(server, job, usage, f"cmpl-{secrets.token_hex(12)}", int(time.time()))
+
+
+def _completion_stream(
+    server: Any, job: _CompletionJob, usage: bool, completion_id: str, created: int
+) -> Iterator[dict[str, Any]]:
+    gen = server.generator
+    texts = _Texts(gen._tokenizer)
+
+    def chunk(choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+        body = {"id": completion_id, "object": "text_completion", "created": created, "model": job.model}
+        return _checked("CompletionChunk", {**body, "choices": choices, **extra})
+
+    def increment(index: int, text: str, tokens: list[TokenScore], offset: int) -> dict[str, Any]:
+        scored = None if job.logprobs is None else _legacy_logprobs(texts, tokens, offset)
+        return chunk([{"index": index, "text": text, "finish_reason": None, "logprobs": scored}])
+
+    index, prompt_tokens, generated = 0, 0, 0
+    for prompt in job.prompts:
+        scored = _score(server, job, prompt)
+        prompt_tokens += len(prompt.ids)
+        for choice in _choice_runs(gen, job, scored):
+            offset = 0
+            if job.echo:
+                yield increment(index, scored.echo_text, scored.echo_tokens, 0)
+                offset = len(scored.echo_text)
+            for piece in choice.increments():
+                yield increment(index, piece.text, piece.tokens, offset)
+                offset += len(piece.text)
+            done = {"index": index, "text": "", "finish_reason": choice.outcome.finish_reason, "logprobs": None}
+            yield chunk([done])
+            generated += choice.outcome.completion_tokens
+            index += 1
+    if usage:
+        yield chunk([], usage=_usage(prompt_tokens, generated))
+
+
+# --- models ---------------------------------------------------------------------------------
+
+
+def model_list(server: Any) -> dict[str, Any]:
+    """``ModelList``: the base model's card, then every loadable registry adapter's, by name."""
+    from kiln.adapters import list_adapters
+
+    base = server.teacher_protocol.card()
+    cards = [base]
+    with server.adapter_lock:
+        listing = list_adapters(server.registry, loaded=server.generator.active(), cache=server.adapter_cache)
+    for entry in sorted(listing["available"], key=lambda e: e["name"]):
+        if entry["status"] in ("available", "loaded") and entry["name"] != base["id"]:
+            path = server.registry / entry["name"]
+            try:
+                created = int(path.stat().st_mtime)
+            except OSError:
+                continue  # removed since it was listed
+            cards.append(
+                {
+                    "id": entry["name"],
+                    "object": "model",
+                    "created": created,
+                    "owned_by": "kiln",
+                    "max_model_len": base["max_model_len"],
+                    "parent": base["id"],
+                    "root": base["id"],
+                }
+            )
+    return _checked("ModelList", {"object": "list", "data": cards})
+
+
+def model_card(server: Any, model_id: str) -> dict[str, Any]:
+    """One ``ModelCard`` of ``model_list`` by id, or ``not_found``."""
+    for card in model_list(server)["data"]:
+        if card["id"] == model_id:
+            return card
+    raise NotFoundError(
+        f"the model {model_id!r} does not exist", code="not_found", hint="GET /v1/models lists the model ids"
+    )
