@@ -2,7 +2,8 @@
 
 Layers, top to bottom: ``_app`` (routes, error envelope, auth, body bounds) →
 ``_jobs`` (SQLite job store, FIFO queue, the one training worker) → the trainers;
-``_generation`` (chat completions, adapter load/unload, serving canary) beside it.
+``_generation`` (the decoding loop, adapter load/unload, serving canary) beside it, with
+``_openai`` (the OpenAI-compatible request/response translation) over it.
 """
 
 from __future__ import annotations

@@ -303,7 +303,7 @@ def _chat_stream(gen: Any, job: _ChatJob, usage: bool, completion_id: str, creat
         yield chunk([first], **({"kiln": _kiln(job.adapter)} if index == 0 else {}))
         choice = _Choice(gen, plan, job.stops, job.top_k)
         for piece in choice.increments():
-            if piece.text or piece.tokens:
+            if piece.text or (job.top_k is not None and piece.tokens):
                 scored = None if job.top_k is None else _chat_logprobs(texts, piece.tokens)
                 increment = {"index": index, "delta": {"content": piece.text}, "finish_reason": None}
                 yield chunk([{**increment, "logprobs": scored}])
@@ -362,10 +362,9 @@ def _completion_job(server: Any, body: Any) -> _CompletionJob:
     prompts = _prompts(gen, body["prompt"])
     top_n = None if body.get("prompt_logprobs") is None else int(body["prompt_logprobs"])
     problems: list[Problem] = []
+    listed = isinstance(body["prompt"], list) and isinstance(body["prompt"][0], str | list)  # several prompts
     for i, prompt in enumerate(prompts):
-        pointer = "/prompt" if len(prompts) == 1 and not isinstance(body["prompt"], list) else f"/prompt/{i}"
-        if isinstance(body["prompt"], list) and not isinstance(body["prompt"][0], str | list):
-            pointer = "/prompt"
+        pointer = f"/prompt/{i}" if listed else "/prompt"
         if not prompt.ids:
             problems.append(Problem("out_of_range", pointer, "the prompt is empty: there is nothing to complete"))
         problems.extend(protocol.prompt_problems(prompt.ids, pointer))
