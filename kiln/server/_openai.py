@@ -412,7 +412,9 @@ def _score(server: Any, job: _CompletionJob, prompt: _Prompt) -> _Scored:
         ]
     echo_text = ""
     if job.echo:
-        echo_text = prompt.text if prompt.text is not None else gen._tokenizer.decode(prompt.ids)
+        echo_text = prompt.text
+        if echo_text is None:
+            echo_text = gen._tokenizer.decode(prompt.ids, clean_up_tokenization_spaces=False)
     return _Scored(
         prompt=prompt,
         echo_text=echo_text,
@@ -431,8 +433,9 @@ def _legacy_logprobs(texts: _Texts, tokens: list[TokenScore], offset: int) -> di
         out["token_logprobs"].append(t.logprob)
         top = None
         if t.logprob is not None:
-            top = {texts(i): v for i, v in t.top or []}
-            top.setdefault(text, t.logprob)
+            top = {}
+            for i, v in [*(t.top or []), (t.token, t.logprob)]:  # descending: two ids that read alike keep the likelier
+                top.setdefault(texts(i), v)
         out["top_logprobs"].append(top)
         out["text_offset"].append(offset)
         offset += len(text)
