@@ -391,3 +391,25 @@ def test_completions_select_adapters_and_refuse_what_they_cannot_do(client):
     with pytest.raises(openai.BadRequestError, match="out_of_range"):
         _complete(client, [10**6])
     assert _complete(client, TEXT, max_tokens=1, best_of=1, extra_body={"vendor_knob": 3}).choices
+
+
+def test_streams_arrive_as_server_sent_events_over_a_real_socket(tmp_path, tiny_model_dir, client):
+    from _server import ServerProcess
+
+    with ServerProcess(tmp_path / "home", tiny_model_dir) as proc:
+        remote = openai.OpenAI(base_url=proc.url + "/v1", api_key="unused", max_retries=0)
+        chat = list(
+            remote.chat.completions.create(
+                model=BASE, messages=MESSAGES, max_tokens=6, stream=True, stream_options={"include_usage": True}
+            )
+        )
+        text = list(_complete(remote, TEXT, max_tokens=6, stream=True, stream_options={"include_usage": True}))
+        remote.close()
+    assert (
+        "".join(c.choices[0].delta.content or "" for c in chat[:-1])
+        == _chat(client, max_tokens=6).choices[0].message.content
+    )
+    assert chat[-1].usage.completion_tokens == 6 or chat[-2].choices[0].finish_reason == "stop"
+    assert "".join(c.choices[0].text for c in text[:-1]) == _complete(client, TEXT, max_tokens=6).choices[0].text
+    assert text[-1].choices == []
+    assert text[-1].usage.prompt_tokens == _complete(client, TEXT, max_tokens=6).usage.prompt_tokens
