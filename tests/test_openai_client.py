@@ -305,6 +305,8 @@ def test_completions_stop_cuts_the_text(client):
     stop = full[3:5]
     answer = _complete(client, TEXT, max_tokens=16, stop=[stop])
     assert answer.choices[0].text == full[: full.index(stop)]
+    many = [f"never-{i}" for i in range(10)] + [stop]  # more than OpenAI's 4, as harnesses send to vLLM
+    assert _complete(client, TEXT, max_tokens=16, stop=many).choices[0].text == answer.choices[0].text
     assert answer.choices[0].finish_reason == "stop"
 
 
