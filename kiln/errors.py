@@ -11,7 +11,9 @@ what to do, an optional ``hint`` and, for documents, the JSON pointer of the bad
     │   └── IntegrityError       a recomputed digest does not match (fail fast)
     ├── CheckpointError          checkpoint_invalid / _incompatible / _not_resumable / _exists
     ├── RequestError             training_invalid_request, config_invalid, training_backend_unsupported,
-    │                            unsupported_media_type
+    │   │                        unsupported_media_type
+    │   └── TrainingDataError    training data refused (a bad group, an empty file); ``reason`` is the receipt
+    │                            category a dry run records for it
     ├── NotFoundError            not_found, adapter_not_found, teacher_not_found, eval_suite_not_found
     ├── AdapterError             adapter_invalid
     ├── ConflictError            adapter_active, adapter_exists, adapter_revision_conflict,
@@ -77,6 +79,7 @@ __all__ = [
     "RequestError",
     "ShapeMismatchError",
     "StorageFailureError",
+    "TrainingDataError",
     "TrainingFailedError",
     "UnknownDocumentTypeError",
     "UnsafeLoraScaleError",
@@ -222,6 +225,20 @@ class RequestError(KilnError):
     default_code = "training_invalid_request"
 
 
+class TrainingDataError(RequestError):
+    """Training data refused at admission. ``reason`` is the receipt category a dry run records instead of raising
+    (a dry run exists to leave its verdict on disk): ``zero_action_tokens`` for a completion without an action token,
+    ``zero_groups`` for a file without a group, ``data_schema_error`` for anything else."""
+
+    reasons: ClassVar[tuple[str, ...]] = ("data_schema_error", "zero_action_tokens", "zero_groups")
+
+    def __init__(self, message: str, *, reason: str = "data_schema_error", **kwargs: str | None):
+        if reason not in self.reasons:
+            raise ValueError(f"TrainingDataError cannot carry reason {reason!r}")
+        super().__init__(message, **kwargs)
+        self.reason = reason
+
+
 class NotFoundError(KilnError):
     codes = ("not_found", "adapter_not_found", "teacher_not_found", "eval_suite_not_found")
     default_code = "not_found"
@@ -323,7 +340,14 @@ class ZeroActionTokensError(TrainingFailedError):
 
 
 class ZeroEnvTokensError(TrainingFailedError):
+    """ECHO-only training (``no_policy_loss``) with no observation token among the groups that would train;
+    ``counts`` keeps the group-filter counts for the receipt."""
+
     reason = "zero_env_tokens"
+
+    def __init__(self, message: str, counts: dict[str, int] | None = None):
+        super().__init__(message)
+        self.counts = dict(counts or {})
 
 
 class CancelledError(TrainingFailedError):

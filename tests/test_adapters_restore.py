@@ -171,7 +171,7 @@ def test_files_under_other_names_are_restored_under_the_canonical_names(tmp_path
     receipt = restore_adapter(manifest, tmp_path / "adapters")
     restored = tmp_path / "adapters" / "bot"
     assert sorted(p.name for p in restored.iterdir()) == FILES
-    assert receipt["verified_hashes"]["adapter_model"] == raw["safetensors_hash"]
+    assert receipt["verified_hashes"]["safetensors_hash"] == raw["safetensors_hash"]
     rewritten = json.loads((restored / "adapter_manifest.json").read_text())
     assert rewritten["files"]["adapter_model"] == "adapter_model.safetensors"
     assert rewritten["safetensors_hash"] == _sha(restored / "adapter_model.safetensors")
@@ -182,7 +182,7 @@ def test_a_manifest_without_a_receipt_restores_only_the_serving_files(tmp_path, 
     raw = json.loads((source / "adapter_manifest.json").read_text())
     manifest = _edit_manifest(source, receipt_hash=None, files={**raw["files"], "train_receipt": None})
     receipt = restore_adapter(manifest, tmp_path / "adapters")
-    assert "train_receipt" not in receipt["verified_hashes"]
+    assert "receipt_hash" not in receipt["verified_hashes"]
     assert receipt["copied_files"] == ["adapter_config.json", "adapter_model.safetensors", "adapter_manifest.json"]
     assert contracts.problems("AdapterRestoreReceipt", receipt) == []
 

@@ -33,7 +33,13 @@ def test_defaults_are_filled_and_the_seed_is_canonical():
     assert cfg["is_level"] == "token"
     assert cfg["behavior_policy"] == "no_importance_correction"
     assert cfg["kl_reference_policy"] == {"kind": "base_per_step"}
-    assert cfg["loss"] == {"echo": None, "no_policy_loss": False}
+    # ECHO and dynamic sampling are on by default, as in the reference
+    assert cfg["loss"] == {
+        "echo": {"lambda": 0.05, "env_mask_mode": "env_only", "warning_filter": True},
+        "no_policy_loss": False,
+    }
+    assert cfg["dynamic_sampling"] is True
+    assert effective_grpo_config({"loss": {"echo": None}}, "g")["loss"]["echo"] is None
     assert effective_grpo_config({"optimizer": {"kind": "adam_w"}}, "g")["learning_rate"] == 1e-5
 
 
@@ -55,7 +61,7 @@ def test_inverted_reward_filter_bounds_are_refused():
 
 
 def test_echo_only_training_needs_an_echo_term_and_opd_inside_grpo_is_unsupported():
-    _refused({"loss": {"no_policy_loss": True}}, "loss.no_policy_loss")
+    _refused({"loss": {"no_policy_loss": True, "echo": None}}, "loss.no_policy_loss")
     _refused({"loss": {"no_policy_loss": True, "echo": {"lambda": 0}}}, "loss.no_policy_loss")
     cfg = effective_grpo_config({"loss": {"no_policy_loss": True, "echo": {}}}, "g")
     assert cfg["loss"]["echo"] == {"lambda": 0.05, "env_mask_mode": "env_only", "warning_filter": True}

@@ -20,7 +20,7 @@ def test_public_modules_export_exactly_their_declared_names():
         "CapacityError", "CheckpointError", "ConflictError", "ContractError", "DataSchemaError", "DocumentReadError",
         "IntegrityError", "InternalError", "KilnError", "NonFiniteLossError", "NotFoundError", "OutOfMemoryError",
         "Problem", "RegistryError", "RequestError", "ShapeMismatchError", "StorageFailureError",
-        "TrainingFailedError", "UnknownDocumentTypeError", "UnsafeLoraScaleError", "UnsupportedLossConfigError",
+        "TrainingDataError", "TrainingFailedError", "UnknownDocumentTypeError", "UnsafeLoraScaleError", "UnsupportedLossConfigError",
         "ZeroActionTokensError", "ZeroEnvTokensError", "ZeroGroupsError", "all_failure_reasons", "storage_condition",
     ]  # fmt: skip
     assert kiln.cli.__all__ == ["build_parser", "main"]  # the console script is kiln.cli:main
@@ -43,7 +43,7 @@ def test_the_data_package_exports_its_ingestion_entry_points_and_shared_componen
         "GrpoSourcePosition", "IGNORE_INDEX", "OFF_POLICY_SOURCE", "OffPolicyFile", "OffPolicyRow", "OpdPromptItem",
         "OpdPrompts", "PROMPTS_SOURCE", "REJECTION_REASONS", "ROLES", "SEGMENT_KINDS", "SFT_INGESTION_SCHEMA",
         "SftExample", "SftIngestion", "check_unchanged", "dataset_sha256", "ingest_sft", "iter_dataset_groups",
-        "match_skeleton", "read_groups", "read_off_policy_file", "read_prompts", "template_errors",
+        "match_skeleton", "read_groups", "read_off_policy_file", "read_prompts", "refused_ingestion", "template_errors",
         "tokenize_response",
     ]  # fmt: skip
     assert sorted(kiln.data.chat.__all__) == [

@@ -160,8 +160,10 @@ def test_a_run_that_learns_the_task_is_promoted_and_a_regressing_one_is_not(serv
 
 def test_too_few_paired_examples_end_inconclusive(server):
     with server.client() as client:
-        detail = _train(client, "small-gate", "Kiln.", {"suite": "small", "include_baseline": True})
+        # the reference's spelling of the scope; the verdict records Kiln's
+        detail = _train(client, "small-gate", "Kiln.", {"suite": "small", "data_scope": "held-out"})
         assert detail["gate_outcome"] == "inconclusive"
+        assert detail["post_eval_verdict"]["data_scope"] == "held_out"
         assert detail["post_eval_verdict"]["paired_examples"] == 10
         assert _active(client) != "small-gate"
 
@@ -182,6 +184,9 @@ def test_a_suite_that_overlaps_the_training_data_is_refused_at_submission(server
         assert error["code"] == "training_invalid_request"
         assert "'apple'" in error["message"]
         assert error["pointer"] == "/post_eval/suite"
+        spelled = client.post("/v1/train/sft", json={**body, "post_eval": {"suite": "leaky", "data_scope": "held-out"}})
+        assert spelled.status_code == 400  # the reference's spelling is the same held-out check
+        assert "'apple'" in spelled.json()["error"]["message"]
         assert len(client.get("/v1/train/status").json()) == before
         missing = client.post("/v1/train/sft", json={**body, "post_eval": {"suite": "nope"}})
         assert missing.status_code == 404
@@ -191,6 +196,8 @@ def test_a_suite_that_overlaps_the_training_data_is_refused_at_submission(server
             json={**body, "post_eval": {"suite": "leaky", "data_scope": "train_set_eval", "min_accuracy": 0.5}},
         )
         assert diagnostic.status_code == 400
+        hyphenated = {"suite": "leaky", "data_scope": "train-set-eval", "min_accuracy": 0.5}
+        assert client.post("/v1/train/sft", json={**body, "post_eval": hyphenated}).status_code == 400
 
 
 def test_a_standalone_evaluation_job_reports_accuracy_and_its_wilson_interval(server):

@@ -16,12 +16,10 @@ from pathlib import Path
 import jsonschema
 import kiln_contracts
 import pytest
-from referencing import Registry, Resource
-from referencing.jsonschema import DRAFT202012
+from _upstream import needs_upstream, upstream, upstream_validator
 
 from kiln import _contract, contracts
 
-UPSTREAM = Path(__file__).resolve().parent.parent.parent / "shared" / "upstream" / "contracts"
 COMPAT = [
     "AdapterManifest", "AdapterManifestFiles", "BaseWeightShardManifest", "ExecutionProvenanceV1",
     "TrainingCheckpointPrecision", "SftRequest", "SftConfig", "GrpoRequest", "GrpoConfig", "OpdRequest",
@@ -31,26 +29,7 @@ COMPAT = [
     "TeacherEntry", "TeacherIdentityV1",
 ]  # fmt: skip
 
-pytestmark = pytest.mark.skipif(not UPSTREAM.is_dir(), reason="reference contracts not present (../shared absent)")
-
-
-def _upstream():
-    docs = {p.name: json.loads(p.read_text(encoding="utf-8")) for p in UPSTREAM.glob("*.schema.json")}
-    registry = Registry().with_resources(
-        (d["$id"], Resource.from_contents(d, default_specification=DRAFT202012)) for d in docs.values()
-    )
-    return docs, registry
-
-
-def _upstream_validator(defname):
-    docs, registry = _upstream()
-    for doc in docs.values():
-        if defname in doc.get("$defs", {}):
-            schema = {"$schema": doc["$schema"], "$ref": f"{doc['$id']}#/$defs/{defname}"}
-            return jsonschema.Draft202012Validator(
-                schema, registry=registry, format_checker=jsonschema.FormatChecker()
-            ), doc
-    raise AssertionError(f"{defname} not in the reference contracts")
+pytestmark = needs_upstream
 
 
 def _emitted(defname):
@@ -60,7 +39,7 @@ def _emitted(defname):
 
 @pytest.mark.parametrize("defname", COMPAT)
 def test_reference_examples_validate_against_kiln(defname):
-    docs, _ = _upstream()
+    docs, _ = upstream()
     ours = jsonschema.Draft202012Validator(
         _contract.entry_schema(defname)
         if defname in kiln_contracts.ENTRYPOINTS
@@ -75,7 +54,7 @@ def test_reference_examples_validate_against_kiln(defname):
 
 @pytest.mark.parametrize("defname", [d for d in COMPAT if d in kiln_contracts.ENTRYPOINTS])
 def test_what_kiln_emits_validates_against_the_reference(defname):
-    validator, _ = _upstream_validator(defname)
+    validator, _ = upstream_validator(defname)
     emitted = _emitted(defname)
     assert emitted, f"Kiln has no example of {defname}"
     for instance in emitted:
@@ -86,16 +65,16 @@ def test_what_kiln_emits_validates_against_the_reference(defname):
 
 def test_embedded_compat_objects_in_kiln_documents_validate_against_the_reference():
     manifest = _emitted("AdapterManifest")[0]
-    files_validator, _ = _upstream_validator("AdapterManifestFiles")
+    files_validator, _ = upstream_validator("AdapterManifestFiles")
     assert not list(files_validator.iter_errors(manifest["files"]))
     receipt = _emitted("TrainReceipt")[0]
     for key, defname in (
         ("execution_provenance", "ExecutionProvenanceV1"),
         ("training_precision", "TrainingCheckpointPrecision"),
     ):
-        validator, _ = _upstream_validator(defname)
+        validator, _ = upstream_validator(defname)
         assert not list(validator.iter_errors(receipt["runtime"][key])), defname
-    validator, _ = _upstream_validator("BaseWeightShardManifest")
+    validator, _ = upstream_validator("BaseWeightShardManifest")
     assert not list(validator.iter_errors(receipt["model"]["base_weight_shard_manifest"]))
 
 
@@ -117,12 +96,12 @@ def test_a_trained_adapters_manifest_validates_against_the_reference(tmp_path, t
     )
     result = run_sft(job)
     manifest = json.loads(result.manifest_path.read_text(encoding="utf-8"))
-    validator, _ = _upstream_validator("AdapterManifest")
+    validator, _ = upstream_validator("AdapterManifest")
     assert not [e.message for e in validator.iter_errors(manifest)]
     for key, defname in (
         ("base_weight_shard_manifest", "BaseWeightShardManifest"),
         ("execution_provenance", "ExecutionProvenanceV1"),
         ("training_precision", "TrainingCheckpointPrecision"),
     ):
-        validator, _ = _upstream_validator(defname)
+        validator, _ = upstream_validator(defname)
         assert not [e.message for e in validator.iter_errors(manifest[key])], defname

@@ -16,11 +16,11 @@ from importlib import resources
 from typing import Any
 
 SCHEMA_DIGESTS: dict[str, str] = {
-    "kiln-artifacts-v1.schema.json": "sha256:26877dcad285987f0fa4b6b9665d570c1dab9e53c212f0e32197b6cbd9019249",
+    "kiln-artifacts-v1.schema.json": "sha256:63853f65620b82bf83f2f0986a623d6439bddf755da5dec9311813cef1bb3b28",
     "kiln-checkpoint-v1.schema.json": "sha256:40f2f23b53561eaca7040113a06aea056e0ac8f95172d7f10c65195bd3f5f7f7",
     "kiln-common-v1.schema.json": "sha256:578fb0867921ff18b61214d1e6a909abccdcc2532c6c6bd5a1c1aada83583c73",
     "kiln-config-v1.schema.json": "sha256:34bfcec6897ff2d0b23c0999c5d046740152e220f7bad64649bb225c757666bd",
-    "kiln-control-plane-v1.schema.json": "sha256:e1fc873b34d7e39a3cf48b350e901698de0c25bfa0cb11ea9e64b9375a7b1d3a",
+    "kiln-control-plane-v1.schema.json": "sha256:350215ff33beb4c1dd750990937487f05d83160ced2658e7947b8cb8f40f45b4",
     "kiln-observability-v1.schema.json": "sha256:6f0bc47ffee00565b9fcff807ddbbfc8e2a57ca93e1f13e915de1dde8427e513"
 }
 

@@ -62,11 +62,11 @@ WEIGHTS_FILE = "adapter_model.safetensors"
 RECEIPT_FILE = "train_receipt.json"
 _CHUNK = 8 * 1024 * 1024
 
-# (files role, canonical name, manifest digest field, verified_hashes key)
+# (files role, canonical name, manifest digest field -- also the receipt's verified_hashes key, as the reference has it)
 _ROLES = (
-    ("adapter_config", CONFIG_FILE, "config_hash", "adapter_config"),
-    ("adapter_model", WEIGHTS_FILE, "safetensors_hash", "adapter_model"),
-    ("train_receipt", RECEIPT_FILE, "receipt_hash", "train_receipt"),
+    ("adapter_config", CONFIG_FILE, "config_hash"),
+    ("adapter_model", WEIGHTS_FILE, "safetensors_hash"),
+    ("train_receipt", RECEIPT_FILE, "receipt_hash"),
 )
 
 
@@ -111,7 +111,7 @@ def restore_adapter(
 
     registry_dir.mkdir(parents=True, exist_ok=True)
     with publish_dir(target, purpose="restore", overwrite=overwrite) as staging:
-        for role, canonical, field, key in _ROLES:
+        for role, canonical, field in _ROLES:
             if role not in sources:
                 continue
             source = sources[role]
@@ -120,7 +120,7 @@ def restore_adapter(
             if got != expected:
                 raise AdapterError(f"{field} mismatch for {source}: expected {expected}, got {got}")
             copied.append(canonical)
-            verified[key] = got
+            verified[field] = got
         _write_manifest_copy(staging / MANIFEST_FILE, raw, manifest)
         copied.append(MANIFEST_FILE)
         _check_layout(staging, manifest, sources)
@@ -169,7 +169,7 @@ def _refuse_existing(target: Path) -> None:
 def _sources(manifest: dict[str, Any], source_dir: Path) -> dict[str, Path]:
     """The source file of each role the manifest names; each must be a plain name beside it."""
     out: dict[str, Path] = {}
-    for role, _canonical, _field, _key in _ROLES:
+    for role, _canonical, _field in _ROLES:
         file_name = manifest["files"][role]
         if file_name is None:
             continue
@@ -202,7 +202,7 @@ def _copy_hashing(source: Path, dest: Path) -> str:
 
 
 def _write_manifest_copy(dest: Path, raw: bytes, manifest: dict[str, Any]) -> None:
-    canonical_files = {role: canonical for role, canonical, _f, _k in _ROLES}
+    canonical_files = {role: canonical for role, canonical, _f in _ROLES}
     if manifest["files"]["train_receipt"] is None:
         canonical_files["train_receipt"] = None
     if manifest["files"] == canonical_files:

@@ -240,14 +240,14 @@ def _restore_files(doc: dict[str, Any], at: str) -> Iterable[Problem]:
     for name in RESTORE_REQUIRED_FILES:
         if name not in copied:
             yield Problem("inconsistent_fields", ptr(at, "copied_files"), f"copied_files lacks {name!r}")
-    verified = "train_receipt" in doc["verified_hashes"]
+    verified = "receipt_hash" in doc["verified_hashes"]
     if (RESTORE_RECEIPT_FILE in copied) != verified:
         state = "lists" if RESTORE_RECEIPT_FILE in copied else "does not list"
         yield Problem(
             "inconsistent_fields",
             ptr(at, "copied_files"),
             f"copied_files {state} {RESTORE_RECEIPT_FILE!r} but verified_hashes "
-            f"{'has' if verified else 'has no'} train_receipt: the receipt is copied exactly when it is verified",
+            f"{'has' if verified else 'has no'} receipt_hash: the receipt is copied exactly when it is verified",
         )
 
 

@@ -24,7 +24,22 @@ from kiln.errors import Problem
 Z95 = 1.959963984540054
 TOLERANCE = 1e-9
 
-__all__ = ["Z95", "load_eval_result", "load_eval_suite", "wilson_interval"]
+# the reference's spellings of ``PostEval.data_scope``, accepted on input; Kiln records the canonical one
+DATA_SCOPE_SPELLINGS = {"held-out": "held_out", "train-set-eval": "train_set_eval"}
+
+__all__ = [
+    "DATA_SCOPE_SPELLINGS",
+    "Z95",
+    "canonical_data_scope",
+    "load_eval_result",
+    "load_eval_suite",
+    "wilson_interval",
+]
+
+
+def canonical_data_scope(value: str) -> str:
+    """``held_out`` or ``train_set_eval`` for either spelling (the reference hyphenates: ``held-out``)."""
+    return DATA_SCOPE_SPELLINGS.get(value, value)
 
 
 def wilson_interval(correct: int, total: int, z: float = Z95) -> tuple[float, float]:
@@ -97,7 +112,7 @@ def _result_counts(doc: dict[str, Any], at: str) -> Iterable[Problem]:
 
 @semantic_rule("PostEval", "post-eval.diagnostic-scope")
 def _diagnostic_scope(doc: dict[str, Any], at: str) -> Iterable[Problem]:
-    if doc.get("data_scope") == "train_set_eval" and doc.get("min_accuracy") is not None:
+    if canonical_data_scope(doc.get("data_scope", "")) == "train_set_eval" and doc.get("min_accuracy") is not None:
         yield Problem(
             "inconsistent_fields",
             ptr(at, "min_accuracy"),

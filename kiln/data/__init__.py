@@ -24,6 +24,7 @@ from kiln.data.grpo import (
     GrpoSourcePosition,
     iter_dataset_groups,
     read_groups,
+    refused_ingestion,
 )
 from kiln.data.jsonl import check_unchanged, dataset_sha256
 from kiln.data.opd import (
@@ -75,6 +76,7 @@ __all__ = [
     "read_groups",
     "read_off_policy_file",
     "read_prompts",
+    "refused_ingestion",
     "template_errors",
     "tokenize_response",
 ]

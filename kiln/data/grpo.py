@@ -6,6 +6,8 @@ API
     warning_filter=True, behavior_policy="no_importance_correction") -> GrpoIngestion``
         Exactly one source: inline ``groups`` (or its alias ``agentic_groups``) or a JSONL
         ``dataset_path``. Every group is checked and tokenized; the first bad one is refused.
+    ``refused_ingestion(dataset_path, sha256)``
+        No groups from a pinned file: what a dry run whose data was refused records.
     ``iter_dataset_groups(*, tokenizer, dataset_path, ..., expected_sha256=None)``
         The streamed pass over a JSONL file, one ``(GrpoGroup, GrpoSourcePosition)`` at a
         time (what a training pass reads; ``read_groups`` collects it). With
@@ -27,8 +29,9 @@ Groups
     wrapped as ``{"groups": [group]}`` and validated against ``GrpoRequest`` (the pointer is
     mapped back). ``completions`` and its alias ``rollouts`` are checked first (exactly one)
     so that mistake gets a plain message. Message roles follow SFT (``system``, ``user``,
-    ``assistant``, ``tool``; messages are normalised by ``kiln.data.chat``). Refusals are
-    ``RequestError`` (``training_invalid_request``) naming the group (1-based), for files
+    ``assistant``, ``tool``; messages are normalised by ``kiln.data.chat``). Refusals of a group
+    or of a file without groups are ``TrainingDataError`` (``training_invalid_request``, with
+    the receipt category a dry run records as ``reason``) naming the group (1-based), for files
     also the 1-based physical line and the file, then the completion, segment or message
     (1-based) and the problem; ``pointer`` holds the JSON pointer (``/groups/<i>/...`` inline,
     within the line's object for files). Also refused: a number that is not a finite 64-bit
@@ -107,7 +110,7 @@ from kiln.data.trajectory import (
     segments,
 )
 from kiln.digests import json_sha256, prefixed
-from kiln.errors import RequestError
+from kiln.errors import RequestError, TrainingDataError
 
 __all__ = [
     "BEHAVIOR_POLICIES",
@@ -275,14 +278,20 @@ def read_groups(
             parsed.append(plain)
             read.append(renderer.group(index, plain))
         except ItemError as bad:
-            raise RequestError(
+            raise TrainingDataError(
                 f"group {index + 1} is invalid: {bad.detail}",
-                code="training_invalid_request",
+                reason=bad.reason,
                 hint=f"fix group {index + 1} of {name}; every group needs messages and 1 to 1024 scored "
                 "completions, each with at least one action token",
                 pointer=f"/{name}/{index}{bad.pointer}",
             ) from None
     return _ingestion(read, "inline_grpo_groups", "inline", None, json_sha256(parsed), [])
+
+
+def refused_ingestion(dataset_path: str | os.PathLike[str], sha256: str) -> GrpoIngestion:
+    """No groups from the JSONL file at ``dataset_path`` pinned at ``sha256``: what a dry run whose data was refused
+    records (its receipt's ``training_data`` names the file and the pin)."""
+    return _ingestion([], "jsonl_grpo_groups", "jsonl", str(dataset_file(dataset_path, hint=_FILE_HINT)), sha256, [])
 
 
 def iter_dataset_groups(
@@ -349,9 +358,9 @@ def _file_groups(path: Path, renderer: _GroupReader, hasher: Any) -> Iterator[tu
             try:
                 group = renderer.group(index, parse_line(line))
             except ItemError as bad:
-                raise RequestError(
+                raise TrainingDataError(
                     f"line {lines} (group {index + 1}) of {str(path)!r} is invalid: {bad.detail}",
-                    code="training_invalid_request",
+                    reason=bad.reason,
                     hint=f"fix line {lines} of the file; every line is one group with messages and 1 to 1024 "
                     "scored completions, each with at least one action token",
                     pointer=bad.pointer,
@@ -361,9 +370,9 @@ def _file_groups(path: Path, renderer: _GroupReader, hasher: Any) -> Iterator[tu
             yield group, GrpoSourcePosition(lines, offset, lines, prefixed(snapshot.hexdigest()))
             index += 1
     if index == 0:
-        raise RequestError(
+        raise TrainingDataError(
             f"dataset_path {str(path)!r} has no groups",
-            code="training_invalid_request",
+            reason="zero_groups",
             hint="write one group per line; blank lines are not groups",
         )
 
@@ -395,7 +404,9 @@ class _GroupReader:
             try:
                 completion, prompt_tokens = self._completion(number, rollout, messages, prompt)
             except ItemError as bad:
-                raise ItemError(f"completion {number + 1}: {bad.detail}", pointer + bad.pointer) from None
+                raise ItemError(
+                    f"completion {number + 1}: {bad.detail}", pointer + bad.pointer, reason=bad.reason
+                ) from None
             ids = completion.input_ids[:prompt_tokens]
             if prompt_ids is None:
                 prompt_ids = ids

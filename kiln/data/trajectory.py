@@ -84,10 +84,11 @@ class ItemError(Exception):
     """Why one item (a group, a prompt, a file line) is refused: what is wrong, and the JSON
     pointer of the bad value inside the item (empty for the item as a whole)."""
 
-    def __init__(self, detail: str, pointer: str = ""):
+    def __init__(self, detail: str, pointer: str = "", *, reason: str = "data_schema_error"):
         super().__init__(detail)
         self.detail = detail
         self.pointer = pointer
+        self.reason = reason  # the receipt category a dry run records (kiln.errors.TrainingDataError)
 
 
 # --- items ------------------------------------------------------------------------------
@@ -259,13 +260,15 @@ class TrajectoryTokenizer:
                 "zero_action_tokens: the trajectory has no action segment; every completion needs at least one "
                 "token written by the policy",
                 "/trajectory",
+                reason="zero_action_tokens",
             )
         with _template_refusals():
             input_ids, labels = self._completion(messages, segments, prompt, from_text)
         if ACTION not in labels[1:]:
             raise ItemError(
                 "zero_action_tokens: no action token after tokenisation; every completion needs at least one "
-                "token written by the policy"
+                "token written by the policy",
+                reason="zero_action_tokens",
             )
         return input_ids, labels
 

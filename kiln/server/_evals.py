@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from kiln import contracts
+from kiln.artifacts.evals import canonical_data_scope
 from kiln.errors import ConflictError, ContractError, NotFoundError, RequestError
 
 log = logging.getLogger("kiln.server.evals")
@@ -58,6 +59,7 @@ def check_post_eval(engine: Any, kind: str, body: dict[str, Any]) -> tuple[dict[
         return None, None
     post = {**POST_EVAL_DEFAULTS, **post}
     _check("PostEval", post)
+    post["data_scope"] = canonical_data_scope(post["data_scope"])  # the reference's `held-out` is `held_out`
     suite, entry = registry(engine.settings).get(post["suite"])  # eval_suite_not_found
     if post["data_scope"] == "held_out":
         overlap = overlapping_examples(suite, training_prompt_digests(kind, body))

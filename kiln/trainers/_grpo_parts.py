@@ -5,6 +5,10 @@
 reward; the reward-variance filter keeps groups whose variance lies in ``[reward_filter_var_min,
 reward_filter_var_max]``, with ``reward_filter_on_empty`` deciding what happens when fewer than
 ``reward_filter_min_groups`` remain), so the trainable order is known up front and a checkpoint can bind it.
+  Nothing left is ``zero_groups``; ECHO-only training (``no_policy_loss``) whose groups hold no observation token is
+  ``zero_env_tokens``. Both are failures of the run (a failed receipt), never refusals at admission.
+* ``ingest``: the request's groups read and tokenised; a dry run whose data is refused gets no groups and the failure
+  its receipt records (a dry run exists to leave its verdict on disk).
 * ``ReferencePolicy``: the KL reference's log-probabilities of the taken tokens -- the frozen base (the adapter
   disabled for one forward) or the EMA of the LoRA tensors (swapped in for one forward, then back).
 * ``group_logprobs``: several completions in one right-padded forward (``micro_batch_size`` > 1), the model's
@@ -22,7 +26,14 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from kiln.errors import ZeroGroupsError
+from kiln.errors import (
+    DataSchemaError,
+    TrainingDataError,
+    TrainingFailedError,
+    ZeroActionTokensError,
+    ZeroEnvTokensError,
+    ZeroGroupsError,
+)
 from kiln.trainers._forwards import selected_logits
 from kiln.training import grpo_objective as obj
 
@@ -33,6 +44,7 @@ __all__ = [
     "equal_rewards",
     "filter_groups",
     "group_logprobs",
+    "ingest",
     "logprobs",
     "plan_groups",
     "share_loss",
@@ -74,6 +86,12 @@ def filter_groups(job: Any) -> tuple[list[Any], dict[str, int]]:
             kept = []
     elif not kept:
         raise ZeroGroupsError("every group was filtered out; nothing would train", counts)
+    if cfg["loss"]["no_policy_loss"] and not any(c.observation_tokens for g in kept for c in g.completions):
+        raise ZeroEnvTokensError(
+            "loss.no_policy_loss trains the ECHO term alone, but no group that would train has an observation "
+            "token; nothing would train",
+            counts,
+        )
     return kept, counts
 
 
@@ -87,8 +105,39 @@ def plan_groups(job: Any) -> tuple[list[Any], dict[str, int]]:
     """The trainable groups in order (empty when the filters leave nothing) and the filter counts."""
     try:
         return filter_groups(job)
-    except ZeroGroupsError as exc:
+    except (ZeroGroupsError, ZeroEnvTokensError) as exc:
         return [], exc.counts
+
+
+# the failure a dry run records for training data refused at admission, by the refusal's reason
+DRY_RUN_FAILURES: dict[str, type[TrainingFailedError]] = {
+    "data_schema_error": DataSchemaError,
+    "zero_action_tokens": ZeroActionTokensError,
+    "zero_groups": ZeroGroupsError,
+}
+
+
+def ingest(request: dict[str, Any], tokenizer: Any, cfg: dict[str, Any], pin: str | None) -> tuple[Any, Any]:
+    """``(ingestion, refusal)``: the request's groups read and tokenised (``kiln.data.read_groups``), and None. Data
+    refused in a dry run gives an ingestion without groups (the pinned file's path and digest) and the failure the
+    dry run's receipt records; any other run's refusal raises (nothing is written for a refused request)."""
+    from kiln.data import read_groups, refused_ingestion
+
+    echo = cfg["loss"]["echo"]
+    try:
+        ingestion = read_groups(
+            tokenizer=tokenizer,
+            groups=request.get("groups"),
+            agentic_groups=request.get("agentic_groups"),
+            dataset_path=request.get("dataset_path"),
+            warning_filter=echo["warning_filter"] if echo else True,
+            behavior_policy=cfg["behavior_policy"],
+        )
+    except TrainingDataError as refused:
+        if not request.get("dry_run") or pin is None:
+            raise
+        return refused_ingestion(request["dataset_path"], pin), DRY_RUN_FAILURES[refused.reason](refused.message)
+    return ingestion, None
 
 
 def step_plan(kept: list[Any], aggregation: str, accumulation: int) -> list[list[tuple[int, list[int]]]]:

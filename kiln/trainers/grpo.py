@@ -13,7 +13,8 @@ step per group) or per completion (``per_sample``: one step per completion).
 
 Read top to bottom: admission (request and config rules, target, model, pinned source,
 ingestion with action/observation masks, identity — everything that can fail before
-training), the dry run (every check, no forward pass, a receipt without weights), the
+training), the dry run (every check, no forward pass, a receipt without weights; data it
+finds bad is its failed receipt, not a refusal), the
 loop (group filters, forwards, loss, steps, audits) and publication (adapter, receipt with
 the ``grpo`` block and policy audit, manifest). A failure after admission writes a failed
 receipt with its category.
@@ -44,7 +45,7 @@ from typing import Any
 
 from kiln.artifacts.checkpoint_manifest import GRPO_SOURCE_KINDS
 from kiln.digests import json_sha256, raw_hex
-from kiln.errors import ZeroGroupsError
+from kiln.errors import ZeroEnvTokensError, ZeroGroupsError
 from kiln.trainers._admission import AdmittedJob, TrainingContext, base_model, job_fields, single_process
 from kiln.trainers._checkpointing import CheckpointProgress, manifest_head, publish_state, restore_policy
 from kiln.trainers._grpo_config import check_grpo_data, check_grpo_request, effective_grpo_config
@@ -53,6 +54,7 @@ from kiln.trainers._grpo_parts import (
     ReferencePolicy,
     completion_loss,
     filter_groups,
+    ingest,
     logprobs,
     plan_groups,
     share_loss,
@@ -98,6 +100,7 @@ class AdmittedGrpo(AdmittedJob):
     ingestion: Any
     tokenize_ms: float
     pin: str | None = None
+    refused: Any = None  # a dry run's data refusal (TrainingFailedError), recorded by its failed receipt
     head: Any = None  # kiln.training.ModelHead, proven at admission when micro-batches read the logits themselves
     kind: str = field(default=KIND, init=False)
 
@@ -144,7 +147,7 @@ def admit_grpo(
 ) -> AdmittedGrpo:
     """Everything that can fail before training; raises ``KilnError`` and publishes nothing (``data_parallel``: the
     one worker process it trains in, when not this one)."""
-    from kiln.data import check_unchanged, dataset_sha256, read_groups
+    from kiln.data import check_unchanged, dataset_sha256
 
     check_grpo_request(request)
     config = dict(request.get("config") or {})
@@ -154,24 +157,17 @@ def admit_grpo(
     loaded = base_model(model_path, loaded)
     dataset_path = request.get("dataset_path")
     pin = dataset_sha256(dataset_path) if dataset_path is not None else None
-    echo = cfg["loss"]["echo"]
     start = time.perf_counter()
-    ingestion = read_groups(
-        tokenizer=loaded.tokenizer,
-        groups=request.get("groups"),
-        agentic_groups=request.get("agentic_groups"),
-        dataset_path=dataset_path,
-        warning_filter=echo["warning_filter"] if echo else True,
-        behavior_policy=cfg["behavior_policy"],
-    )
+    ingestion, refused = ingest(request, loaded.tokenizer, cfg, pin)
     tokenize_ms = (time.perf_counter() - start) * 1000
-    if pin is not None:  # the bytes the streamed pass read are the bytes pinned before it
+    if pin is not None and refused is None:  # the bytes the streamed pass read are the bytes pinned before it
         check_unchanged(dataset_path, pin, now=ingestion.source_sha256)
     job = AdmittedGrpo(
         **job_fields(adapter_name, registry, cfg, loaded, data_parallel=data_parallel),
         ingestion=ingestion,
         tokenize_ms=tokenize_ms,
         dry_run=bool(request.get("dry_run")),
+        refused=refused,
         pin=pin,
         head=model_head(loaded.model) if cfg["micro_batch_size"] > 1 else None,
     )
@@ -210,12 +206,14 @@ def dry_run_grpo(job: AdmittedGrpo) -> TrainResult:
 
     def check() -> TrainResult:
         check_pin(job.ingestion.path, job.pin)
+        if job.refused is not None:
+            raise job.refused
         run["kept"], run["counts"] = filter_groups(job)
         return publish_receipt_only(job, _receipt(job, started, run, None, None, dry_run=True))
 
     def failed(failure: tuple[str, str], exc: BaseException) -> dict[str, Any]:
-        if isinstance(exc, ZeroGroupsError):
-            run["counts"] = exc.counts
+        if isinstance(exc, (ZeroGroupsError, ZeroEnvTokensError)):
+            run["counts"] = exc.counts or run["counts"]
         return _receipt(job, started, run, None, None, failure=failure, dry_run=True)
 
     return guarded(job, check, failed, dict)
@@ -362,8 +360,8 @@ def run_grpo(
         )
 
     def failed(failure: tuple[str, str], exc: BaseException) -> dict[str, Any]:
-        if isinstance(exc, ZeroGroupsError):
-            run["counts"] = exc.counts
+        if isinstance(exc, (ZeroGroupsError, ZeroEnvTokensError)):
+            run["counts"] = exc.counts or run["counts"]
         return _receipt(job, started, run, audits, None, failure=failure)
 
     return guarded(

@@ -2,8 +2,8 @@
 
 Weights only -- no optimizer state, no data cursor (that is what a checkpoint is for). The base adapter is a registry
 name or an absolute path; it must hold ``adapter_model.safetensors`` with a tensor of the same shape for every LoRA
-parameter of the new adapter (same rank and target modules), else the run fails ``base_adapter_missing`` or
-``shape_mismatch``.
+parameter of the new adapter (same rank and target modules), else the run fails ``base_adapter_missing`` (no weights
+file), ``adapter_load_failed`` (a weights file that is not readable safetensors) or ``shape_mismatch``.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from kiln.errors import BaseAdapterMissingError, ShapeMismatchError
+from kiln.errors import AdapterLoadError, BaseAdapterMissingError, ShapeMismatchError
 
 __all__ = ["base_adapter_dir", "warm_start"]
 
@@ -25,12 +25,16 @@ def base_adapter_dir(registry: Path, base_adapter: str) -> Path:
 def warm_start(params: dict[str, Any], base_dir: Path) -> None:
     """Copy every LoRA A/B tensor of ``params`` from the adapter in ``base_dir``."""
     import torch
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     weights = base_dir / "adapter_model.safetensors"
     if not weights.is_file():
         raise BaseAdapterMissingError(f"base adapter {base_dir} has no adapter_model.safetensors")
-    saved = load_file(weights)
+    try:
+        saved = load_file(weights)
+    except SafetensorError as exc:
+        raise AdapterLoadError(f"base adapter {weights} could not be loaded: {exc}") from exc
     with torch.no_grad():
         for name, param in params.items():
             key = name.replace(".default.", ".")
