@@ -14,7 +14,7 @@ log ends with the ``completed`` outcome of its last request (``published=True``)
 ``load_replay_record`` (strict, either kind), ``read_replay_log`` (strict, every line; a problem names the file and
 line), ``append_replay_record`` (canonical; the whole file rewritten crash-atomically: old lines + the new one,
 synced -- a crash leaves the old file or the new, never a torn line), ``write_replay_log`` (canonical, atomic),
-``verify_replay_log``.
+``verify_replay_log``; ``pending_log``: where a run keeps its log until its adapter is published.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ __all__ = [
     "LogLine",
     "append_replay_record",
     "load_replay_record",
+    "pending_log",
     "read_replay_log",
     "render_replay_log",
     "requests_of",
@@ -179,6 +180,12 @@ def verify_replay_log(lines: Sequence[LogLine], *, published: bool, source: str 
 
 def requests_of(lines: Iterable[LogLine]) -> list[LogLine]:
     return [line for line in lines if line.is_request]
+
+
+def pending_log(registry: str | os.PathLike[str], adapter_name: str) -> Path:
+    """Where the log of ``adapter_name`` is kept while no adapter of it is published: the hidden
+    ``<registry>/.<adapter>.replay.jsonl`` beside its directory (``kiln.trainers._lineage`` writes it)."""
+    return Path(registry) / f".{adapter_name}.{REPLAY_LOG}"
 
 
 def _line(record: dict[str, Any]) -> bytes:

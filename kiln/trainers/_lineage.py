@@ -1,6 +1,6 @@
 """The request lineage every trainer writes through the kit (``kiln.trainers._kit``), on the publishing rank only.
 
-While a run trains, its log is ``<registry>/.<adapter>.replay.jsonl`` (``pending_log``): hidden, so listing shows
+While a run trains, its log is ``<registry>/.<adapter>.replay.jsonl`` (``kiln.artifacts.replay_log.pending_log``): hidden, so listing shows
 nothing of it, and beside the adapter's directory, so neither a failed receipt nor a publication disturbs it:
 
 * ``open_request`` (the kit's ``Policy``, before the first optimizer step): appends this run's request record,
@@ -28,13 +28,19 @@ from pathlib import Path
 from typing import Any
 
 from kiln.artifacts.lineage import LINEAGE_FILE, build_lineage, lineage_link, load_lineage, write_lineage
-from kiln.artifacts.replay_log import REPLAY_LOG, append_replay_record, read_replay_log, write_replay_log
+from kiln.artifacts.replay_log import (
+    REPLAY_LOG,
+    append_replay_record,
+    pending_log,
+    read_replay_log,
+    write_replay_log,
+)
 from kiln.digests import file_sha256, prefixed
 from kiln.training import base_adapter_dir
 
 _HEX = re.compile(r"(?:sha256:)?([0-9a-f]{64})")
 
-__all__ = ["close_request", "open_request", "pending_log", "published", "stage_lineage"]
+__all__ = ["close_request", "open_request", "published", "stage_lineage"]
 
 
 @dataclass
@@ -73,11 +79,6 @@ def _parent(job: Any) -> dict[str, Any] | None:
         "adapter_model_sha256": prefixed(file_sha256(directory / "adapter_model.safetensors")[0]),
         "replay_hash": load_lineage(lineage).replay_hash if lineage.is_file() else None,
     }
-
-
-def pending_log(registry: Path, adapter_name: str) -> Path:
-    """Where the request log of ``adapter_name`` is kept while it has no published adapter."""
-    return registry / f".{adapter_name}.{REPLAY_LOG}"
 
 
 def open_request(job: Any, policy: Any) -> None:
