@@ -12,9 +12,9 @@ of the same registry, and stops at the first problem with an error naming the fi
 
 1. from the leaf up, each ``lineage.json`` loads strictly and names a parent that is a sibling directory; a name
    seen twice on the way up is a cycle;
-2. then from the root down, per adapter: ``replay.jsonl`` reads strictly, line by line, its records in order
-   (``kiln.artifacts.replay_log.verify_replay_log``); its request records are those the lineage lists, one by one
-   (id, then digest: an edited, deleted, inserted or reordered record is named by line and id); the parent's
+2. then from the root down, per adapter: ``replay.jsonl`` reads strictly, line by line; its request records are
+   those the lineage lists, one by one (id, then digest: an edited, deleted, inserted or reordered record is named
+   by line and id); its records are in order (``kiln.artifacts.replay_log.verify_replay_log``); the parent's
    weights still hash to the recorded digest and its (already verified) replay hash is the one recorded; the replay
    hash recomputes; and the adapter manifest, when there is one, binds both files and that replay hash.
 
@@ -205,8 +205,10 @@ def _check_requests(path: Path, requests: list[LogLine], lineage: dict[str, Any]
                         f"{expected['record_sha256']}: the record was edited")  # fmt: skip
     if len(requests) < len(listed):
         missing = listed[len(requests)]["request_id"]
+        after = f" after line {requests[-1].line}" if requests else ""
         raise _fail("inconsistent_fields", str(path),
-                    f"request {missing!r} ({len(requests) + 1} of {len(listed)} in {LINEAGE_FILE}) is missing")  # fmt: skip
+                    f"request {missing!r} ({len(requests) + 1} of {len(listed)} in {LINEAGE_FILE}) is missing{after}: "
+                    "a request record was deleted")  # fmt: skip
 
 
 def _check_parent(directory: Path, lineage: dict[str, Any], verified: dict[str, VerifiedAdapter]) -> None:
@@ -258,12 +260,12 @@ def verify_lineage(leaf: str | os.PathLike[str]) -> list[VerifiedAdapter]:
         log_path = directory / REPLAY_LOG
         lines = read_replay_log(log_path)
         published = (directory / WEIGHTS).exists()
+        requests = requests_of(lines)
+        _check_requests(log_path, requests, lineage)  # first: the hashed records name an edit most precisely
         order = verify_replay_log(lines, published=published, source=str(log_path))
         if order:
             line = order[0].pointer.lstrip("/")
             raise ContractError(order, document=f"{log_path}:{line}" if line else str(log_path))
-        requests = requests_of(lines)
-        _check_requests(log_path, requests, lineage)
         _check_parent(directory, lineage, verified)
         records = [line.record for line in requests]
         actual = _recompute(lineage["parent"], lineage["base_model"], records)

@@ -148,10 +148,10 @@ def verify_replay_log(lines: Sequence[LogLine], *, published: bool, source: str 
     open_request: str | None = None  # the latest request, while it has no outcome
 
     def bad(line: LogLine, message: str) -> None:
-        problems.append(Problem("inconsistent_fields", f"/{line.line}", f"{source} line {line.line}: {message}"))
+        problems.append(Problem("inconsistent_fields", f"/{line.line}", message))
 
     if not lines:
-        problems.append(Problem("inconsistent_fields", "", f"{source} holds no record"))
+        problems.append(Problem("inconsistent_fields", "", f"{source} holds no record"))  # pointer "/<n>": line n
         return problems
     for line in lines:
         rid = line.request_id
@@ -171,10 +171,9 @@ def verify_replay_log(lines: Sequence[LogLine], *, published: bool, source: str 
         bad(lines[0], "the first record is not a request")
     last = lines[-1]
     if published and (last.is_request or last.record["status"] != "completed"):
-        bad(
-            last,
-            f"a published adapter's log ends with the completed outcome of its last request, not this {last.record['record_type']}",
-        )
+        what = "request" if last.is_request else f"{last.record['status']} outcome"
+        bad(last, f"the log of a published adapter ends with the completed outcome of its last request, not the "
+                  f"{what} of request {last.request_id!r}")  # fmt: skip
     return problems
 
 
