@@ -54,7 +54,8 @@ def history(tmp_path_factory, tiny_model_dir):
             )
 
         first = run_sft(admit(config), cancel=cancel, progress=lambda e: e["step"] == 2 and cancel.set())
-        assert first.status == "failed" and first.cancelled
+        assert first.status == "failed"
+        assert first.cancelled
         resumed = run_sft(admit({**config, "resume_checkpoint": first.latest_checkpoint.name}))
         assert resumed.status == "success", resumed.receipt.get("failure_message")
         request = base / "grpo.json"
@@ -99,7 +100,8 @@ def test_verify_walks_root_to_leaf_and_says_nothing_was_replayed(history, capsys
     lines = out.splitlines()
     assert lines[0].startswith("✓ root (root): 2 request(s), 2 outcome(s)")
     assert lines[1].startswith("✓ leaf (parent root): 1 request(s), 1 outcome(s)")
-    assert "request-lineage integrity verifies" in lines[-1] and NOTE in lines[-1]
+    assert "request-lineage integrity verifies" in lines[-1]
+    assert NOTE in lines[-1]
     assert main(["adapters", "verify", str(history / "leaf")]) == 0
     assert "request_lineage match" in capsys.readouterr().out
 
@@ -108,7 +110,8 @@ def test_show_prints_the_records_without_checking(history, capsys):
     assert main(["replay", "show", str(history / "root")]) == 0
     out = capsys.readouterr().out
     assert "resumed from root-checkpoint-step-00000002.kiln-checkpoint" in out
-    assert "cancelled" in out and "completed" in out
+    assert "cancelled" in out
+    assert "completed" in out
     assert main(["replay", "show", str(history / "root"), "--json"]) == 0
     shown = json.loads(capsys.readouterr().out)
     assert [r["line"] for r in shown["records"]] == [1, 2, 3, 4]
@@ -162,7 +165,7 @@ def _ids(history):
         "not-canonical",
         "torn",
         "edit-outcome",
-    ],  # fmt: skip
+    ],
 )
 def test_a_tampered_log_fails_verify_naming_the_entry(history, tmp_path, capsys, tamper, expected):
     copy = _copy(history, tmp_path)
@@ -178,13 +181,15 @@ def test_a_broken_parent_link_fails_verify_naming_it(history, tmp_path, capsys):
     copy = _copy(history, tmp_path)
     (copy / "root").rename(copy / "renamed")
     code, _, err = _verify(capsys, copy / "leaf")
-    assert code == 1 and "parent adapter 'root' is not a sibling directory" in err
+    assert code == 1
+    assert "parent adapter 'root' is not a sibling directory" in err
 
     copy = _copy(history, tmp_path / "b")
     with (copy / "root" / "adapter_model.safetensors").open("ab") as fh:
         fh.write(b"\0")
     code, _, err = _verify(capsys, copy / "leaf")
-    assert code == 1 and "parent 'root': adapter_model.safetensors hashes to" in err
+    assert code == 1
+    assert "parent 'root': adapter_model.safetensors hashes to" in err
 
 
 def test_a_parent_cycle_fails_verify(history, tmp_path, capsys):
@@ -195,7 +200,8 @@ def test_a_parent_cycle_fails_verify(history, tmp_path, capsys):
     parent = {"adapter_name": "leaf", "adapter_model_sha256": weights, "replay_hash": None}
     write_lineage(copy / "root" / "lineage.json", build_lineage("root", root["base_model"], parent, requests))
     code, _, err = _verify(capsys, copy / "leaf")
-    assert code == 1 and "the parent links form a cycle: leaf -> root -> leaf" in err
+    assert code == 1
+    assert "the parent links form a cycle: leaf -> root -> leaf" in err
 
 
 def test_a_recomputed_but_altered_lineage_fails_on_the_manifest_binding(history, tmp_path, capsys):
@@ -205,7 +211,8 @@ def test_a_recomputed_but_altered_lineage_fails_on_the_manifest_binding(history,
     forged = {**root["base_model"], "weights_sha256": None}  # consistent with itself, not with what was published
     write_lineage(copy / "root" / "lineage.json", build_lineage("root", forged, None, requests))
     code, _, err = _verify(capsys, copy / "root")
-    assert code == 1 and "lineage.json hashes to" in err
+    assert code == 1
+    assert "lineage.json hashes to" in err
     assert main(["adapters", "verify", str(copy / "root")]) == 1
 
 
@@ -244,7 +251,8 @@ def test_a_failed_run_leaves_its_outcome_in_the_pending_log(tmp_path, tiny_model
     assert result.status == "failed"
     lines = read_replay_log(pending_log(registry, "stopped"))
     assert [line.record["record_type"] for line in lines] == ["request", "outcome"]
-    assert lines[1].record["status"] == "cancelled" and lines[1].record["global_step"] == 1
+    assert lines[1].record["status"] == "cancelled"
+    assert lines[1].record["global_step"] == 1
     assert not (registry / "stopped" / "replay.jsonl").exists()  # nothing of it looks published
     shutil.rmtree(result.latest_checkpoint)  # a run from step 0 may not reach an existing checkpoint's name
     fresh = admit_sft(
@@ -284,7 +292,7 @@ def test_a_servers_history_verifies_and_its_load_checks_the_lineage(tmp_path, ti
             done = wait_for(
                 lambda: (d := http.get(f"/v1/train/jobs/{job}").json())["state"] in ("completed", "failed") and d,
                 timeout=300,
-            )  # noqa: E501
+            )
             assert done["state"] == "completed", done.get("error")
             return done
 
@@ -293,12 +301,16 @@ def test_a_servers_history_verifies_and_its_load_checks_the_lineage(tmp_path, ti
         registry = server.home / "adapters"
         code, out, err = _verify(capsys, registry / "srv-child")
         assert code == 0, err
-        assert "✓ srv-root (root)" in out and "✓ srv-child (parent srv-root)" in out and NOTE in out
+        assert "✓ srv-root (root)" in out
+        assert "✓ srv-child (parent srv-root)" in out
+        assert NOTE in out
         chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "temperature": 0}
         answer = http.post("/v1/chat/completions", json={**chat, "adapter": "srv-child"})
         assert answer.status_code == 200, answer.text
         _rewrite(registry / "srv-root" / "replay.jsonl", _edit_record(0, seed=9))
         answer = http.post("/v1/chat/completions", json={**chat, "adapter": "srv-root"})
-        assert answer.status_code != 200 and "replay.jsonl hashes to" in answer.text
+        assert answer.status_code != 200
+        assert "replay.jsonl hashes to" in answer.text
         code, _, err = _verify(capsys, registry / "srv-child")
-        assert code == 1 and "replay.jsonl:1" in err
+        assert code == 1
+        assert "replay.jsonl:1" in err
