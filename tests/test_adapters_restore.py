@@ -14,7 +14,10 @@ from kiln import contracts
 from kiln.adapters._restore import restore_adapter
 from kiln.errors import AdapterError, ConflictError, RequestError
 
-FILES = ["adapter_config.json", "adapter_manifest.json", "adapter_model.safetensors", "train_receipt.json"]
+FILES = [
+    "adapter_config.json", "adapter_manifest.json", "adapter_model.safetensors", "lineage.json", "replay.jsonl",
+    "train_receipt.json",
+]  # fmt: skip
 
 
 @pytest.fixture
@@ -47,7 +50,8 @@ def test_restore_round_trips_an_adapter_between_two_registries(tmp_path, trained
     assert receipt["source_adapter_dir"] == str(trained_adapter)
     assert receipt["adapter_name"] == "bot"
     assert receipt["copied_files"] == [
-        "adapter_config.json", "adapter_model.safetensors", "train_receipt.json", "adapter_manifest.json",
+        "adapter_config.json", "adapter_model.safetensors", "train_receipt.json", "replay.jsonl", "lineage.json",
+        "adapter_manifest.json",
     ]  # fmt: skip
     for name in FILES:
         assert (restored / name).read_bytes() == (trained_adapter / name).read_bytes(), name
@@ -180,6 +184,8 @@ def test_files_under_other_names_are_restored_under_the_canonical_names(tmp_path
 def test_a_manifest_without_a_receipt_restores_only_the_serving_files(tmp_path, source):
     (source / "train_receipt.json").unlink()
     raw = json.loads((source / "adapter_manifest.json").read_text())
+    raw.pop("request_lineage")  # a manifest that binds no request lineage either
+    (source / "adapter_manifest.json").write_text(json.dumps(raw))
     manifest = _edit_manifest(source, receipt_hash=None, files={**raw["files"], "train_receipt": None})
     receipt = restore_adapter(manifest, tmp_path / "adapters")
     assert "train_receipt" not in receipt["verified_hashes"]

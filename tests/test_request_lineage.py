@@ -16,7 +16,7 @@ from conftest import ADAPTER_CONVERSATIONS
 
 from kiln._jsonio import canonical_json
 from kiln.artifacts.lineage import build_lineage, load_lineage, verify_lineage, write_lineage
-from kiln.artifacts.replay_log import pending_log, read_replay_log
+from kiln.artifacts.replay_log import load_replay_log, pending_log
 from kiln.cli import main
 from kiln.digests import file_sha256
 from kiln.trainers.sft import admit_sft, run_sft
@@ -67,7 +67,7 @@ def history(tmp_path_factory, tiny_model_dir):
 
 
 def test_a_resumed_run_keeps_the_cancelled_runs_request_and_adds_its_own(history):
-    lines = read_replay_log(history / "root" / "replay.jsonl")
+    lines = load_replay_log(history / "root" / "replay.jsonl")
     kinds = [(line.record["record_type"], line.record.get("status")) for line in lines]
     assert kinds == [("request", None), ("outcome", "cancelled"), ("request", None), ("outcome", "completed")]
     first, _, second, done = (line.record for line in lines)
@@ -139,7 +139,7 @@ def _edit_record(line_index, **changes):
 
 
 def _ids(history):
-    return [line.request_id for line in read_replay_log(history / "root" / "replay.jsonl") if line.is_request]
+    return [line.request_id for line in load_replay_log(history / "root" / "replay.jsonl") if line.is_request]
 
 
 @pytest.mark.parametrize(
@@ -195,7 +195,7 @@ def test_a_broken_parent_link_fails_verify_naming_it(history, tmp_path, capsys):
 def test_a_parent_cycle_fails_verify(history, tmp_path, capsys):
     copy = _copy(history, tmp_path)
     root = load_lineage(copy / "root" / "lineage.json").model_dump(mode="json")
-    requests = [line.record for line in read_replay_log(copy / "root" / "replay.jsonl") if line.is_request]
+    requests = [line.record for line in load_replay_log(copy / "root" / "replay.jsonl") if line.is_request]
     weights = "sha256:" + file_sha256(copy / "leaf" / "adapter_model.safetensors")[0]
     parent = {"adapter_name": "leaf", "adapter_model_sha256": weights, "replay_hash": None}
     write_lineage(copy / "root" / "lineage.json", build_lineage("root", root["base_model"], parent, requests))
@@ -207,7 +207,7 @@ def test_a_parent_cycle_fails_verify(history, tmp_path, capsys):
 def test_a_recomputed_but_altered_lineage_fails_on_the_manifest_binding(history, tmp_path, capsys):
     copy = _copy(history, tmp_path)
     root = load_lineage(copy / "root" / "lineage.json").model_dump(mode="json")
-    requests = [line.record for line in read_replay_log(copy / "root" / "replay.jsonl") if line.is_request]
+    requests = [line.record for line in load_replay_log(copy / "root" / "replay.jsonl") if line.is_request]
     forged = {**root["base_model"], "weights_sha256": None}  # consistent with itself, not with what was published
     write_lineage(copy / "root" / "lineage.json", build_lineage("root", forged, None, requests))
     code, _, err = _verify(capsys, copy / "root")
@@ -225,7 +225,7 @@ def test_the_request_record_is_on_disk_before_the_first_optimizer_step(tmp_path,
 
     def apply(self, *args, **kwargs):
         if not seen:
-            lines = read_replay_log(pending_log(registry, "early"))
+            lines = load_replay_log(pending_log(registry, "early"))
             seen.append([line.record["record_type"] for line in lines])
         return original(self, *args, **kwargs)
 
@@ -249,7 +249,7 @@ def test_a_failed_run_leaves_its_outcome_in_the_pending_log(tmp_path, tiny_model
     )  # fmt: skip
     result = run_sft(job, cancel=cancel)
     assert result.status == "failed"
-    lines = read_replay_log(pending_log(registry, "stopped"))
+    lines = load_replay_log(pending_log(registry, "stopped"))
     assert [line.record["record_type"] for line in lines] == ["request", "outcome"]
     assert lines[1].record["status"] == "cancelled"
     assert lines[1].record["global_step"] == 1
@@ -260,7 +260,7 @@ def test_a_failed_run_leaves_its_outcome_in_the_pending_log(tmp_path, tiny_model
         model_path=str(tiny_model_dir),
     )  # fmt: skip
     assert run_sft(fresh).status == "success"  # a run from step 0 starts the history anew
-    published = read_replay_log(registry / "stopped" / "replay.jsonl")
+    published = load_replay_log(registry / "stopped" / "replay.jsonl")
     assert [line.record["seed"] for line in published if line.is_request] == [2]
 
 
@@ -277,7 +277,7 @@ def test_an_opd_run_publishes_a_lineage_that_verifies(tmp_path, tiny_model_dir, 
     assert result.status == "success", result.receipt.get("failure_message")
     (verified,) = verify_lineage(tmp_path / "adapters" / "student")
     assert verified.requests == 1
-    assert read_replay_log(result.adapter_dir / "replay.jsonl")[0].record["kind"] == "opd"
+    assert load_replay_log(result.adapter_dir / "replay.jsonl")[0].record["kind"] == "opd"
 
 
 @pytest.mark.slow
@@ -314,3 +314,17 @@ def test_a_servers_history_verifies_and_its_load_checks_the_lineage(tmp_path, ti
         code, _, err = _verify(capsys, registry / "srv-child")
         assert code == 1
         assert "replay.jsonl:1" in err
+
+
+def test_restore_copies_the_lineage_and_refuses_a_tampered_one(tmp_path, trained_adapter):
+    from kiln.adapters._restore import restore_adapter
+    from kiln.errors import AdapterError
+
+    receipt = restore_adapter(trained_adapter / "adapter_manifest.json", tmp_path / "copy")
+    assert {"replay.jsonl", "lineage.json"} <= set(receipt["copied_files"])
+    assert [a.name for a in verify_lineage(tmp_path / "copy" / "bot")] == ["bot"]
+    source = shutil.copytree(trained_adapter, tmp_path / "transfer" / "bot")
+    _rewrite(source / "replay.jsonl", _edit_record(0, seed=99))
+    with pytest.raises(AdapterError, match="request_lineage.replay_log_sha256 mismatch"):
+        restore_adapter(source / "adapter_manifest.json", tmp_path / "other")
+    assert not (tmp_path / "other" / "bot").exists()

@@ -33,7 +33,7 @@ from typing import Any
 from kiln import _documents
 from kiln._jsonio import read_json_file
 from kiln._rules import ptr, semantic_rule
-from kiln.artifacts.replay_log import REPLAY_LOG, LogLine, read_replay_log, requests_of, verify_replay_log
+from kiln.artifacts.replay_log import REPLAY_LOG, LogLine, load_replay_log, requests_of, verify_replay_log
 from kiln.digests import REPLAY_HASH_ALGORITHM, file_sha256, json_sha256, prefixed, replay_hash
 from kiln.errors import ContractError, IntegrityError, Problem
 
@@ -258,7 +258,7 @@ def verify_lineage(leaf: str | os.PathLike[str]) -> list[VerifiedAdapter]:
     out = []
     for directory, lineage in _ancestry(Path(leaf)):
         log_path = directory / REPLAY_LOG
-        lines = read_replay_log(log_path)
+        lines = load_replay_log(log_path)
         published = (directory / WEIGHTS).exists()
         requests = requests_of(lines)
         _check_requests(log_path, requests, lineage)  # first: the hashed records name an edit most precisely

@@ -11,7 +11,7 @@ ids are unique; an outcome ends the latest request above it and no request has t
 is one whose run died without one (a killed worker), so only a later request may follow it. A published adapter's
 log ends with the ``completed`` outcome of its last request (``published=True``).
 
-``load_replay_record`` (strict, either kind), ``read_replay_log`` (strict, every line; a problem names the file and
+``load_replay_record`` (strict, either kind), ``load_replay_log`` (strict, every line; a problem names the file and
 line), ``append_replay_record`` (canonical; the whole file rewritten crash-atomically: old lines + the new one,
 synced -- a crash leaves the old file or the new, never a torn line), ``write_replay_log`` (canonical, atomic),
 ``verify_replay_log``; ``pending_log``: where a run keeps its log until its adapter is published.
@@ -42,9 +42,9 @@ __all__ = [
     "REPLAY_LOG",
     "LogLine",
     "append_replay_record",
+    "load_replay_log",
     "load_replay_record",
     "pending_log",
-    "read_replay_log",
     "render_replay_log",
     "requests_of",
     "verify_replay_log",
@@ -108,7 +108,7 @@ def load_replay_record(source: _documents.Source, *, document: str | None = None
     return value
 
 
-def read_replay_log(path: str | os.PathLike[str]) -> list[LogLine]:
+def load_replay_log(path: str | os.PathLike[str]) -> list[LogLine]:
     """Every record of a log file, strictly; the first bad line raises ``ContractError`` naming ``<file>:<line>``."""
     p = Path(path)
     try:

@@ -80,13 +80,13 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def _records(directory: Path) -> tuple[Path, list[Any]]:
-    from kiln.artifacts.replay_log import REPLAY_LOG, pending_log, read_replay_log
+    from kiln.artifacts.replay_log import REPLAY_LOG, load_replay_log, pending_log
 
     path = directory / REPLAY_LOG
     if not path.exists():
         pending = pending_log(directory.parent, directory.name)
         path = pending if pending.exists() else path
-    return path, read_replay_log(path)
+    return path, load_replay_log(path)
 
 
 def cmd_show(args: argparse.Namespace) -> int:

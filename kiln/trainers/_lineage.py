@@ -31,8 +31,8 @@ from kiln.artifacts.lineage import LINEAGE_FILE, build_lineage, lineage_link, lo
 from kiln.artifacts.replay_log import (
     REPLAY_LOG,
     append_replay_record,
+    load_replay_log,
     pending_log,
-    read_replay_log,
     write_replay_log,
 )
 from kiln.digests import file_sha256, prefixed
@@ -92,7 +92,7 @@ def open_request(job: Any, policy: Any) -> None:
     if job.resume is None or not path.exists():
         path.unlink(missing_ok=True)  # a run from step 0 starts the history anew
     else:
-        read_replay_log(path)  # a resume continues a log that reads strictly, or fails before training
+        load_replay_log(path)  # a resume continues a log that reads strictly, or fails before training
     resume = job.resume
     record = {
         "schema_version": 1,
@@ -145,7 +145,7 @@ def stage_lineage(job: Any, staging: Path) -> dict[str, Any] | None:
     run = job.request_log
     if run is None:
         return None
-    lines = read_replay_log(run.path)
+    lines = load_replay_log(run.path)
     records = [line.record for line in lines]
     write_replay_log(staging / REPLAY_LOG, [*records, _outcome(run, "completed", None)])
     requests = [r for r in records if r["record_type"] == "request"]
