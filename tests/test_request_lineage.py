@@ -325,6 +325,6 @@ def test_restore_copies_the_lineage_and_refuses_a_tampered_one(tmp_path, trained
     assert [a.name for a in verify_lineage(tmp_path / "copy" / "bot")] == ["bot"]
     source = shutil.copytree(trained_adapter, tmp_path / "transfer" / "bot")
     _rewrite(source / "replay.jsonl", _edit_record(0, seed=99))
-    with pytest.raises(AdapterError, match="request_lineage.replay_log_sha256 mismatch"):
+    with pytest.raises(AdapterError, match=r"request_lineage\.replay_log_sha256 mismatch"):
         restore_adapter(source / "adapter_manifest.json", tmp_path / "other")
     assert not (tmp_path / "other" / "bot").exists()
