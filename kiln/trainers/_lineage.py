@@ -36,6 +36,7 @@ from kiln.artifacts.replay_log import (
     write_replay_log,
 )
 from kiln.digests import file_sha256, prefixed
+from kiln.errors import StorageFailureError
 from kiln.training import base_adapter_dir
 
 _HEX = re.compile(r"(?:sha256:)?([0-9a-f]{64})")
@@ -108,7 +109,15 @@ def open_request(job: Any, policy: Any) -> None:
         if resume is None
         else {"checkpoint": resume.path.name, "global_step": int(resume.manifest["progress"]["global_step"])},
     }
-    append_replay_record(path, record)
+    try:
+        append_replay_record(path, record)
+    except OSError as exc:  # no training without its request on disk: the run fails storage_error, naming the path
+        failure = StorageFailureError.from_os_error(
+            exc, doing=f"writing the request log of adapter {job.adapter_name!r}", path=path
+        )
+        if failure is None:
+            raise
+        raise failure from exc
     job.request_log = _Run(path, record["request_id"], policy)
 
 
