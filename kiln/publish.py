@@ -237,6 +237,4 @@ def bind_adapter_manifest(adapter_dir: Path, receipt: dict[str, Any]) -> Path:
         manifest["training_precision"] = runtime["training_precision"]
     if runtime.get("data_parallel"):
         manifest["data_parallel"] = runtime["data_parallel"]
-    if receipt.get("request_lineage"):  # replay.jsonl and lineage.json beside it, bound by digest
-        manifest["request_lineage"] = receipt["request_lineage"]
     return contracts.write("AdapterManifest", adapter_dir / MANIFEST, manifest)

@@ -81,13 +81,16 @@ def test_a_resumed_run_keeps_the_cancelled_runs_request_and_adds_its_own(history
     assert not pending_log(history, "root").exists()  # published with the adapter, then removed
 
 
-def test_the_receipt_and_manifest_link_the_lineage_by_digest(history):
+def test_the_manifest_binds_the_receipt_which_links_the_lineage_by_digest(history):
     lineage = load_lineage(history / "leaf" / "lineage.json").model_dump(mode="json")
     receipt = json.loads((history / "leaf" / "train_receipt.json").read_text(encoding="utf-8"))
     manifest = json.loads((history / "leaf" / "adapter_manifest.json").read_text(encoding="utf-8"))
-    assert receipt["request_lineage"] == manifest["request_lineage"]
-    assert manifest["request_lineage"]["replay_hash"] == lineage["replay_hash"]
-    assert manifest["request_lineage"]["request_count"] == 1
+    assert manifest["receipt_hash"] == "sha256:" + file_sha256(history / "leaf" / "train_receipt.json")[0]
+    link = receipt["request_lineage"]
+    assert link["replay_hash"] == lineage["replay_hash"]
+    assert link["request_count"] == 1
+    for name, field in (("replay.jsonl", "replay_log_sha256"), ("lineage.json", "lineage_sha256")):
+        assert link[field] == "sha256:" + file_sha256(history / "leaf" / name)[0]
     root = load_lineage(history / "root" / "lineage.json")
     assert lineage["parent"]["adapter_name"] == "root"
     assert lineage["parent"]["replay_hash"] == root.replay_hash
@@ -153,7 +156,7 @@ def _ids(history):
         (lambda lines: [lines[0], lines[2], lines[1], lines[3]], ["replay.jsonl:3", "{first}", "does not follow"]),
         (lambda lines: [lines[0], b" " + lines[1], *lines[2:]], ["replay.jsonl:2", "not the canonical JSON"]),
         (lambda lines: [*lines[:3], lines[3].rstrip(b"\n")], ["replay.jsonl:4", "not terminated"]),
-        (_edit_record(3, finished_at="2020-01-01T00:00:00.000Z"), ["adapter_manifest.json", "replay.jsonl hashes"]),
+        (_edit_record(3, finished_at="2020-01-01T00:00:00.000Z"), ["train_receipt.json", "replay.jsonl hashes"]),
     ],
     ids=[
         "edit-resumed",

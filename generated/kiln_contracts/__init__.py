@@ -16,7 +16,7 @@ from importlib import resources
 from typing import Any
 
 SCHEMA_DIGESTS: dict[str, str] = {
-    "kiln-artifacts-v1.schema.json": "sha256:1a7c9fd53c48617c7fc2fffcaada8d850ff7bd73e67d0812cbca3ab513574923",
+    "kiln-artifacts-v1.schema.json": "sha256:3c968edec43c2837668f64909a4c72d3b7def0413242b56b0af66f9c6c5f5e74",
     "kiln-checkpoint-v1.schema.json": "sha256:40f2f23b53561eaca7040113a06aea056e0ac8f95172d7f10c65195bd3f5f7f7",
     "kiln-common-v1.schema.json": "sha256:578fb0867921ff18b61214d1e6a909abccdcc2532c6c6bd5a1c1aada83583c73",
     "kiln-config-v1.schema.json": "sha256:34bfcec6897ff2d0b23c0999c5d046740152e220f7bad64649bb225c757666bd",

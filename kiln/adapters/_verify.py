@@ -416,10 +416,16 @@ def _manifest(receipt: dict[str, Any], path: Path) -> bool:
             problems.append(f"{field} is {recorded} but {file_name} hashes to {actual}")
         else:
             matched.append(field)
-    lineage_problems = binding_problems(path, manifest)  # replay.jsonl and lineage.json, when the manifest binds them
-    problems.extend(lineage_problems)
-    if manifest.get("request_lineage") is not None and not lineage_problems:
-        matched.append("request_lineage")
+    receipt_name = manifest["files"]["train_receipt"]
+    if "receipt_hash" in matched:  # the bound receipt's request_lineage binds replay.jsonl and lineage.json
+        try:
+            bound = read_json_file(path / receipt_name)
+        except KilnError as exc:
+            bound, problems = None, [*problems, f"{receipt_name} is unreadable: {_problem_text(exc)}"]
+        lineage_problems = binding_problems(path, bound)
+        problems.extend(lineage_problems)
+        if isinstance(bound, dict) and bound.get("request_lineage") is not None and not lineage_problems:
+            matched.append("request_lineage")
     if problems:
         return _record(receipt, MANIFEST_CHECK, False, _listed(problems))
     names = ", ".join(matched[:-1]) + f" and {matched[-1]}" if len(matched) > 1 else matched[0]

@@ -4,7 +4,8 @@
 (its name, the digest its weights had, its ``replay_hash``), every request record of ``replay.jsonl`` by id and
 digest in file order, and ``replay_hash`` (``kiln.digests.replay_hash``, ``kiln.replay-hash.v1``): the parent's
 replay hash, the hashed base-model fields and every request record chained into one digest. Outcome records are
-not covered; the adapter manifest's ``request_lineage`` binds both files whole by digest.
+not covered; the train receipt's ``request_lineage`` binds both files whole by digest, and the adapter manifest binds
+the receipt.
 
 ``lineage.unique-requests`` is checked here; ``lineage.replay-hash`` needs the log and the parent and is checked
 by ``verify_lineage``, which walks an adapter's ancestry root to leaf, each parent resolved as a sibling directory
@@ -16,7 +17,8 @@ of the same registry, and stops at the first problem with an error naming the fi
    those the lineage lists, one by one (id, then digest: an edited, deleted, inserted or reordered record is named
    by line and id); its records are in order (``kiln.artifacts.replay_log.verify_replay_log``); the parent's
    weights still hash to the recorded digest and its (already verified) replay hash is the one recorded; the replay
-   hash recomputes; and the adapter manifest, when there is one, binds both files and that replay hash.
+   hash recomputes; and the adapter manifest binds the train receipt, whose ``request_lineage`` binds both
+   files and that replay hash.
 
 ``load_lineage`` (strict), ``write_lineage`` (canonical, atomic), ``build_lineage``, ``lineage_link``,
 ``binding_problems``, ``verify_lineage``. Nothing here trains or generates: the audit checks integrity only.
@@ -111,21 +113,24 @@ def lineage_link(directory: Path, lineage: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def binding_problems(directory: Path, manifest: dict[str, Any]) -> list[str]:
-    """``manifest.file-hashes`` for the request lineage: what differs between the manifest's ``request_lineage``
-    and the files beside it (nothing when the manifest binds none)."""
-    link = manifest.get("request_lineage")
-    if link is None:
+def binding_problems(directory: Path, receipt: Any) -> list[str]:
+    """``manifest.file-hashes`` carried one step further: the manifest binds the receipt, the receipt's
+    ``request_lineage`` binds ``replay.jsonl`` and ``lineage.json``. What differs between that link and the files
+    beside it (nothing when the receipt links none)."""
+    link = receipt.get("request_lineage") if isinstance(receipt, dict) else None
+    if not isinstance(link, dict):
         return []
     problems = []
     for name, field in ((REPLAY_LOG, "replay_log_sha256"), (LINEAGE_FILE, "lineage_sha256")):
         path = directory / name
         if not path.is_file() or path.is_symlink():
-            problems.append(f"request_lineage.{field}: {name} is missing")
+            problems.append(f"train receipt's request_lineage.{field}: {name} is missing")
             continue
         actual = _digest(path)
-        if actual != link[field]:
-            problems.append(f"request_lineage.{field} is {link[field]} but {name} hashes to {actual}")
+        if actual != link.get(field):
+            problems.append(
+                f"train receipt's request_lineage.{field} is {link.get(field)} but {name} hashes to {actual}"
+            )
     return problems
 
 
@@ -233,22 +238,36 @@ def _check_parent(directory: Path, lineage: dict[str, Any], verified: dict[str, 
                     "/parent/replay_hash")  # fmt: skip
 
 
-def _check_manifest(directory: Path, lineage: dict[str, Any]) -> None:
+def _check_binding(directory: Path, lineage: dict[str, Any]) -> None:
+    """The manifest binds the receipt (by ``receipt_hash``), the receipt links both files and this replay hash."""
     path = directory / MANIFEST
     if not path.exists():
-        return
-    manifest = _documents.load("AdapterManifest", path)
-    link = getattr(manifest, "request_lineage", None)
-    if link is None:
         raise _fail(
-            "inconsistent_fields", str(path), f"{MANIFEST} binds no request lineage, but {LINEAGE_FILE} is here"
+            "inconsistent_fields", str(path), f"{MANIFEST} is missing: nothing binds {REPLAY_LOG} and {LINEAGE_FILE}"
         )
-    problems = binding_problems(directory, _documents.to_json(manifest))
+    manifest = read_json_file(path)
+    _documents.load("AdapterManifest", manifest, document=str(path))
+    name = manifest["files"]["train_receipt"]
+    receipt_path = directory / name if name else None
+    if receipt_path is None or not receipt_path.is_file():
+        raise _fail(
+            "inconsistent_fields", str(path), f"{MANIFEST} binds no train receipt, which links the request lineage"
+        )
+    if _digest(receipt_path) != manifest["receipt_hash"]:
+        raise _fail("digest_mismatch", str(receipt_path), f"{name} hashes to {_digest(receipt_path)} but {MANIFEST} "
+                    f"records {manifest['receipt_hash']}")  # fmt: skip
+    receipt = read_json_file(receipt_path)
+    link = receipt.get("request_lineage") if isinstance(receipt, dict) else None
+    if not isinstance(link, dict):
+        raise _fail(
+            "inconsistent_fields", str(receipt_path), f"{name} links no request lineage, but {LINEAGE_FILE} is here"
+        )
+    problems = binding_problems(directory, receipt)
     if problems:
-        raise _fail("digest_mismatch", str(path), "; ".join(problems), "/request_lineage")
-    if link.replay_hash != lineage["replay_hash"]:
-        raise _fail("digest_mismatch", str(path), f"request_lineage.replay_hash is {link.replay_hash} but "
-                    f"{LINEAGE_FILE} records {lineage['replay_hash']}", "/request_lineage/replay_hash")  # fmt: skip
+        raise _fail("digest_mismatch", str(receipt_path), "; ".join(problems), "/request_lineage")
+    if link.get("replay_hash") != lineage["replay_hash"]:
+        raise _fail("digest_mismatch", str(receipt_path), f"request_lineage.replay_hash is {link.get('replay_hash')} "
+                    f"but {LINEAGE_FILE} records {lineage['replay_hash']}", "/request_lineage/replay_hash")  # fmt: skip
 
 
 def verify_lineage(leaf: str | os.PathLike[str]) -> list[VerifiedAdapter]:
@@ -272,7 +291,7 @@ def verify_lineage(leaf: str | os.PathLike[str]) -> list[VerifiedAdapter]:
         if actual != lineage["replay_hash"]:
             raise _fail("digest_mismatch", str(directory / LINEAGE_FILE),
                         f"replay_hash is {lineage['replay_hash']} but recomputes to {actual}", "/replay_hash")  # fmt: skip
-        _check_manifest(directory, lineage)
+        _check_binding(directory, lineage)
         parent = lineage["parent"]
         found = VerifiedAdapter(
             directory.name, directory, actual, len(requests), len(lines) - len(requests),

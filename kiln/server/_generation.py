@@ -609,7 +609,8 @@ class Generator:
                     f"adapter {name!r}: {file_name} hashes to {actual} but {MANIFEST_FILE} records {recorded}",
                     hint="the files changed after publication; restore the adapter or retrain it",
                 )
-        for problem in binding_problems(directory, manifest):  # the request lineage, when the manifest binds one
+        receipt_value = parse_json(bound[2][1], source=files["train_receipt"]) if len(bound) > 2 else None
+        for problem in binding_problems(directory, receipt_value):  # the request lineage the bound receipt links
             raise AdapterError(
                 f"adapter {name!r}: {MANIFEST_FILE} {problem}",
                 hint="the files changed after publication; restore the adapter or retrain it",

@@ -14,8 +14,8 @@ nothing of it, and beside the adapter's directory, so neither a failed receipt n
   log with the ``completed`` outcome -- and ``lineage.json`` beside the adapter, published in the same rename; the
   receipt and the manifest link them by digest (``request_lineage``). Once published, the pending log is removed.
 
-A parent (the config's ``base_adapter``) is recorded with the digest of its weights and its ``replay_hash`` (null
-when it has no lineage). Data-parallel ranks other than 0 and dry runs write nothing.
+A parent (the config's ``base_adapter``) is recorded, when the run starts, with the digest of its weights and its
+``replay_hash`` (null when it has no lineage). Data-parallel ranks other than 0 and dry runs write nothing.
 """
 
 from __future__ import annotations
@@ -49,6 +49,8 @@ class _Run:
     path: Path
     request_id: str
     policy: Any  # the kit's Policy: its steps_taken is the outcome's global_step
+    base_model: dict[str, Any]
+    parent: dict[str, Any] | None  # read when the run starts (a bad parent lineage fails it before training)
 
 
 def _now() -> str:
@@ -94,6 +96,7 @@ def open_request(job: Any, policy: Any) -> None:
         path.unlink(missing_ok=True)  # a run from step 0 starts the history anew
     else:
         load_replay_log(path)  # a resume continues a log that reads strictly, or fails before training
+    parent = _parent(job)
     resume = job.resume
     record = {
         "schema_version": 1,
@@ -118,7 +121,7 @@ def open_request(job: Any, policy: Any) -> None:
         if failure is None:
             raise
         raise failure from exc
-    job.request_log = _Run(path, record["request_id"], policy)
+    job.request_log = _Run(path, record["request_id"], policy, _base_model(job), parent)
 
 
 def _outcome(run: _Run, status: str, reason: str | None) -> dict[str, Any]:
@@ -158,7 +161,7 @@ def stage_lineage(job: Any, staging: Path) -> dict[str, Any] | None:
     records = [line.record for line in lines]
     write_replay_log(staging / REPLAY_LOG, [*records, _outcome(run, "completed", None)])
     requests = [r for r in records if r["record_type"] == "request"]
-    lineage = build_lineage(job.adapter_name, _base_model(job), _parent(job), requests)
+    lineage = build_lineage(job.adapter_name, run.base_model, run.parent, requests)
     write_lineage(staging / LINEAGE_FILE, lineage)
     return lineage_link(staging, lineage)
 
