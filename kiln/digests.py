@@ -21,6 +21,7 @@ from kiln._jsonio import canonical_json
 __all__ = [
     "BASE_MODEL_CONTENT_ALGORITHM",
     "KERNEL_CONTRACT_TYPE",
+    "REPLAY_HASH_ALGORITHM",
     "base_model_content_aggregate",
     "canonical_json",
     "checkpoint_manifest_identity",
@@ -31,6 +32,7 @@ __all__ = [
     "kernel_contract_digest",
     "prefixed",
     "raw_hex",
+    "replay_hash",
     "sft_kept_corpus_digest",
     "sft_parsed_row_hash",
     "sft_raw_row_hash",
@@ -40,6 +42,7 @@ __all__ = [
 
 BASE_MODEL_CONTENT_ALGORITHM = "kiln.base-model-content.v1"
 KERNEL_CONTRACT_TYPE = "kiln.kernel-contract.v1"
+REPLAY_HASH_ALGORITHM = "kiln.replay-hash.v1"
 _CHUNK = 4 * 1024 * 1024
 _ASCII_WS = b" \t\n\r\x0b\x0c"
 
@@ -131,3 +134,25 @@ def teacher_identity_revision(identity: Mapping[str, Any]) -> str:
 def checkpoint_manifest_identity(manifest: Mapping[str, Any]) -> str:
     """Prefixed digest of a validated checkpoint manifest (queue-time revalidation)."""
     return json_sha256(manifest)
+
+
+def replay_hash(
+    parent_replay_hash: str | None,
+    base_config_hash: str | None,
+    base_weights_sha256: str | None,
+    request_records: Iterable[Mapping[str, Any]],
+) -> str:
+    """Prefixed ``kiln.replay-hash.v1`` of a request lineage (docs/lineage.md).
+
+    Input: ``b"kiln.replay-hash.v1\\x00"``, then items each framed by a big-endian u64 byte length: the parent's
+    replay hash text, the base model's config hash text, the base-weight aggregate text (each the empty item when
+    absent), then the canonical JSON of every request record in file order.
+    """
+    h = hashlib.sha256(REPLAY_HASH_ALGORITHM.encode("ascii") + b"\x00")
+    items: list[bytes] = [
+        (text or "").encode("ascii") for text in (parent_replay_hash, base_config_hash, base_weights_sha256)
+    ]
+    for item in (*items, *(canonical_json(dict(record)) for record in request_records)):
+        h.update(struct.pack(">Q", len(item)))
+        h.update(item)
+    return prefixed(h.hexdigest())

@@ -14,7 +14,10 @@ from kiln import contracts
 from kiln.adapters._restore import restore_adapter
 from kiln.errors import AdapterError, ConflictError, RequestError
 
-FILES = ["adapter_config.json", "adapter_manifest.json", "adapter_model.safetensors", "train_receipt.json"]
+FILES = [
+    "adapter_config.json", "adapter_manifest.json", "adapter_model.safetensors", "lineage.json", "replay.jsonl",
+    "train_receipt.json",
+]  # fmt: skip
 
 
 @pytest.fixture
@@ -47,7 +50,8 @@ def test_restore_round_trips_an_adapter_between_two_registries(tmp_path, trained
     assert receipt["source_adapter_dir"] == str(trained_adapter)
     assert receipt["adapter_name"] == "bot"
     assert receipt["copied_files"] == [
-        "adapter_config.json", "adapter_model.safetensors", "train_receipt.json", "adapter_manifest.json",
+        "adapter_config.json", "adapter_model.safetensors", "train_receipt.json", "replay.jsonl", "lineage.json",
+        "adapter_manifest.json",
     ]  # fmt: skip
     for name in FILES:
         assert (restored / name).read_bytes() == (trained_adapter / name).read_bytes(), name

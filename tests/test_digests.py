@@ -106,3 +106,25 @@ def test_self_digests_match_golden():
     t = GOLDEN["teacher_identity_revision"]
     assert digests.teacher_identity_revision(t["identity"]) == t["raw"]
     assert len(t["raw"]) == 64
+
+
+def test_replay_hash_matches_golden_with_big_endian_framing_spelled_out():
+    for vector in GOLDEN["replay_hash"]:
+        args = (vector["parent_replay_hash"], vector["base_config_hash"], vector["base_weights_sha256"])
+        assert digests.replay_hash(*args, vector["request_records"]) == vector["digest"]
+        manual = b"kiln.replay-hash.v1\x00"
+        items = [(text or "").encode() for text in args] + [
+            digests.canonical_json(r) for r in vector["request_records"]
+        ]
+        for item in items:
+            manual += len(item).to_bytes(8, "big") + item
+        assert vector["digest"] == "sha256:" + hashlib.sha256(manual).hexdigest()
+
+
+def test_replay_hash_changes_with_record_order_and_parent():
+    vector = GOLDEN["replay_hash"][1]
+    args = (vector["parent_replay_hash"], vector["base_config_hash"], vector["base_weights_sha256"])
+    records = vector["request_records"]
+    assert digests.replay_hash(*args, records[::-1]) != vector["digest"]
+    assert digests.replay_hash(None, *args[1:], records) != vector["digest"]
+    assert digests.replay_hash(*args, records[:1]) != vector["digest"]

@@ -40,7 +40,7 @@ CONFIG = {"epochs": 1, "seed": 11, "checkpoint_interval": 1, "optimizer": {"kind
 NEWEST = f"{ADAPTER}-checkpoint-step-00000003.kiln-checkpoint"  # 4 steps: checkpoints 1..3, never at the last
 CHECKPOINTS = [f"{ADAPTER}-checkpoint-step-{n:08d}.kiln-checkpoint" for n in (1, 2, 3)]
 SERVING = ("adapter_config.json", "adapter_model.safetensors")
-COMPLETE = sorted([*SERVING, "adapter_manifest.json", "train_receipt.json"])
+COMPLETE = sorted([*SERVING, "adapter_manifest.json", "train_receipt.json", "replay.jsonl", "lineage.json"])
 
 fork_only = pytest.mark.skipif(not hasattr(os, "fork"), reason="the driver forks its training processes (POSIX)")
 
@@ -70,7 +70,11 @@ def _adapter_state(registry: Path, reference: dict[str, bytes]) -> str:
     assert files == COMPLETE, f"a visible adapter directory that is not complete: {files}"
     manifest = json.loads((target / "adapter_manifest.json").read_text())
     assert contracts.problems("AdapterManifest", manifest) == []
-    for key, name in (("safetensors_hash", SERVING[1]), ("config_hash", SERVING[0]), ("receipt_hash", COMPLETE[3])):
+    for key, name in (
+        ("safetensors_hash", SERVING[1]),
+        ("config_hash", SERVING[0]),
+        ("receipt_hash", "train_receipt.json"),
+    ):
         assert manifest[key] == prefixed(file_sha256(target / name)[0]), key
     for name in SERVING:
         assert (target / name).read_bytes() == reference[name], f"{name} differs from the uninterrupted run's"

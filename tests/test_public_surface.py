@@ -25,9 +25,10 @@ def test_public_modules_export_exactly_their_declared_names():
     ]  # fmt: skip
     assert kiln.cli.__all__ == ["build_parser", "main"]  # the console script is kiln.cli:main
     assert sorted(kiln.digests.__all__) == [
-        "BASE_MODEL_CONTENT_ALGORITHM", "KERNEL_CONTRACT_TYPE", "base_model_content_aggregate", "canonical_json",
+        "BASE_MODEL_CONTENT_ALGORITHM", "KERNEL_CONTRACT_TYPE", "REPLAY_HASH_ALGORITHM", "base_model_content_aggregate",
+        "canonical_json",
         "checkpoint_manifest_identity", "effective_config_hash", "execution_provenance_digest", "file_sha256",
-        "json_sha256", "kernel_contract_digest", "prefixed", "raw_hex", "sft_kept_corpus_digest",
+        "json_sha256", "kernel_contract_digest", "prefixed", "raw_hex", "replay_hash", "sft_kept_corpus_digest",
         "sft_parsed_row_hash", "sft_raw_row_hash", "stream_sha256", "teacher_identity_revision",
     ]  # fmt: skip
 

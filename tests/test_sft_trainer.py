@@ -46,7 +46,10 @@ def test_training_publishes_an_adapter_with_a_valid_receipt_and_manifest(tmp_pat
     result = _train(tmp_path, tiny_model_dir)
     assert result.status == "success"
     files = sorted(p.name for p in result.adapter_dir.iterdir())
-    assert files == ["adapter_config.json", "adapter_manifest.json", "adapter_model.safetensors", "train_receipt.json"]
+    assert files == [
+        "adapter_config.json", "adapter_manifest.json", "adapter_model.safetensors", "lineage.json", "replay.jsonl",
+        "train_receipt.json",
+    ]  # fmt: skip
     receipt = contracts.load("TrainReceipt", result.receipt_path)
     contracts.load("AdapterManifest", result.manifest_path)
     manifest = json.loads(result.manifest_path.read_text())

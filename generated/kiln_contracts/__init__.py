@@ -16,7 +16,7 @@ from importlib import resources
 from typing import Any
 
 SCHEMA_DIGESTS: dict[str, str] = {
-    "kiln-artifacts-v1.schema.json": "sha256:63853f65620b82bf83f2f0986a623d6439bddf755da5dec9311813cef1bb3b28",
+    "kiln-artifacts-v1.schema.json": "sha256:57885eadf821a2730ae8393da5d5570adb3201c4ef5dcf55d9df712ab9788e3d",
     "kiln-checkpoint-v1.schema.json": "sha256:40f2f23b53561eaca7040113a06aea056e0ac8f95172d7f10c65195bd3f5f7f7",
     "kiln-common-v1.schema.json": "sha256:578fb0867921ff18b61214d1e6a909abccdcc2532c6c6bd5a1c1aada83583c73",
     "kiln-config-v1.schema.json": "sha256:34bfcec6897ff2d0b23c0999c5d046740152e220f7bad64649bb225c757666bd",

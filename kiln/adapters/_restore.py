@@ -10,7 +10,8 @@
    name is refused with ``ConflictError`` ``adapter_exists`` unless ``overwrite``;
 3. copy the files the manifest names (plain file names beside the manifest) into a hidden
    directory ``<registry>/.<name>.restore-*`` under the canonical names, hashing each byte
-   as it is copied (one streamed pass); the manifest is copied too;
+   as it is copied (one streamed pass); the manifest is copied too, and the request lineage
+   (``replay.jsonl``, ``lineage.json``) when the receipt links one (``request_lineage``);
 4. compare every digest with the manifest: ``<label> mismatch for <source file>: expected
    <digest>, got <digest>`` (``AdapterError`` ``adapter_invalid``);
 5. validate the layout (both serving files, a LoRA config, a readable safetensors header,
@@ -52,8 +53,10 @@ from kiln._fs import name_problem, publish_dir
 from kiln._jsonio import MAX_DOCUMENT_BYTES, parse_json, read_json_file
 from kiln.adapters._registry import require_adapter_name
 from kiln.artifacts.adapter_manifest import MANIFEST_FILE
+from kiln.artifacts.lineage import LINEAGE_FILE
+from kiln.artifacts.replay_log import REPLAY_LOG
 from kiln.digests import prefixed
-from kiln.errors import AdapterError, ConflictError, ContractError, InternalError
+from kiln.errors import AdapterError, ConflictError, ContractError, InternalError, KilnError
 
 __all__ = ["restore_adapter"]
 
@@ -121,6 +124,7 @@ def restore_adapter(
                 raise AdapterError(f"{field} mismatch for {source}: expected {expected}, got {got}")
             copied.append(canonical)
             verified[field] = got
+        copied.extend(_copy_lineage(source_dir, staging))
         _write_manifest_copy(staging / MANIFEST_FILE, raw, manifest)
         copied.append(MANIFEST_FILE)
         _check_layout(staging, manifest, sources)
@@ -155,6 +159,26 @@ def _read_manifest(path: Path) -> tuple[bytes, dict[str, Any]]:
             hint="restore only from an adapter_manifest.json written by Kiln for a successful run",
         ) from exc
     return raw, manifest
+
+
+def _copy_lineage(source_dir: Path, staging: Path) -> list[str]:
+    """The request lineage the (copied, verified) receipt links (``replay.jsonl``, ``lineage.json``), copied and
+    hash-checked."""
+    try:
+        receipt = read_json_file(staging / RECEIPT_FILE) if (staging / RECEIPT_FILE).is_file() else None
+    except KilnError:  # not a receipt at all: the layout check refuses it, naming why
+        return []
+    link = receipt.get("request_lineage") if isinstance(receipt, dict) else None
+    if not isinstance(link, dict):
+        return []
+    copied = []
+    for file_name, field in ((REPLAY_LOG, "replay_log_sha256"), (LINEAGE_FILE, "lineage_sha256")):
+        got = prefixed(_copy_hashing(source_dir / file_name, staging / file_name))
+        if got != link[field]:
+            raise AdapterError(f"request_lineage.{field} mismatch for {source_dir / file_name}: "
+                               f"expected {link[field]}, got {got}")  # fmt: skip
+        copied.append(file_name)
+    return copied
 
 
 def _refuse_existing(target: Path) -> None:

@@ -45,6 +45,7 @@ from kiln import contracts
 from kiln._fs import name_problem
 from kiln._jsonio import read_json_file
 from kiln.artifacts.adapter_bodies import MANIFEST_CHECK, OFFLINE_CHECKS, SERVER_CHECKS
+from kiln.artifacts.lineage import binding_problems
 from kiln.digests import file_sha256, prefixed
 from kiln.errors import ContractError, InternalError, KilnError, RequestError
 from kiln.home import adapter_registry
@@ -415,6 +416,16 @@ def _manifest(receipt: dict[str, Any], path: Path) -> bool:
             problems.append(f"{field} is {recorded} but {file_name} hashes to {actual}")
         else:
             matched.append(field)
+    receipt_name = manifest["files"]["train_receipt"]
+    if "receipt_hash" in matched:  # the bound receipt's request_lineage binds replay.jsonl and lineage.json
+        try:
+            bound = read_json_file(path / receipt_name)
+        except KilnError as exc:
+            bound, problems = None, [*problems, f"{receipt_name} is unreadable: {_problem_text(exc)}"]
+        lineage_problems = binding_problems(path, bound)
+        problems.extend(lineage_problems)
+        if isinstance(bound, dict) and bound.get("request_lineage") is not None and not lineage_problems:
+            matched.append("request_lineage")
     if problems:
         return _record(receipt, MANIFEST_CHECK, False, _listed(problems))
     names = ", ".join(matched[:-1]) + f" and {matched[-1]}" if len(matched) > 1 else matched[0]

@@ -12,6 +12,7 @@ One module per command group; each adds its parsers (``add_*_parser``) and holds
     _server        ``kiln serve`` and ``kiln health``
     _checkpoints   ``kiln checkpoints list|inspect|verify``
     _adapters      ``kiln adapters list|load|unload|delete|restore|verify``
+    _replay        ``kiln replay verify|show``: an adapter's request lineage
     _teachers      ``kiln teachers add|list|remove``
     _evals         ``kiln eval suites|run|status|cancel|compare``
 
@@ -36,6 +37,7 @@ from kiln import __version__
 from kiln.cli._adapters import add_adapters_parser
 from kiln.cli._checkpoints import add_checkpoints_parser
 from kiln.cli._evals import add_eval_parser
+from kiln.cli._replay import add_replay_parser
 from kiln.cli._server import add_health_parser, add_serve_parser
 from kiln.cli._teachers import add_teachers_parser
 from kiln.cli._train import add_models_parser, add_train_parser
@@ -56,6 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_train_parser(sub)
     add_checkpoints_parser(sub)
     add_adapters_parser(sub)
+    add_replay_parser(sub)
     add_models_parser(sub)
     add_serve_parser(sub)
     add_health_parser(sub)

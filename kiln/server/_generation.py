@@ -86,6 +86,7 @@ from kiln._jsonio import MAX_DOCUMENT_BYTES, canonical_json, parse_json
 from kiln.adapters import read_canary_status as _read_canary
 from kiln.artifacts.adapter_bodies import write_adapter_canary_status
 from kiln.artifacts.adapter_manifest import MANIFEST_FILE, load_adapter_manifest
+from kiln.artifacts.lineage import binding_problems
 from kiln.data import match_skeleton, template_errors
 from kiln.digests import prefixed
 from kiln.errors import AdapterError, ContractError, InternalError, KilnError, NotFoundError, Problem
@@ -591,6 +592,12 @@ class Generator:
                     f"adapter {name!r}: {file_name} hashes to {actual} but {MANIFEST_FILE} records {recorded}",
                     hint="the files changed after publication; restore the adapter or retrain it",
                 )
+        receipt_value = parse_json(bound[2][1], source=files["train_receipt"]) if len(bound) > 2 else None
+        for problem in binding_problems(directory, receipt_value):  # the request lineage the bound receipt links
+            raise AdapterError(
+                f"adapter {name!r}: {MANIFEST_FILE} {problem}",
+                hint="the files changed after publication; restore the adapter or retrain it",
+            )
 
     def _lora_layers(self, name: str, config_bytes: bytes, weights_bytes: bytes) -> tuple[_Lora, ...]:
         import torch

@@ -50,6 +50,7 @@ class AdmittedJob:
     dry_run: bool = False
     data_parallel: DataParallel = field(default_factory=DataParallel)  # rank 0 alone publishes
     kind: str = field(default="", init=False)
+    request_log: Any = field(default=None, init=False, repr=False)  # kiln.trainers._lineage: this run's request
 
     @property
     def total_steps(self) -> int:

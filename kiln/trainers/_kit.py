@@ -6,10 +6,12 @@
   system refused is ``storage_error`` naming the path); Ctrl-C without cooperative cancellation still writes that
   receipt, then propagates. When not even the receipt can be written, the run raises ``RegistryError``
   (``registry_unwritable``) saying why the run failed and why its receipt is missing;
-* ``publish_adapter``: the adapter, its receipt and its manifest, staged together and made visible by one rename
-  (``kiln.publish.publish_trained_adapter``; ``publish_receipt_only``: a successful run without an adapter);
+* ``publish_adapter``: the adapter, its request lineage (``replay.jsonl``, ``lineage.json``), its receipt and its
+  manifest, staged together and made visible by one rename (``kiln.publish.publish_trained_adapter``;
+  ``publish_receipt_only``: a successful run without an adapter);
 * ``Policy``: the LoRA policy of a run -- adapter attached with the seeded initialisation, optimizer built, state
-  restored from a checkpoint or warm-started from ``base_adapter``; ``Policy.step`` is one optimizer step with the
+  restored from a checkpoint or warm-started from ``base_adapter``, the run's request record appended to the
+  adapter's request log (``kiln.trainers._lineage``; its outcome follows when the run ends); ``Policy.step`` is one optimizer step with the
   non-finite-loss check and the phase timings;
 * ``Cadence``: when to publish a checkpoint (every ``checkpoint_interval`` steps, never at the final step -- the
   adapter is published instead) and cooperative cancellation (publish at the settled boundary unless a checkpoint
@@ -28,6 +30,7 @@ from typing import Any
 from kiln.checkpoints import checkpoint_name, list_checkpoints
 from kiln.errors import CancelledError, NonFiniteLossError, RegistryError, StorageFailureError, storage_condition
 from kiln.publish import RECEIPT, publish_receipt, publish_trained_adapter
+from kiln.trainers._lineage import close_request, open_request, published, stage_lineage
 from kiln.training import (
     attach_lora,
     base_adapter_dir,
@@ -98,6 +101,7 @@ def guarded(
         exc = _as_failure(raised, job)
         failure = classify_failure(exc)
         receipt = failed_receipt(failure, exc)
+        close_request(job, failure)
         if job.data_parallel.publishes:
             receipt_path = _write_failed_receipt(job, receipt, failure)
         else:  # rank 0 writes the run's receipt; this rank's failure ends the group, which rank 0 reports
@@ -152,13 +156,19 @@ def publish_adapter(job: Any, model: Any, receipt: Callable[[Path], dict[str, An
     if not job.data_parallel.publishes:
         target = job.registry / job.adapter_name
         return TrainResult("success", target, target / RECEIPT, None, {}, **result)
-    published = publish_trained_adapter(model, job.registry, job.adapter_name, receipt)
+
+    def staged(directory: Path) -> dict[str, Any]:  # the request lineage is staged first; the receipt links it
+        link = stage_lineage(job, directory)
+        return receipt(directory) if link is None else {**receipt(directory), "request_lineage": link}
+
+    done = publish_trained_adapter(model, job.registry, job.adapter_name, staged)
+    published(job)
     return TrainResult(
         "success",
-        published.path,
-        published.receipt_path,
-        published.manifest_path,
-        published.receipt,
+        done.path,
+        done.receipt_path,
+        done.manifest_path,
+        done.receipt,
         resumed_from=job.resume.path if job.resume is not None else None,
         **result,
     )
@@ -166,6 +176,7 @@ def publish_adapter(job: Any, model: Any, receipt: Callable[[Path], dict[str, An
 
 def publish_receipt_only(job: Any, receipt: dict[str, Any], **result: Any) -> TrainResult:
     """A successful run that publishes no adapter (a dry run; a filter that left nothing to train): its receipt."""
+    close_request(job, None)
     path = publish_receipt(job.registry, job.adapter_name, receipt)
     return TrainResult("success", job.registry / job.adapter_name, path, None, receipt, **result)
 
@@ -198,6 +209,7 @@ class Policy:
             restore(job.resume, self.params, self.optimizer)
         elif cfg["base_adapter"]:
             warm_start(self.params, base_adapter_dir(job.registry, cfg["base_adapter"]))
+        open_request(job, self)  # the request record is on disk before the first optimizer step
 
     def step(
         self,
