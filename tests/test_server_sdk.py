@@ -9,10 +9,10 @@ import json
 import httpx
 import pytest
 from _server import ServerProcess, wait_for
+from _upstream import UPSTREAM, upstream_validator
 from conftest import ADAPTER_CONVERSATIONS
 from kiln_contracts.client import KilnApiError, KilnClient
 from kiln_contracts.models import kiln_control_plane_v1_schema as cp
-from test_upstream_compat import UPSTREAM, _upstream_validator
 
 from kiln import contracts
 
@@ -120,7 +120,7 @@ def test_the_sdk_drives_a_full_sft_job_and_every_body_matches_both_contracts(tmp
         ours, upstream = ROUTES[key]
         assert contracts.problems(ours, body) == [], (method, path)
         if upstream and UPSTREAM.is_dir():
-            validator, _ = _upstream_validator(upstream)
+            validator, _ = upstream_validator(upstream)
             errors = [f"{list(e.absolute_path)}: {e.message}" for e in validator.iter_errors(body)]
             assert errors == [], (method, path, errors)
         checked += 1

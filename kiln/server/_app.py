@@ -489,9 +489,9 @@ def create_app(server: Server, *, own_lifecycle: bool = True) -> FastAPI:
     async def chat(request: Request) -> Response:
         body = await _body(request, server)
         if isinstance(body, dict) and body.get("stream"):
-            chunks = await _threaded(lambda: _first_then_rest(server.generator.stream(body)))
+            chunks = await _threaded(lambda: _first_then_rest(_openai.chat_chunks(server.generator, body)))
             return StreamingResponse(_sse(chunks), media_type="text/event-stream")
-        return JSONResponse(await _threaded(server.generator.complete, body))
+        return JSONResponse(await _threaded(_openai.chat_completion, server.generator, body))
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

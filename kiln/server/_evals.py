@@ -29,6 +29,7 @@ from typing import Any
 from kiln import contracts
 from kiln.artifacts.evals import canonical_data_scope
 from kiln.errors import ConflictError, ContractError, NotFoundError, RequestError
+from kiln.server._openai import chat_completion
 
 log = logging.getLogger("kiln.server.evals")
 
@@ -121,7 +122,7 @@ def _generate(engine: Any, adapter: str | None) -> Any:
             request["base_model"] = True
         else:
             request["adapter"] = adapter
-        return engine.generator.complete(request)["choices"][0]["message"]["content"]
+        return chat_completion(engine.generator, request)["choices"][0]["message"]["content"]
 
     return generate
 

@@ -247,22 +247,6 @@ class Generator:
 
     # --- completions --------------------------------------------------------------------
 
-    def complete(self, request: dict[str, Any]) -> dict[str, Any]:
-        """``ChatCompletionRequest`` → ``ChatCompletionResponse`` (``kiln.server._openai`` translates)."""
-        from kiln.server._openai import chat_completion
-
-        return chat_completion(self, request)
-
-    def stream(self, request: dict[str, Any]) -> Iterator[dict[str, Any]]:
-        """``ChatCompletionRequest`` → ``ChatCompletionChunk`` documents.
-
-        The request is admitted (and its weights resolved) when this is called, so refusals
-        raise before the first chunk.
-        """
-        from kiln.server._openai import chat_chunks
-
-        return chat_chunks(self, request)
-
     def adapter_named(self, name: str) -> _Adapter:
         """The active adapter when it is ``name``, else ``name`` read from the registry (not quarantined)."""
         current = self._active
