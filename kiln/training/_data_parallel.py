@@ -27,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import math
 import os
+import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -37,6 +38,7 @@ from kiln.errors import NonFiniteLossError, TrainingFailedError
 __all__ = ["SHARDING_RULE", "DataParallel", "RanksDivergedError", "StepSync"]
 
 SHARDING_RULE = "kiln.sft-step-round-robin.v1"
+LEAVE_TIMEOUT_S = 60  # how long a rank waits at the closing barrier for the others
 TRAINING_DEVICE = "cpu"  # where the trainers put the model (kiln.trainers: planning identity, loss route)
 
 
@@ -115,11 +117,25 @@ class DataParallel:
         return cls(world_size=dist.get_world_size(), rank=rank, backend=backend, threads=torch.get_num_threads())
 
     def leave(self) -> None:
-        """Leave the process group (after the run; a single process has none)."""
+        """Leave the process group (after the run; a single process has none).
+
+        The ranks meet at a barrier first, so no rank tears its connections down while a peer's last collective
+        is still in flight: a rank that destroyed its group early was seen to abort at exit ("terminate called
+        without an active exception"). A peer that is already gone (its run failed) breaks the barrier; that
+        failure is the group's and is reported by rank 0's outcome, so this rank still leaves."""
         if self.active:
+            from datetime import timedelta
+
             import torch.distributed as dist
 
             if dist.is_initialized():
+                try:
+                    if self.backend == "gloo":  # names a missing rank, with a timeout
+                        dist.monitored_barrier(timeout=timedelta(seconds=LEAVE_TIMEOUT_S))
+                    else:
+                        dist.barrier()
+                except RuntimeError as exc:  # DistBackendError too: a peer already left
+                    print(f"rank {self.rank}: leaving without the other ranks: {exc}", file=sys.stderr)
                 dist.destroy_process_group()
 
 
