@@ -195,10 +195,16 @@ def test_a_broken_parent_link_fails_verify_naming_it(history, tmp_path, capsys):
     assert "parent 'root': adapter_model.safetensors hashes to" in err
 
 
-def test_a_parent_cycle_fails_verify(history, tmp_path, capsys):
-    copy = _copy(history, tmp_path)
+def _root_lineage(copy):
+    """The root adapter's lineage (as JSON) and its request records: what a forged lineage is rebuilt from."""
     root = load_lineage(copy / "root" / "lineage.json").model_dump(mode="json")
     requests = [line.record for line in load_replay_log(copy / "root" / "replay.jsonl") if line.is_request]
+    return root, requests
+
+
+def test_a_parent_cycle_fails_verify(history, tmp_path, capsys):
+    copy = _copy(history, tmp_path)
+    root, requests = _root_lineage(copy)
     weights = "sha256:" + file_sha256(copy / "leaf" / "adapter_model.safetensors")[0]
     parent = {"adapter_name": "leaf", "adapter_model_sha256": weights, "replay_hash": None}
     write_lineage(copy / "root" / "lineage.json", build_lineage("root", root["base_model"], parent, requests))
@@ -209,8 +215,7 @@ def test_a_parent_cycle_fails_verify(history, tmp_path, capsys):
 
 def test_a_recomputed_but_altered_lineage_fails_on_the_manifest_binding(history, tmp_path, capsys):
     copy = _copy(history, tmp_path)
-    root = load_lineage(copy / "root" / "lineage.json").model_dump(mode="json")
-    requests = [line.record for line in load_replay_log(copy / "root" / "replay.jsonl") if line.is_request]
+    root, requests = _root_lineage(copy)
     forged = {**root["base_model"], "weights_sha256": None}  # consistent with itself, not with what was published
     write_lineage(copy / "root" / "lineage.json", build_lineage("root", forged, None, requests))
     code, _, err = _verify(capsys, copy / "root")

@@ -95,7 +95,7 @@ from kiln.model import pick_token as _pick
 from kiln.model import special_tokens as _special_tokens
 from kiln.model import stop_token_ids as _stop_ids
 
-__all__ = ["CANARY_FILE", "Generator", "Outcome", "Piece", "Plan", "TokenScore", "content_revision"]
+__all__ = ["CANARY_FILE", "Generator", "Outcome", "Piece", "Plan", "TokenScore", "checked", "content_revision"]
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -228,7 +228,7 @@ class Generator:
         """Serve ``name`` (``LoadAdapterResponse``); a failure keeps the adapter served before."""
         current = self._active
         if current is not None and current.name == name and not reload:
-            return _checked("LoadAdapterResponse", {"status": "loaded", **current.identity()})
+            return checked("LoadAdapterResponse", {"status": "loaded", **current.identity()})
         try:
             adapter = self._read_adapter(name, allow_quarantined=allow_quarantined)
         except KilnError as exc:
@@ -237,13 +237,13 @@ class Generator:
         with self.lock:
             self._active = adapter
         self._load_errors.pop(name, None)
-        return _checked("LoadAdapterResponse", {"status": "loaded", **adapter.identity()})
+        return checked("LoadAdapterResponse", {"status": "loaded", **adapter.identity()})
 
     def unload(self) -> dict[str, str]:
         """Serve the base model (``UnloadAdapterResponse``); a no-op when nothing is loaded."""
         with self.lock:
             self._active = None
-        return _checked("UnloadAdapterResponse", {"status": "unloaded"})
+        return checked("UnloadAdapterResponse", {"status": "unloaded"})
 
     # --- completions --------------------------------------------------------------------
 
@@ -382,12 +382,6 @@ class Generator:
         return text
 
     # --- decoding -----------------------------------------------------------------------
-
-    def _deltas(self, plan: Plan, outcome: Outcome) -> Iterator[str]:
-        """The incremental text of one completion; fills ``outcome`` as it goes."""
-        for piece in self.pieces(plan, outcome):
-            if piece.text:
-                yield piece.text
 
     def pieces(self, plan: Plan, outcome: Outcome, *, top_k: int | None = None, first: Any = None) -> Iterator[Piece]:
         """The decoding loop of every route: text increments of one choice, with the tokens behind them.
@@ -734,9 +728,9 @@ def _read_file(directory: Path, file_name: str, limit: int | None) -> bytes:
     return data
 
 
-def _checked(doc_type: str, value: dict[str, Any]) -> dict[str, Any]:
-    """``value`` after validating it as ``doc_type``: the engine never returns a document that breaks its schema."""
+def checked(doc_type: str, value: dict[str, Any]) -> dict[str, Any]:
+    """``value`` after validating it as ``doc_type``: the server never returns a document that breaks its schema."""
     found = contracts.problems(doc_type, value)
     if found:
-        raise InternalError(f"the generation engine built an invalid {doc_type}: {found[0]}")
+        raise InternalError(f"the server built an invalid {doc_type}: {found[0]}")
     return value

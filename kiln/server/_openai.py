@@ -37,8 +37,8 @@ from typing import Any
 import kiln_contracts
 
 from kiln import contracts
-from kiln.errors import ContractError, InternalError, NotFoundError, Problem
-from kiln.server._generation import Outcome, Piece, Plan, TokenScore
+from kiln.errors import ContractError, NotFoundError, Problem
+from kiln.server._generation import Outcome, Piece, Plan, TokenScore, checked
 
 __all__ = ["chat_chunks", "chat_completion", "completion", "completion_chunks", "model_card", "model_list"]
 
@@ -186,13 +186,6 @@ def _kiln(adapter: Any) -> dict[str, str | None]:
     return {"adapter": adapter.name, "adapter_manifest_sha256": adapter.manifest_sha256}
 
 
-def _checked(doc_type: str, value: dict[str, Any]) -> dict[str, Any]:
-    found = contracts.problems(doc_type, value)
-    if found:
-        raise InternalError(f"the server built an invalid {doc_type}: {found[0]}")
-    return value
-
-
 # --- chat -----------------------------------------------------------------------------------
 
 
@@ -280,7 +273,7 @@ def chat_completion(gen: Any, body: Any) -> dict[str, Any]:
         "usage": _usage(len(job.plans[0].prompt_ids), generated),
         "kiln": _kiln(job.adapter),
     }
-    return _checked("ChatCompletionResponse", response)
+    return checked("ChatCompletionResponse", response)
 
 
 def chat_chunks(gen: Any, body: Any) -> Iterator[dict[str, Any]]:
@@ -295,7 +288,7 @@ def _chat_stream(gen: Any, job: _ChatJob, usage: bool, completion_id: str, creat
 
     def chunk(choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
         body = {"id": completion_id, "object": "chat.completion.chunk", "created": created, "model": job.model}
-        return _checked("ChatCompletionChunk", {**body, "choices": choices, **extra})
+        return checked("ChatCompletionChunk", {**body, "choices": choices, **extra})
 
     generated = 0
     for index, plan in enumerate(job.plans):
@@ -492,7 +485,7 @@ def completion(server: Any, body: Any) -> dict[str, Any]:
         "choices": choices,
         "usage": _usage(prompt_tokens, generated),
     }
-    return _checked("CompletionResponse", response)
+    return checked("CompletionResponse", response)
 
 
 def completion_chunks(server: Any, body: Any) -> Iterator[dict[str, Any]]:
@@ -510,7 +503,7 @@ def _completion_stream(
 
     def chunk(choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
         body = {"id": completion_id, "object": "text_completion", "created": created, "model": job.model}
-        return _checked("CompletionChunk", {**body, "choices": choices, **extra})
+        return checked("CompletionChunk", {**body, "choices": choices, **extra})
 
     def increment(index: int, text: str, tokens: list[TokenScore], offset: int) -> dict[str, Any]:
         scored = None if job.logprobs is None else _legacy_logprobs(texts, tokens, offset)
@@ -565,7 +558,7 @@ def model_list(server: Any) -> dict[str, Any]:
                     "root": base["id"],
                 }
             )
-    return _checked("ModelList", {"object": "list", "data": cards})
+    return checked("ModelList", {"object": "list", "data": cards})
 
 
 def model_card(server: Any, model_id: str) -> dict[str, Any]:
