@@ -31,6 +31,8 @@ DATAMODEL_ARGS = [
     "--formatters",
     "ruff-format",
     "--collapse-root-models",
+    "--strict-nullable",  # a field with a default is not Optional unless the schema says it may be null
+    "--set-default-enum-member",  # an enum field's default is its member, so a typed reader sees one type
 ]
 
 _APPLICATORS = ("anyOf", "oneOf", "allOf", "not")

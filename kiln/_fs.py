@@ -340,6 +340,14 @@ def writable_problem(directory: str | os.PathLike[str], *, probe: bool = False) 
     return None
 
 
+def unsafe_path_problem(path: str) -> str | None:
+    """Why ``path`` cannot name a server-local file a request reads (a ``dataset_path``): it must be absolute and
+    without ``..``; None when it can."""
+    if not os.path.isabs(path) or ".." in Path(path).parts:
+        return f"{path!r} must be an absolute path without '..'"
+    return None
+
+
 def within_roots(path: str | os.PathLike[str], roots: Collection[str | os.PathLike[str]]) -> bool:
     """Whether ``path`` -- absolute, every symlink on the way resolved (``os.path.realpath``) -- is inside one of
     ``roots`` (themselves resolved) or is one of them. Nothing is opened: a path that does not exist resolves as far

@@ -11,6 +11,11 @@ from kiln.errors import DocumentReadError, Problem
 
 MAX_DOCUMENT_BYTES = 16 * 1024 * 1024
 
+# JSON as parsed: what a document, a request body or a record is before it becomes its generated model, and after it
+# is rendered from one. The only place the engine's types say ``Any``: at the JSON boundary.
+JsonValue = Any
+JsonObject = dict[str, Any]
+
 
 def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON (non-finite numbers are refused)")

@@ -287,7 +287,7 @@ def train_admitted(trainer: Any, admitted: Any, emit: Callable[..., None], cance
     except KilnError as exc:
         return _failed(f"{exc.code}: {exc.message}")
     finally:
-        admitted.loaded = None  # drop the trained weights now, not when the job goes
+        admitted.release_model()  # drop the trained weights now, not when the job goes
     return outcome_of(result)
 
 

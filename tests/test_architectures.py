@@ -117,7 +117,7 @@ def test_every_loss_route_gives_the_models_own_loss_and_lora_gradients(models, f
 
 @pytest.mark.parametrize("family", arch.FAMILIES)
 def test_grpo_log_probabilities_are_the_models_own(models, family):
-    from kiln.trainers._grpo_parts import logprobs
+    from kiln.trainers._forwards import logprobs
 
     loaded = load_base_model(models[family])
     ids, _ = _ids_and_labels(loaded.tokenizer)

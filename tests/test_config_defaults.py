@@ -16,13 +16,13 @@ from typing import Any
 
 import kiln_contracts
 import pytest
+from _effective import grpo_effective as effective_grpo_config
+from _effective import opd_effective as effective_opd_config
+from _effective import optimizer_effective as effective_optimizer
+from _effective import sft_effective as effective_config
 from kiln_contracts.models import kiln_control_plane_v1_schema as models
 
 from codegen._bundle import SchemaSourceError, load_sources
-from kiln.trainers._grpo_config import effective_grpo_config
-from kiln.trainers._opd_config import effective_opd_config
-from kiln.trainers._sft_config import effective_config
-from kiln.training import effective_optimizer
 from kiln.training import grpo_objective as objective
 
 DEFS = kiln_contracts.load_bundle()["$defs"]

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import pytest
+from _effective import check_grpo_request
+from _effective import grpo_effective as effective_grpo_config
 
 from kiln.errors import ContractError, RequestError
-from kiln.trainers._grpo_config import check_grpo_request, effective_grpo_config
 
 GROUP = {
     "messages": [{"role": "user", "content": "2+2?"}],

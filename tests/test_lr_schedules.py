@@ -9,12 +9,23 @@ import torch
 
 from kiln.errors import RequestError
 from kiln.trainers.sft import admit_sft, run_sft
-from kiln.training import effective_schedule, scheduled_rate
+from kiln.training import Schedule
 
 ROWS = [
     {"messages": [{"role": "user", "content": f"Question {i}?"}, {"role": "assistant", "content": f"Answer {i}."}]}
     for i in range(4)
 ]
+
+
+def effective_schedule(spec):
+    """The schedule of an ``lr_scheduler`` object (None: omitted, the schema's default)."""
+    from kiln_contracts.models.kiln_control_plane_v1_schema import LrScheduler, SftConfig
+
+    return Schedule.resolve(SftConfig().lr_scheduler if spec is None else LrScheduler.model_validate(spec))
+
+
+def scheduled_rate(schedule, base, step, total):
+    return schedule.rate(base, step, total)
 
 
 def _hf_rates(kind, base, warmup, total, min_ratio):
@@ -62,7 +73,7 @@ def test_warmup_ratio_rounds_up_like_the_hugging_face_trainer():
 
 def test_a_constant_schedule_without_warmup_is_the_base_rate_itself():
     schedule = effective_schedule(None)
-    assert schedule == {"kind": "constant", "warmup_steps": None, "warmup_ratio": None, "min_lr_ratio": 0.0}
+    assert schedule.to_json() == {"kind": "constant", "warmup_steps": None, "warmup_ratio": None, "min_lr_ratio": 0.0}
     assert all(scheduled_rate(schedule, 1e-3, k, 10) == 1e-3 for k in range(10))
 
 
@@ -110,4 +121,4 @@ def test_an_sft_run_steps_at_the_scheduled_rates_and_records_the_schedule(tmp_pa
     assert seen[0] == 0.0
     assert seen[-1] < seen[2]
     receipt = json.loads(result.receipt_path.read_text())
-    assert receipt["config"]["lr_scheduler"] == effective
+    assert receipt["config"]["lr_scheduler"] == effective.to_json()

@@ -13,12 +13,13 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from _effective import check_grpo_request
+from _effective import grpo_effective as effective_grpo_config
+from _effective import opd_effective as effective_opd_config
 from _upstream import needs_upstream, upstream_definition
 
 from kiln import contracts
 from kiln.errors import RequestError
-from kiln.trainers._grpo_config import check_grpo_request, effective_grpo_config
-from kiln.trainers._opd_config import effective_opd_config
 from kiln.training import schema_defaults
 
 pytestmark = needs_upstream

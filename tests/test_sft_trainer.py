@@ -100,7 +100,7 @@ def test_default_learning_rates_follow_the_optimizer(tmp_path, tiny_model_dir):
 
 
 def test_integral_optimizer_numbers_give_the_same_effective_config_as_floats():
-    from kiln.trainers.sft import effective_config
+    from _effective import sft_effective as effective_config
 
     as_ints = effective_config(
         {"optimizer": {"kind": "adam_w", "weight_decay": 0, "eps": 1, "beta1": 0}, "seed": 1}, "a"

@@ -97,7 +97,7 @@ class _Sft:
         cfg = job.config
         return (
             f"Training SFT adapter '{args.adapter}' on {job.loaded.path.name} "
-            f"({len(job.ingestion.examples)} conversations x {cfg['epochs']} epoch(s), seed {cfg['seed']})"
+            f"({len(job.ingestion.examples)} conversations x {cfg.epochs} epoch(s), seed {cfg.seed})"
         )
 
     @staticmethod
@@ -107,7 +107,7 @@ class _Sft:
             f"✓ trained {len(losses)} steps in {receipt['runtime']['wall_clock_ms'] / 1000:.1f} s, "
             f"loss {losses[0]:.4f} -> {losses[-1]:.4f}",
             *_where(result),
-            f"Effective seed: {job.config['seed']}   Loss route: {receipt['runtime']['sft_loss_route']}",
+            f"Effective seed: {job.config.seed}   Loss route: {receipt['runtime']['sft_loss_route']}",
         ]
         if result.checkpoints:
             lines.append(f"Checkpoints: {len(result.checkpoints)} published (newest {result.checkpoints[-1].name})")
@@ -115,7 +115,7 @@ class _Sft:
 
     @staticmethod
     def resume(args: argparse.Namespace, path: Path, job: Any, checkpoint: str) -> str:
-        return sft_resume_command(args, checkpoint, job.config["checkpoint_interval"])
+        return sft_resume_command(args, checkpoint, job.config.checkpoint_interval)
 
     @staticmethod
     def summary(job: Any, result: Any) -> dict[str, Any]:
@@ -131,7 +131,7 @@ class _Grpo:
         completions = sum(len(g.completions) for g in groups)
         return (
             f"Training GRPO adapter '{args.adapter}' on {len(groups)} groups ({completions} completions), "
-            f"seed {job.config['seed']}"
+            f"seed {job.config.seed}"
         )
 
     @staticmethod
@@ -148,7 +148,7 @@ class _Grpo:
         return [
             f"✓ trained {data['groups_trained']} groups in {seconds:.1f} s{losses}",
             *_where(result),
-            f"Effective seed: {job.config['seed']}",
+            f"Effective seed: {job.config.seed}",
         ]
 
     @staticmethod
@@ -168,7 +168,7 @@ class _Opd:
         cfg = job.config
         return (
             f"Distilling teacher '{job.teacher.alias}' into adapter '{args.adapter}': {len(job.candidates)} "
-            f"candidates x {cfg['epochs']} epoch(s), top-K {cfg['top_k']}, seed {cfg['seed']}"
+            f"candidates x {cfg.epochs} epoch(s), top-K {cfg.top_k}, seed {cfg.seed}"
         )
 
     @staticmethod
@@ -180,7 +180,7 @@ class _Opd:
             f"{receipt['runtime']['wall_clock_ms'] / 1000:.1f} s, reverse KL "
             f"{opd['initial_opd_loss']:.4f} -> {opd['final_opd_loss']:.4f}",
             *_where(result),
-            f"Effective seed: {job.config['seed']}",
+            f"Effective seed: {job.config.seed}",
         ]
 
     @staticmethod
@@ -261,7 +261,8 @@ def _admit(args: argparse.Namespace, kind: str, path: Path) -> tuple[Any, dict[s
         data_parallel=DataParallel.planned(_ranks(args), getattr(args, "nproc_per_node", 1)),
     )
     job = TRAINERS[kind].admit(request, adapter_name=args.adapter, context=context)
-    return job, {**request, "config": job.replay_config(request["config"])}, context  # what the ranks admit again
+    replay = job.replay_config(request["config"].get("resume_checkpoint"))
+    return job, {**request, "config": replay}, context  # what the ranks admit again
 
 
 def _result_of(outcome: dict[str, Any], target: Path) -> Any:
@@ -435,7 +436,7 @@ def cmd_train_local(args: argparse.Namespace, kind: str) -> int:
             "adapter_dir": str(result.adapter_dir),
             "receipt": str(result.receipt_path),
             "manifest": str(result.manifest_path) if result.manifest_path else None,
-            "effective_seed": str(job.config["seed"]),
+            "effective_seed": str(job.config.seed),
             "failure_reason": receipt["failure_reason"],
             "failure_message": receipt.get("failure_message"),
             "final_loss": result.losses[-1] if result.losses else None,

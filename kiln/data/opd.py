@@ -72,6 +72,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kiln._fs import unsafe_path_problem
 from kiln.artifacts.off_policy import MANIFEST, ROW
 from kiln.contracts import problems
 from kiln.data.chat import json_type
@@ -293,9 +294,10 @@ def read_off_policy_file(
 
 def _absolute_file(dataset_path: str | os.PathLike[str]) -> Path:
     text = os.fspath(dataset_path) if isinstance(dataset_path, (str, os.PathLike)) else ""
-    if text and (not os.path.isabs(text) or ".." in Path(text).parts):
+    unsafe = unsafe_path_problem(text) if text else None
+    if unsafe is not None:
         raise ContractError(
-            [Problem("unsafe_path", "/dataset_path", f"dataset_path {text!r} must be an absolute path without '..'")],
+            [Problem("unsafe_path", "/dataset_path", f"dataset_path {unsafe}")],
             document="OpdRequest",
             hint="give the absolute server-local path of the file",
         )

@@ -27,7 +27,8 @@ from typing import Any
 from kiln import contracts
 from kiln.errors import CapacityError, ConflictError, ContractError, RequestError
 from kiln.server._jobs import Job, Outcome
-from kiln.trainers import TRAINERS, TrainingContext, check_sources
+from kiln.trainers import TRAINERS, TrainingContext
+from kiln.trainers._sources import check_sources
 from kiln.worker import SPEC_SCHEMA, run_spec
 
 log = logging.getLogger("kiln.server.training")
@@ -102,8 +103,9 @@ def _check_source(kind: str, body: dict[str, Any], context: TrainingContext) -> 
             hint="send the rows inline as examples, or upload a JSONL file (POST /v1/datasets) and send its "
             "dataset_path",
         )
+    base = (body.get("config") or {}).get("base_adapter")
     try:
-        check_sources(body, context)
+        check_sources(context, dataset_path=body.get("dataset_path"), base_adapter=base)
     except ContractError as exc:
         raise ContractError(exc.problems, document=TRAINERS[kind].request_type) from None
 
@@ -148,13 +150,13 @@ def admit(engine: Engine, kind: str, body: Any, jobs: Any) -> dict[str, Any]:
     replay = {k: v for k, v in body.items() if k != "config"}
     if replay.get("dataset_path") is not None:
         replay["dataset_path"] = str(Path(replay["dataset_path"]).resolve())
-    replay["config"] = {**admitted.replay_config(config), "auto_load": auto_load}
+    replay["config"] = {**admitted.replay_config(config.get("resume_checkpoint")), "auto_load": auto_load}
     history = admitted.resumed_history()
     total = admitted.total_steps
     fields = {
         "job_type": kind,
         "adapter_name": adapter,
-        "effective_seed": str(admitted.config["seed"]),
+        "effective_seed": str(admitted.config.seed),
         "request": replay,
         "fingerprint": admitted.fingerprint(),
         "auto_load": auto_load and not admitted.dry_run,

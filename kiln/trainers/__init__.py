@@ -1,11 +1,13 @@
 """The trainers, picked from a closed registry keyed by the schema's ``TrainingJobType``.
 
 Every caller -- the server's admission and worker, the CLI's ``--local`` runs -- goes through ``TRAINERS``:
-``TRAINERS[kind].admit(request, adapter_name=..., context=TrainingContext(...))`` returns an admitted job (an
-``AdmittedJob``: step counts, fingerprint, resumed history, memory estimate), and ``TRAINERS[kind].run(job, ...)``
-trains it and returns a ``TrainResult``. Each trainer is one file read top to bottom (``sft.py``, ``grpo.py``,
-``opd.py``); what they share is in the kit (``_kit.py``, ``_admission.py``, ``_resume.py``, ``_checkpointing.py``,
-``_receipts.py``).
+``TRAINERS[kind].admit(request, adapter_name=..., context=TrainingContext(...))`` parses the request at the door
+(JSON becomes the kind's generated request model, once), checks what it may read, and returns an admitted job (an
+``AdmittedJob``: typed effective config, step counts, fingerprint, resumed history, memory estimate);
+``TRAINERS[kind].run(job, ...)`` trains it and returns a ``TrainResult``. Each trainer is one file read top to bottom
+(``sft.py``, ``grpo.py``, ``opd.py``); what they share are the kit's components (``_kit.py``, ``_admission.py``,
+``_requests.py``, ``_resume.py``, ``_sources.py``, ``_checkpointing.py``, ``_receipts.py``, ``_lineage.py``,
+``_forwards.py``).
 """
 
 from __future__ import annotations
@@ -14,33 +16,54 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from kiln_contracts.models.kiln_control_plane_v1_schema import GrpoRequest, OpdRequest, SftRequest
+from pydantic import BaseModel
+
+from kiln._jsonio import JsonObject
 from kiln.trainers import grpo, opd, sft
 from kiln.trainers._admission import AdmittedJob, TrainingContext
 from kiln.trainers._kit import FinalState, TrainResult
+from kiln.trainers._requests import parse_request
 from kiln.trainers._sources import check_sources
+from kiln.training import EffectiveConfig
 
-__all__ = ["TRAINERS", "AdmittedJob", "FinalState", "TrainResult", "Trainer", "TrainingContext", "check_sources"]
+__all__ = ["TRAINERS", "AdmittedJob", "FinalState", "TrainResult", "Trainer", "TrainingContext", "TrainingRequest"]
+
+TrainingRequest = SftRequest | GrpoRequest | OpdRequest
+Admitted = AdmittedJob[EffectiveConfig]
 
 
 @dataclass(frozen=True)
 class Trainer:
-    """One training kind: its request definition, its admission and its run."""
+    """One training kind: its request model, its admission and its run."""
 
     kind: str  # a TrainingJobType value
-    request_type: str  # the schema definition of its HTTP request body
-    admit_kind: Callable[..., AdmittedJob]  # the kind's own admission, after ``check_sources``
+    request_model: type[BaseModel]  # the generated model of its HTTP request body
+    admit_request: Callable[..., Admitted]  # (typed request, *, adapter_name, context) -> admitted job
     run: Callable[..., TrainResult]  # (job, *, progress=None, cancel=None, on_checkpoint=None) -> result
     data_parallel: bool = False  # whether it trains over several ranks (kiln.training.DataParallel)
 
-    def admit(self, request: dict[str, Any], *, adapter_name: str, context: TrainingContext) -> AdmittedJob:
-        """Admit ``request``: what it may read (``kiln.trainers._sources``), then the kind's own rules; raises
-        ``KilnError``."""
-        check_sources(request, context)
-        return self.admit_kind(request, adapter_name=adapter_name, context=context)
+    @property
+    def request_type(self) -> str:
+        """The schema definition of its request body."""
+        return self.request_model.__name__
+
+    def parse(self, body: JsonObject | BaseModel) -> Any:
+        """The request as its generated model: the door (``kiln.trainers._requests.parse_request``)."""
+        return parse_request(self.request_model, body)
+
+    def admit(self, request: JsonObject | BaseModel, *, adapter_name: str, context: TrainingContext) -> Admitted:
+        """Admit ``request`` (JSON or already parsed): what it may read (``kiln.trainers._sources``), then the kind's
+        own rules; raises ``KilnError``."""
+        typed = self.parse(request)
+        config = typed.config
+        base = None if config is None or config.base_adapter is None else config.base_adapter.root
+        check_sources(context, dataset_path=typed.dataset_path, base_adapter=base)
+        return self.admit_request(typed, adapter_name=adapter_name, context=context)
 
 
 TRAINERS: dict[str, Trainer] = {
-    "sft": Trainer("sft", "SftRequest", sft.admit_request, sft.run_sft, data_parallel=True),
-    "grpo": Trainer("grpo", "GrpoRequest", grpo.admit_request, grpo.run_grpo),
-    "opd": Trainer("opd", "OpdRequest", opd.admit_request, opd.run_opd),
+    "sft": Trainer("sft", SftRequest, sft.admit_request, sft.run_sft, data_parallel=True),
+    "grpo": Trainer("grpo", GrpoRequest, grpo.admit_request, grpo.run_grpo),
+    "opd": Trainer("opd", OpdRequest, opd.admit_request, opd.run_opd),
 }

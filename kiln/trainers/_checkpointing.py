@@ -12,16 +12,19 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any
+from typing import TYPE_CHECKING
 
 from kiln import contracts
+from kiln._jsonio import JsonObject
 from kiln.artifacts.loop_state import loop_state_file_name
-from kiln.checkpoints import checkpoint_id, publish_checkpoint
+from kiln.checkpoints import LoadedCheckpoint, PublishedCheckpoint, checkpoint_id, publish_checkpoint
 from kiln.digests import file_sha256, prefixed
 from kiln.errors import RequestError
+from kiln.trainers._admission import AdmittedJob
 from kiln.training import (
     ADAPTER_FILE,
     OPTIMIZER_FILE,
+    EffectiveConfig,
     adapter_tensors,
     auxiliary_identity,
     base_adapter_dir,
@@ -30,60 +33,66 @@ from kiln.training import (
     planning_identity,
     restore_adapter,
     restore_optimizer,
-    schedule_state,
 )
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "CheckpointProgress",
     "base_adapter_block",
     "manifest_head",
     "optimizer_identity",
+    "phase_timings",
     "publish_state",
     "restore_policy",
 ]
 
 LOOP_STATE_TYPES = {"sft": "SftLoopState", "grpo": "GrpoLoopState", "opd": "OpdLoopState"}
+TIMED_PHASES = ("reference_forward_ms", "policy_forward_ms", "backward_ms", "optimizer_ms")
 
 
-def optimizer_identity(cfg: dict[str, Any], total_steps: int) -> tuple[dict[str, Any], dict[str, Any]]:
+def phase_timings(tokenize_ms: float, timings: dict[str, float]) -> dict[str, float]:
+    """A loop state's ``phase_timings``: tokenisation, and the time of each phase of this process so far."""
+    return {"tokenize_ms": tokenize_ms, "mask_build_ms": 0.0, **{k: timings.get(k, 0.0) for k in TIMED_PHASES}}
+
+
+Job = AdmittedJob[EffectiveConfig]
+
+
+def optimizer_identity(cfg: EffectiveConfig, total_steps: int) -> tuple[JsonObject, JsonObject]:
     """The manifest's ``optimizer`` and ``scheduler`` objects at step 0 (the schedule over ``total_steps``)."""
-    schedule = cfg["lr_scheduler"]
-    optimizer = cfg["optimizer"]
-    stateful = optimizer["kind"] != "sgd"
+    optimizer = cfg.optimizer.to_json()
     return (
         {
-            "kind": optimizer["kind"],
+            "kind": cfg.optimizer.kind,
             "step": 0,
             "hyperparameters": {
-                "learning_rate": cfg["learning_rate"],
+                "learning_rate": cfg.learning_rate,
                 **{k: v for k, v in optimizer.items() if k != "kind"},
             },
-            **({"state_file": OPTIMIZER_FILE} if stateful else {}),
+            **({"state_file": OPTIMIZER_FILE} if cfg.optimizer.stateful else {}),
         },
         {
-            "kind": schedule["kind"],
+            "kind": cfg.lr_scheduler.kind,
             "step": 0,
-            "state": schedule_state(schedule, cfg["learning_rate"], total_steps),
+            "state": cfg.lr_scheduler.state(cfg.learning_rate, total_steps),
         },
     )
 
 
-def _stateful(cfg: dict[str, Any]) -> bool:
-    return cfg["optimizer"]["kind"] != "sgd"
-
-
 def manifest_head(
-    job: Any,
+    job: Job,
     kind: str,
     *,
     total_steps: int,
-    data: dict[str, Any],
-    rng_states: dict[str, Any],
-    auxiliary: dict[str, Any],
+    data: JsonObject,
+    rng_states: JsonObject,
+    auxiliary: JsonObject,
     extra_state_files: dict[str, str] | None = None,
-    planning: dict[str, Any] | None = None,
+    planning: JsonObject | None = None,
     planning_key: str = "training_runtime_planning_identity",
-) -> dict[str, Any]:
+) -> JsonObject:
     """The manifest of a run without progress, files and time: what a resume must match.
 
     ``job`` has ``adapter_name``, ``config``, ``precision`` and ``identity``; ``auxiliary`` holds the trainer's
@@ -91,7 +100,7 @@ def manifest_head(
     cfg = job.config
     optimizer_block, scheduler_block = optimizer_identity(cfg, total_steps)
     state_files = {"adapter_parameters": ADAPTER_FILE, "loss_history": loop_state_file_name(kind)}
-    if _stateful(cfg):
+    if cfg.optimizer.stateful:
         state_files["optimizer_state"] = OPTIMIZER_FILE
     state_files.update(extra_state_files or {})
     planning = planning if planning is not None else planning_identity(device="cpu")
@@ -101,7 +110,7 @@ def manifest_head(
         "checkpoint_kind": "resumable",
         "training_kind": kind,
         "adapter_name": job.adapter_name,
-        "effective_config": cfg,
+        "effective_config": cfg.to_json(),
         "precision_policy": job.precision,
         "progress": {"total_steps": total_steps},
         "data": data,
@@ -128,7 +137,7 @@ class CheckpointProgress:
     cursor_in_epoch: int
     data_order: list[int]
 
-    def as_manifest(self) -> dict[str, Any]:
+    def as_manifest(self) -> JsonObject:
         return {
             "global_step": self.global_step,
             "total_steps": self.total_steps,
@@ -138,16 +147,19 @@ class CheckpointProgress:
         }
 
 
+Tensors = dict[str, "torch.Tensor"]
+
+
 def publish_state(
-    job: Any,
+    job: Job,
     kind: str,
-    params: Any,
-    optimizer: Any,
+    params: dict[str, torch.nn.Parameter],
+    optimizer: torch.optim.Optimizer,
     *,
-    loop_document: Callable[[], dict[str, Any]],
-    stamp: Callable[[dict[str, Any], dict[str, Any]], CheckpointProgress],
-    extra_tensors: Callable[[], dict[str, tuple[str, dict[str, Any]]]] | None = None,
-) -> Any:
+    loop_document: Callable[[], JsonObject],
+    stamp: Callable[[JsonObject, JsonObject], CheckpointProgress],
+    extra_tensors: Callable[[], dict[str, tuple[str, Tensors]]] | None = None,
+) -> PublishedCheckpoint:
     """Publish one exact-resume checkpoint of ``job`` (``kiln.checkpoints.publish_checkpoint``).
 
     Under the device lock (``capture``): host copies of the adapter tensors and optimizer slots, the loop-state
@@ -156,15 +168,17 @@ def publish_state(
     and returns the ``CheckpointProgress``; the files are encoded here."""
     cfg = job.config
 
-    def capture() -> tuple[Any, Any, dict[str, Any], dict[str, Any]]:
+    def capture() -> tuple[Tensors, Tensors | None, JsonObject, dict[str, tuple[str, Tensors]]]:
         return (
             adapter_tensors(params),
-            optimizer_tensors(optimizer, params) if _stateful(cfg) else None,
+            optimizer_tensors(optimizer, params) if cfg.optimizer.stateful else None,
             loop_document(),
             extra_tensors() if extra_tensors is not None else {},
         )
 
-    def encode(snapshot: Any) -> tuple[dict[str, Any], dict[str, tuple[str, bytes]]]:
+    def encode(
+        snapshot: tuple[Tensors, Tensors | None, JsonObject, dict[str, tuple[str, Tensors]]],
+    ) -> tuple[JsonObject, dict[str, tuple[str, bytes]]]:
         adapter, slots, loop_doc, extra = snapshot
         manifest = job.identity_manifest()
         progress = stamp(manifest, loop_doc)
@@ -186,9 +200,9 @@ def publish_state(
     return publish_checkpoint(job.registry, capture, encode)
 
 
-def base_adapter_block(job: Any) -> dict[str, Any] | None:
+def base_adapter_block(job: Job) -> JsonObject | None:
     """The warm-start adapter a run starts from, by name and weights digest (an OPD checkpoint binds it)."""
-    name = job.config["base_adapter"]
+    name = job.config.base_adapter
     if not name:
         return None
     path = base_adapter_dir(job.registry, name) / "adapter_model.safetensors"
@@ -201,7 +215,9 @@ def base_adapter_block(job: Any) -> dict[str, Any] | None:
     return {"name": name, "adapter_model_sha256": prefixed(file_sha256(path)[0])}
 
 
-def restore_policy(resume: Any, params: Any, optimizer: Any) -> None:
+def restore_policy(
+    resume: LoadedCheckpoint, params: dict[str, torch.nn.Parameter], optimizer: torch.optim.Optimizer
+) -> None:
     """Adapter tensors and optimizer slots from an exact-resume checkpoint."""
     manifest = resume.manifest
     restore_adapter(params, resume.blobs[manifest["state_files"]["adapter_parameters"]])

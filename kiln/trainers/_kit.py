@@ -1,18 +1,20 @@
 """The trainer kit: what every trainer's run does the same way, as small components.
 
 * ``TrainResult``: the one result type of a run, successful or failed;
-* ``guarded``: a run's body under the failure contract -- any exception after admission becomes a failed receipt
-  whose ``failure_reason`` comes from the exception's type (``kiln.training.classify_failure``; a write the file
-  system refused is ``storage_error`` naming the path); Ctrl-C without cooperative cancellation still writes that
-  receipt, then propagates. When not even the receipt can be written, the run raises ``RegistryError``
-  (``registry_unwritable``) saying why the run failed and why its receipt is missing;
+* ``Run`` and ``guarded``: a trainer's run is an object (``SftRun``, ``GrpoRun``, ``OpdRun``) whose ``train()``
+  goes setup -> loop -> publication; ``guarded`` runs it under the failure contract -- any exception after admission
+  becomes a failed receipt (``Run.failed_receipt``) whose ``failure_reason`` comes from the exception's type
+  (``kiln.training.classify_failure``; a write the file system refused is ``storage_error`` naming the path);
+  Ctrl-C without cooperative cancellation still writes that receipt, then propagates. When not even the receipt
+  can be written, the run raises ``RegistryError`` (``registry_unwritable``) saying why the run failed and why its
+  receipt is missing;
 * ``publish_adapter``: the adapter, its request lineage (``replay.jsonl``, ``lineage.json``), its receipt and its
   manifest, staged together and made visible by one rename (``kiln.publish.publish_trained_adapter``;
   ``publish_receipt_only``: a successful run without an adapter);
 * ``Policy``: the LoRA policy of a run -- adapter attached with the seeded initialisation, optimizer built, state
   restored from a checkpoint or warm-started from ``base_adapter``, the run's request record appended to the
-  adapter's request log (``kiln.trainers._lineage``; its outcome follows when the run ends); ``Policy.step`` is one optimizer step with the
-  non-finite-loss check and the phase timings;
+  adapter's request log (``kiln.trainers._lineage``; its outcome follows when the run ends); ``Policy.accumulate``
+  and ``Policy.apply`` are one optimizer step with the non-finite-loss check and the phase timings;
 * ``Cadence``: when to publish a checkpoint (every ``checkpoint_interval`` steps, never at the final step -- the
   adapter is published instead) and cooperative cancellation (publish at the settled boundary unless a checkpoint
   of that step exists, then fail ``cancelled`` naming it).
@@ -25,27 +27,35 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
-from kiln.checkpoints import checkpoint_name, list_checkpoints
+from kiln._jsonio import JsonObject
+from kiln.checkpoints import PublishedCheckpoint, checkpoint_name, list_checkpoints
 from kiln.errors import CancelledError, NonFiniteLossError, RegistryError, StorageFailureError, storage_condition
 from kiln.publish import RECEIPT, publish_receipt, publish_trained_adapter
+from kiln.trainers._admission import AdmittedJob
 from kiln.trainers._lineage import close_request, open_request, published, stage_lineage
 from kiln.training import (
+    EffectiveConfig,
+    StepSync,
     attach_lora,
     base_adapter_dir,
-    build_optimizer,
     classify_failure,
     lora_parameters,
-    scheduled_rate,
     warm_start,
 )
+
+if TYPE_CHECKING:
+    import torch
+
+    from kiln.checkpoints import LoadedCheckpoint
 
 __all__ = [
     "Cadence",
     "FinalState",
     "Policy",
     "Progress",
+    "Run",
     "TrainResult",
     "check_pin",
     "guarded",
@@ -53,7 +63,10 @@ __all__ = [
     "publish_receipt_only",
 ]
 
-Progress = Callable[[dict[str, Any]], None]
+Job = AdmittedJob[EffectiveConfig]
+Progress = Callable[[JsonObject], None]
+OnCheckpoint = Callable[[PublishedCheckpoint], None]
+Failure = tuple[str, str]  # (failure_reason, failure_message)
 PHASES = ("policy_forward_ms", "reference_forward_ms", "backward_ms", "optimizer_ms")
 
 
@@ -63,7 +76,7 @@ class FinalState:
 
     adapter: bytes
     optimizer: bytes | None
-    loop_state: dict[str, Any]
+    loop_state: JsonObject
 
 
 @dataclass
@@ -74,7 +87,7 @@ class TrainResult:
     adapter_dir: Path
     receipt_path: Path
     manifest_path: Path | None
-    receipt: dict[str, Any]
+    receipt: JsonObject
     losses: list[float] = field(default_factory=list)
     checkpoints: list[Path] = field(default_factory=list)
     cancelled: bool = False
@@ -86,21 +99,34 @@ class TrainResult:
         return self.checkpoints[-1] if self.checkpoints else self.resumed_from
 
 
-def guarded(
-    job: Any,
-    train: Callable[[], TrainResult],
-    failed_receipt: Callable[[tuple[str, str], BaseException], dict[str, Any]],
-    partial: Callable[[], dict[str, Any]],
-) -> TrainResult:
-    """Run ``train``; on any exception write ``failed_receipt((reason, message), exc)`` and return a failed result
-    carrying ``partial()`` (losses, checkpoints so far). ``KeyboardInterrupt`` is re-raised after the receipt; a
-    receipt the file system refuses raises ``RegistryError`` instead."""
+class Run(Protocol):
+    """A trainer's run of one admitted job: ``train`` is the whole run; ``failed_receipt`` the receipt of a run that
+    stopped with ``failure`` (raised as ``exc``); ``losses`` and ``checkpoints`` what it has done so far."""
+
+    job: Job
+
+    def train(self) -> TrainResult: ...
+
+    def failed_receipt(self, failure: Failure, exc: BaseException) -> JsonObject: ...
+
+    @property
+    def losses(self) -> list[float]: ...
+
+    @property
+    def checkpoints(self) -> list[Path]: ...
+
+
+def guarded(run: Run) -> TrainResult:
+    """``run.train()``; on any exception write ``run.failed_receipt(...)`` and return a failed result carrying the
+    losses and checkpoints so far. ``KeyboardInterrupt`` is re-raised after the receipt; a receipt the file system
+    refuses raises ``RegistryError`` instead."""
+    job = run.job
     try:
-        return train()
+        return run.train()
     except BaseException as raised:
         exc = _as_failure(raised, job)
         failure = classify_failure(exc)
-        receipt = failed_receipt(failure, exc)
+        receipt = run.failed_receipt(failure, exc)
         close_request(job, failure)
         if job.data_parallel.publishes:
             receipt_path = _write_failed_receipt(job, receipt, failure)
@@ -114,20 +140,21 @@ def guarded(
             receipt_path,
             None,
             receipt,
+            losses=list(run.losses),
+            checkpoints=list(run.checkpoints),
             cancelled=failure[0] == "cancelled",
             resumed_from=job.resume.path if job.resume is not None else None,
-            **partial(),
         )
 
 
-def _as_failure(exc: BaseException, job: Any) -> BaseException:
+def _as_failure(exc: BaseException, job: Job) -> BaseException:
     """A write the file system refused anywhere in the run, as the storage failure it is (naming its path)."""
     if isinstance(exc, OSError):
         return StorageFailureError.from_os_error(exc, doing=f"training adapter {job.adapter_name!r}") or exc
     return exc
 
 
-def _write_failed_receipt(job: Any, receipt: dict[str, Any], failure: tuple[str, str]) -> Any:
+def _write_failed_receipt(job: Job, receipt: JsonObject, failure: Failure) -> Path:
     target = job.registry / job.adapter_name
     try:
         return publish_receipt(job.registry, job.adapter_name, receipt)
@@ -142,22 +169,33 @@ def _write_failed_receipt(job: Any, receipt: dict[str, Any], failure: tuple[str,
         ) from exc
 
 
-def check_pin(path: Any, pin: str | None) -> None:
+def check_pin(path: str | Path | None, pin: str | None) -> None:
     """A pinned dataset file still holds the bytes admitted; one that changed fails the run, naming it."""
-    if pin is not None:
+    if pin is not None and path is not None:
         from kiln.data import check_unchanged
 
         check_unchanged(path, pin)
 
 
-def publish_adapter(job: Any, model: Any, receipt: Callable[[Path], dict[str, Any]], **result: Any) -> TrainResult:
+def publish_adapter(
+    job: Job,
+    model: Any,
+    receipt: Callable[[Path], JsonObject],
+    *,
+    losses: list[float],
+    checkpoints: list[Path],
+    final_state: FinalState | None = None,
+) -> TrainResult:
     """Publish the trained adapter with its receipt (``receipt(staged adapter directory)``) and manifest (rank 0 of
     a data-parallel group; the other ranks publish nothing and return where rank 0 publishes)."""
     if not job.data_parallel.publishes:
         target = job.registry / job.adapter_name
-        return TrainResult("success", target, target / RECEIPT, None, {}, **result)
+        return TrainResult(
+            "success", target, target / RECEIPT, None, {}, losses=losses, checkpoints=checkpoints,
+            final_state=final_state,
+        )  # fmt: skip
 
-    def staged(directory: Path) -> dict[str, Any]:  # the request lineage is staged first; the receipt links it
+    def staged(directory: Path) -> JsonObject:  # the request lineage is staged first; the receipt links it
         link = stage_lineage(job, directory)
         return receipt(directory) if link is None else {**receipt(directory), "request_lineage": link}
 
@@ -169,63 +207,50 @@ def publish_adapter(job: Any, model: Any, receipt: Callable[[Path], dict[str, An
         done.receipt_path,
         done.manifest_path,
         done.receipt,
+        losses=losses,
+        checkpoints=checkpoints,
         resumed_from=job.resume.path if job.resume is not None else None,
-        **result,
+        final_state=final_state,
     )
 
 
-def publish_receipt_only(job: Any, receipt: dict[str, Any], **result: Any) -> TrainResult:
+def publish_receipt_only(job: Job, receipt: JsonObject, *, losses: list[float] | None = None) -> TrainResult:
     """A successful run that publishes no adapter (a dry run; a filter that left nothing to train): its receipt."""
     close_request(job, None)
     path = publish_receipt(job.registry, job.adapter_name, receipt)
-    return TrainResult("success", job.registry / job.adapter_name, path, None, receipt, **result)
+    return TrainResult("success", job.registry / job.adapter_name, path, None, receipt, losses=list(losses or []))
+
+
+Restore = Callable[["LoadedCheckpoint", dict[str, "torch.nn.Parameter"], "torch.optim.Optimizer"], None]
 
 
 class Policy:
     """The LoRA policy of a run: model, trainable parameters by stable name, optimizer, phase timings."""
 
-    def __init__(self, job: Any, *, restore: Callable[[Any, Any, Any], None] | None = None) -> None:
+    def __init__(self, job: Job, *, restore: Restore | None = None) -> None:
         import torch
 
         cfg = job.config
         torch.manual_seed(0)  # nothing should draw from the global RNG; pin it anyway
         self.model = attach_lora(
-            job.loaded.model,
-            rank=cfg["lora_rank"],
-            alpha=cfg["lora_alpha"],
-            seed=cfg["seed"],
-            targets=cfg["lora_target_modules"],
+            job.loaded.model, rank=cfg.lora_rank, alpha=cfg.lora_alpha, seed=cfg.seed, targets=cfg.targets
         )
         self.params = lora_parameters(self.model)
-        self.optimizer = build_optimizer(cfg["optimizer"], list(self.params.values()), cfg["learning_rate"])
-        self.timings = dict.fromkeys(PHASES, 0.0)
+        self.optimizer = cfg.optimizer.build(list(self.params.values()), cfg.learning_rate)
+        self.timings: dict[str, float] = dict.fromkeys(PHASES, 0.0)
         # in a data-parallel group the finiteness of the step's summed loss is checked on every rank alike
         # (kiln.training.StepSync.reduce), so no rank stops alone and leaves the others waiting
         self.local_check = not job.data_parallel.active
-        # the schedule: the rate of a step follows from its position alone (kiln.training._schedule)
-        self.schedule, self.base_rate, self.planned = cfg["lr_scheduler"], cfg["learning_rate"], job.schedule_steps
+        # the schedule: the rate of a step follows from its position alone (kiln.training.Schedule)
+        self.schedule, self.base_rate, self.planned = cfg.lr_scheduler, cfg.learning_rate, job.schedule_steps
         self.steps_taken = job.start_step
         if job.resume is not None and restore is not None:
             restore(job.resume, self.params, self.optimizer)
-        elif cfg["base_adapter"]:
-            warm_start(self.params, base_adapter_dir(job.registry, cfg["base_adapter"]))
+        elif cfg.base_adapter:
+            warm_start(self.params, base_adapter_dir(job.registry, cfg.base_adapter))
         open_request(job, self)  # the request record is on disk before the first optimizer step
 
-    def step(
-        self,
-        loss: Any,
-        where: Callable[[], str],
-        before_step: Callable[[], None] | None = None,
-        *,
-        position: int | None = None,
-    ) -> float:
-        """Backward and one optimizer step at the scheduled rate of ``position`` (default: the optimizer steps taken
-        so far); a non-finite loss fails the run ``nan_loss`` (``where()`` says where)."""
-        value = self.accumulate(loss, where)
-        self.apply(before_step, position=position)
-        return value
-
-    def accumulate(self, loss: Any, where: Callable[[], str]) -> float:
+    def accumulate(self, loss: torch.Tensor, where: Callable[[], str]) -> float:
         """Backward of one micro-batch's share of a step's loss, its gradients added to those already there; a
         non-finite loss fails the run ``nan_loss`` (``where()`` says where) before anything is added."""
         import torch
@@ -239,13 +264,12 @@ class Policy:
         return value
 
     def apply(self, before_step: Callable[[], None] | None = None, *, position: int | None = None) -> None:
-        """One optimizer step with the accumulated gradients at the scheduled rate, then the gradients cleared."""
+        """One optimizer step with the accumulated gradients at the scheduled rate of ``position`` (default: the
+        optimizer steps taken so far), then the gradients cleared."""
         t1 = time.perf_counter()
         if before_step is not None:
             before_step()
-        rate = scheduled_rate(
-            self.schedule, self.base_rate, self.steps_taken if position is None else position, self.planned
-        )
+        rate = self.schedule.rate(self.base_rate, self.steps_taken if position is None else position, self.planned)
         for group in self.optimizer.param_groups:
             group["lr"] = rate
         self.optimizer.step()
@@ -259,15 +283,15 @@ class Cadence:
 
     def __init__(
         self,
-        job: Any,
-        publish: Callable[[], Any],
+        job: Job,
+        publish: Callable[[], PublishedCheckpoint],
         cancel: threading.Event | None,
-        on_checkpoint: Callable[[Any], None] | None = None,
+        on_checkpoint: OnCheckpoint | None = None,
         *,
-        sync: Any = None,
+        sync: StepSync | None = None,
     ) -> None:
-        self.interval = job.config["checkpoint_interval"]
-        self.publishes, self.sync = job.data_parallel.publishes, sync  # kiln.training.StepSync of a group
+        self.interval = job.config.checkpoint_interval
+        self.publishes, self.sync = job.data_parallel.publishes, sync  # the step sync of a data-parallel group
         self.adapter_name = job.adapter_name
         self._publish = publish
         self.cancel = cancel

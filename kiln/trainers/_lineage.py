@@ -25,8 +25,9 @@ import uuid
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
+from kiln._jsonio import JsonObject
 from kiln.artifacts.lineage import LINEAGE_FILE, build_lineage, lineage_link, load_lineage, write_lineage
 from kiln.artifacts.replay_log import (
     REPLAY_LOG,
@@ -37,32 +38,40 @@ from kiln.artifacts.replay_log import (
 )
 from kiln.digests import file_sha256, prefixed
 from kiln.errors import StorageFailureError
-from kiln.training import base_adapter_dir
+from kiln.training import EffectiveConfig, base_adapter_dir
+
+if TYPE_CHECKING:
+    from kiln.trainers._admission import AdmittedJob
+    from kiln.trainers._kit import Policy
+
+    Job = AdmittedJob[EffectiveConfig]
 
 _HEX = re.compile(r"(?:sha256:)?([0-9a-f]{64})")
 
-__all__ = ["close_request", "open_request", "published", "stage_lineage"]
+__all__ = ["RequestLog", "close_request", "open_request", "published", "stage_lineage"]
 
 
 @dataclass
-class _Run:
+class RequestLog:
+    """This run's record in the adapter's pending request log."""
+
     path: Path
     request_id: str
-    policy: Any  # the kit's Policy: its steps_taken is the outcome's global_step
-    base_model: dict[str, Any]
-    parent: dict[str, Any] | None  # read when the run starts (a bad parent lineage fails it before training)
+    policy: Policy  # its steps_taken is the outcome's global_step
+    base_model: JsonObject
+    parent: JsonObject | None  # read when the run starts (a bad parent lineage fails it before training)
 
 
 def _now() -> str:
     return datetime.now(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
-def _digest(value: Any) -> str | None:
+def _digest(value: str) -> str | None:
     found = _HEX.fullmatch(value) if isinstance(value, str) else None
     return prefixed(found[1]) if found else None
 
 
-def _base_model(job: Any) -> dict[str, Any]:
+def _base_model(job: Job) -> JsonObject:
     shards = job.identity.base_weight_shard_manifest
     return {
         "path": str(job.identity.path) if job.identity.path else None,
@@ -71,8 +80,8 @@ def _base_model(job: Any) -> dict[str, Any]:
     }
 
 
-def _parent(job: Any) -> dict[str, Any] | None:
-    name = job.config.get("base_adapter")
+def _parent(job: Job) -> JsonObject | None:
+    name = job.config.base_adapter
     if not name:
         return None
     directory = base_adapter_dir(job.registry, name)
@@ -84,7 +93,7 @@ def _parent(job: Any) -> dict[str, Any] | None:
     }
 
 
-def open_request(job: Any, policy: Any) -> None:
+def open_request(job: Job, policy: Policy) -> None:
     """Append this run's request record to the adapter's log, synced, before any optimizer step."""
     from kiln.model import git_source
 
@@ -104,8 +113,8 @@ def open_request(job: Any, policy: Any) -> None:
         "request_id": f"req-{uuid.uuid4().hex}",
         "kind": job.kind,
         "adapter_name": job.adapter_name,
-        "request": {"config": job.config, "data_sha256": _digest(job.data_sha256)},
-        "seed": int(job.config["seed"]),
+        "request": {"config": job.config.to_json(), "data_sha256": _digest(job.data_sha256)},
+        "seed": job.config.seed,
         "commit": git_source()[0],
         "submitted_at": _now(),
         "resumed_from": None
@@ -121,10 +130,10 @@ def open_request(job: Any, policy: Any) -> None:
         if failure is None:
             raise
         raise failure from exc
-    job.request_log = _Run(path, record["request_id"], policy, _base_model(job), parent)
+    job.request_log = RequestLog(path, record["request_id"], policy, _base_model(job), parent)
 
 
-def _outcome(run: _Run, status: str, reason: str | None) -> dict[str, Any]:
+def _outcome(run: RequestLog, status: str, reason: str | None) -> JsonObject:
     return {
         "schema_version": 1,
         "record_type": "outcome",
@@ -136,7 +145,7 @@ def _outcome(run: _Run, status: str, reason: str | None) -> dict[str, Any]:
     }
 
 
-def close_request(job: Any, failure: tuple[str, str] | None) -> None:
+def close_request(job: Job, failure: tuple[str, str] | None) -> None:
     """Append the outcome of a run that publishes no adapter (``failure``: its reason and message; None: a success
     without an adapter). A log the file system refuses to extend stays without it, as after a crash."""
     run = job.request_log
@@ -151,7 +160,7 @@ def close_request(job: Any, failure: tuple[str, str] | None) -> None:
         return
 
 
-def stage_lineage(job: Any, staging: Path) -> dict[str, Any] | None:
+def stage_lineage(job: Job, staging: Path) -> JsonObject | None:
     """Write ``replay.jsonl`` (the log and the completed outcome) and ``lineage.json`` into the staged adapter
     directory; returns the ``request_lineage`` link of the receipt (None when this run keeps no log)."""
     run = job.request_log
@@ -166,7 +175,7 @@ def stage_lineage(job: Any, staging: Path) -> dict[str, Any] | None:
     return lineage_link(staging, lineage)
 
 
-def published(job: Any) -> None:
+def published(job: Job) -> None:
     """The adapter and its request lineage are published: the pending log is done with."""
     run, job.request_log = job.request_log, None
     if run is not None:

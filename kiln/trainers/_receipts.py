@@ -6,7 +6,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from kiln.training import base_adapter_dir, receipt_base
+from kiln._jsonio import JsonObject
+from kiln.trainers._admission import AdmittedJob
+from kiln.training import Echo, EffectiveConfig, base_adapter_dir, receipt_base
+from kiln.training.echo import EchoAccumulator
 
 __all__ = ["data_block", "echo_block", "envelope", "token_counts_block"]
 
@@ -24,10 +27,10 @@ DATA_MEMBERS = (
 )
 
 
-def envelope(job: Any, kind: str, **members: Any) -> dict[str, Any]:
+def envelope(job: AdmittedJob[EffectiveConfig], kind: str, **members: Any) -> JsonObject:
     """``receipt_base`` for ``job`` (its config, identity, precision, adapter name and base adapter)."""
     cfg = job.config
-    base = base_adapter_dir(job.registry, cfg["base_adapter"]) if cfg["base_adapter"] else None
+    base = base_adapter_dir(job.registry, cfg.base_adapter) if cfg.base_adapter else None
     return receipt_base(
         mode=kind,
         adapter_name=job.adapter_name,
@@ -39,7 +42,7 @@ def envelope(job: Any, kind: str, **members: Any) -> dict[str, Any]:
     )
 
 
-def data_block(**counts: Any) -> dict[str, Any]:
+def data_block(**counts: Any) -> JsonObject:
     """The receipt's ``data``: the given counts, every other member 0 (extra members such as ``sft_ingestion`` kept)."""
     unknown = set(counts) - set(DATA_MEMBERS) - {"sft_ingestion"}
     if unknown:
@@ -59,10 +62,10 @@ def token_counts_block(*, action: int, env: int = 0, warning_filtered: int = 0, 
     }
 
 
-def echo_block(echo: dict[str, Any] | None, accumulator: Any) -> dict[str, Any]:
-    """The receipt's ``echo`` from the effective ECHO config (None: off) and the run's ``EchoAccumulator``."""
+def echo_block(echo: Echo | None, accumulator: EchoAccumulator) -> JsonObject:
+    """The receipt's ``echo`` from the effective ECHO term (None: off) and the run's ``EchoAccumulator``."""
     return accumulator.as_receipt(
-        lam=float(echo["lambda"]) if echo else None,
-        env_mask_mode=echo["env_mask_mode"] if echo else None,
-        warning_filter=echo["warning_filter"] if echo else None,
+        lam=echo.lam if echo else None,
+        env_mask_mode=echo.env_mask_mode if echo else None,
+        warning_filter=echo.warning_filter if echo else None,
     )

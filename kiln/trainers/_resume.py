@@ -2,7 +2,7 @@
 
 * ``resume_metadata``: the cheap first half, before any model work -- a path-safe target, the checkpoint named by
   ``resume_checkpoint`` read metadata-only, its kind and adapter checked, and the seed taken from its ``lora-init``
-  stream (a conflicting explicit seed is refused);
+  stream (a conflicting explicit seed is refused): a ``ResumePoint``;
 * ``claim_target``: a free adapter name (or one an earlier attempt's receipt holds, which the publication
   supersedes), a registry the process can write, and no checkpoint of it past where this run starts (checkpoints
   are never overwritten);
@@ -14,10 +14,11 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from kiln._fs import writable_problem
+from kiln._jsonio import JsonObject
 from kiln.checkpoints import (
     LoadedCheckpoint,
     inspect_checkpoint,
@@ -30,7 +31,7 @@ from kiln.errors import CheckpointError, Problem, RegistryError, RequestError
 from kiln.publish import check_target
 from kiln.training import resolve_seed
 
-__all__ = ["claim_target", "load_resume", "refuse_later_checkpoints", "resume_metadata"]
+__all__ = ["ResumePoint", "claim_target", "load_resume", "refuse_later_checkpoints", "resume_metadata"]
 
 NAMES = {
     "sft": "an SFT job resumes only SFT checkpoints",
@@ -39,10 +40,20 @@ NAMES = {
 }
 
 
-def resume_metadata(registry: Path, adapter_name: str, config: dict[str, Any], kind: str) -> Path | None:
-    """Pop ``resume_checkpoint`` from ``config``; when set, check the checkpoint's metadata and
-    put its authoritative seed into ``config``. Returns the checkpoint path (None: a fresh run)."""
-    resume_value = config.pop("resume_checkpoint", None)
+@dataclass(frozen=True)
+class ResumePoint:
+    """The checkpoint a run resumes from, checked metadata-only: where it is, its authoritative seed, its step."""
+
+    path: Path
+    seed: int
+    global_step: int
+
+
+def resume_metadata(
+    registry: Path, adapter_name: str, resume_value: str | None, requested_seed: int | str | None, kind: str
+) -> ResumePoint | None:
+    """When ``resume_value`` (a config's ``resume_checkpoint``) is set, check the checkpoint's metadata and take its
+    authoritative seed (``requested_seed``, the config's, must agree). None: a fresh run."""
     if resume_value is None:
         return None
     check_target(registry, adapter_name)  # a path-safe name before it meets the file system
@@ -64,11 +75,11 @@ def resume_metadata(registry: Path, adapter_name: str, config: dict[str, Any], k
             pointer="/adapter_name",
             hint=f"resume with --adapter {manifest['adapter_name']}",
         )
-    config["seed"] = _checkpoint_seed(config, manifest, info.name)
-    return checkpoint_path
+    seed = _checkpoint_seed(requested_seed, manifest, info.name)
+    return ResumePoint(checkpoint_path, seed, int(manifest["progress"]["global_step"]))
 
 
-def claim_target(registry: Path, adapter_name: str, checkpoint_path: Path | None) -> None:
+def claim_target(registry: Path, adapter_name: str, point: ResumePoint | None) -> None:
     """A free, path-safe adapter name in a writable registry, and no checkpoint of it past where this run starts."""
     check_target(registry, adapter_name)
     problem = writable_problem(registry)  # os.access: nothing is written at admission
@@ -77,13 +88,12 @@ def claim_target(registry: Path, adapter_name: str, checkpoint_path: Path | None
             f"adapter {adapter_name!r} cannot be published: {problem}",
             hint=f"make {registry} writable, or train into another registry (model.adapter_dir, --adapter-dir)",
         )
-    start = inspect_checkpoint(checkpoint_path).manifest["progress"]["global_step"] if checkpoint_path else 0
-    refuse_later_checkpoints(registry, adapter_name, start)
+    refuse_later_checkpoints(registry, adapter_name, point.global_step if point else 0)
 
 
 def load_resume(
-    checkpoint_path: Path | None,
-    identity: dict[str, Any],
+    point: ResumePoint | None,
+    identity: JsonObject,
     *,
     progress_auxiliary: Iterable[str] = (),
     progress_streams: Iterable[str] = (),
@@ -91,23 +101,22 @@ def load_resume(
     """Load every byte of the checkpoint and refuse it unless it matches ``identity`` (this run's manifest without
     progress); ``progress_auxiliary``/``progress_streams`` name the ``auxiliary_state`` members and ``rng_states``
     streams that move with progress and are taken from the checkpoint."""
-    if checkpoint_path is None:
+    if point is None:
         return None
-    resume = load_checkpoint(checkpoint_path)  # every byte hashed, loop state checked
+    resume = load_checkpoint(point.path)  # every byte hashed, loop state checked
     manifest = resume.manifest
     for key in progress_auxiliary:
         if key in manifest["auxiliary_state"]:
             identity["auxiliary_state"][key] = manifest["auxiliary_state"][key]
     for stream in progress_streams:
         identity["rng_states"][stream] = manifest["rng_states"][stream]
-    require_compatible(checkpoint_path.name, manifest, identity)
+    require_compatible(point.path.name, manifest, identity)
     return resume
 
 
-def _checkpoint_seed(config: dict[str, Any], manifest: dict[str, Any], name: str) -> int:
+def _checkpoint_seed(asked: int | str | None, manifest: JsonObject, name: str) -> int:
     """The checkpoint's ``lora-init`` seed is authoritative; a conflicting explicit seed is refused."""
-    seed = manifest["rng_states"]["lora-init"]["seed"]
-    asked = config.get("seed")
+    seed: int = manifest["rng_states"]["lora-init"]["seed"]
     if asked is not None:
         try:
             asked_value = resolve_seed(asked)

@@ -18,31 +18,28 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
 
-from kiln._fs import name_problem, within_roots
+from kiln._fs import name_problem, unsafe_path_problem, within_roots
 from kiln.errors import AccessError, ContractError, Problem, RequestError
+from kiln.trainers._admission import TrainingContext
 from kiln.training import base_adapter_dir
 
 __all__ = ["check_sources"]
 
 
-def check_sources(request: dict[str, Any], context: Any) -> None:
+def check_sources(context: TrainingContext, *, dataset_path: str | None, base_adapter: str | None) -> None:
     """Refuse a ``dataset_path`` or ``base_adapter`` the caller does not allow, or that is not there."""
-    roots = getattr(context, "data_roots", None)
-    path = request.get("dataset_path")
-    if path is not None:
-        _check_dataset_path(path, roots)
-    base = (request.get("config") or {}).get("base_adapter")
-    if base:
-        _check_base_adapter(str(base), context.registry, restricted=roots is not None)
+    roots = context.data_roots
+    if dataset_path is not None:
+        _check_dataset_path(dataset_path, roots)
+    if base_adapter:
+        _check_base_adapter(base_adapter, context.registry, restricted=roots is not None)
 
 
-def _check_dataset_path(path: Any, roots: tuple[Path, ...] | None) -> None:
-    if not isinstance(path, str) or not os.path.isabs(path) or ".." in Path(path).parts:
-        raise ContractError(
-            [Problem("unsafe_path", "/dataset_path", f"dataset_path {path!r} must be an absolute path without '..'")]
-        )
+def _check_dataset_path(path: str, roots: tuple[Path, ...] | None) -> None:
+    unsafe = unsafe_path_problem(path)
+    if unsafe is not None:
+        raise ContractError([Problem("unsafe_path", "/dataset_path", f"dataset_path {unsafe}")])
     if roots is not None and not within_roots(path, roots):
         listed = ", ".join(str(r) for r in roots) or "none are configured"
         raise AccessError(

@@ -1,5 +1,8 @@
 """GRPO trainer: LoRA policy updates from groups of completions the user scored.
 
+Longer than 600 lines: one trainer read top to bottom -- its effective configuration, admission, the plan, the run
+and its receipt -- over the shared components of the kit, the forwards and the objective.
+
 Objective (spec/40 "GRPO"): per group, advantages from the rewards (``dr_grpo``:
 A = r − mean r; ``vanilla`` divides by the population std + 1e-8); on every action token
 the policy loss at the configured importance-sampling level (``token`` PPO clip,
@@ -11,13 +14,20 @@ EMA of the LoRA weights, or none), optionally only on high-entropy tokens; ECHO 
 loss is aggregated over all active tokens of the group (``token_level``: one optimizer
 step per group) or per completion (``per_sample``: one step per completion).
 
-Read top to bottom: admission (request and config rules, target, model, pinned source,
-ingestion with action/observation masks, identity — everything that can fail before
-training), the dry run (every check, no forward pass, a receipt without weights; data it
-finds bad is its failed receipt, not a refusal), the
-loop (group filters, forwards, loss, steps, audits) and publication (adapter, receipt with
-the ``grpo`` block and policy audit, manifest). A failure after admission writes a failed
-receipt with its category.
+Read top to bottom:
+
+1. the effective configuration (``EffectiveGrpoConfig``, ``resolve_config``) and the request rules
+   (``check_request``): every refusal of spec/40, naming the field;
+2. admission (``admit_request``, ``admit_grpo``): target, model, pinned source, ingestion with action/observation
+   masks, identity -- everything that can fail before training;
+3. the plan (``filter_groups``, ``step_plan``, ``step_weights``): which groups train, in which order, and each
+   step's shares, decided before training from the rewards alone, so a checkpoint can bind the trainable order;
+   nothing left is ``zero_groups``, ECHO-only training without an observation token ``zero_env_tokens`` -- failures
+   of the run (a failed receipt), never refusals at admission;
+4. the run (``GrpoRun``): forwards, loss (``completion_loss``, ``share_loss``), steps, audits, checkpoints, and
+   publication (adapter, receipt with the ``grpo`` block and policy audit, manifest); the dry run (``DryRun``):
+   every check, no forward pass, a receipt without weights -- data it finds bad is its failed receipt;
+5. the loop's committed state (``GrpoLoop``: ``grpo_loop_state.json``) and the receipt.
 
 Checkpoints (spec/30): every ``checkpoint_interval`` committed groups (never after the
 last group: the adapter is published instead) and on cancellation. A checkpoint binds the
@@ -27,42 +37,53 @@ accumulators; resuming continues with the next trainable group and ends with exa
 bytes of an uninterrupted run.
 
 Deliberate simplifications: one pass over the groups in source order (``GrpoConfig`` has
-no epochs); the group filters are decided before training, so the trainable order is
-known up front; one forward per completion with dense logits (fine for the vocabularies
-Kiln trains on CPU; the fused SFT route is not used here yet); no
-``reward_filter_groups.json`` sidecar. The loss is reduced by the objective's
-``aggregate`` and ECHO's cross-entropy by its ``echo_loss`` (the components the objective
-tests pin).
+no epochs); one forward per completion with dense logits unless ``micro_batch_size`` > 1 (the fused SFT route is
+not used here yet); no ``reward_filter_groups.json`` sidecar. The loss is reduced by the objective's
+``aggregate`` and ECHO's cross-entropy by its ``echo_loss`` (the components the objective tests pin).
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
 
+from kiln_contracts.models.kiln_control_plane_v1_schema import GrpoConfig, GrpoRequest
+
+from kiln._jsonio import JsonObject
 from kiln.artifacts.checkpoint_manifest import GRPO_SOURCE_KINDS
+from kiln.checkpoints import PublishedCheckpoint
 from kiln.digests import json_sha256, raw_hex
-from kiln.errors import ZeroEnvTokensError, ZeroGroupsError
-from kiln.trainers._admission import AdmittedJob, TrainingContext, base_model, job_fields, single_process
-from kiln.trainers._checkpointing import CheckpointProgress, manifest_head, publish_state, restore_policy
-from kiln.trainers._grpo_config import check_grpo_data, check_grpo_request, effective_grpo_config
-from kiln.trainers._grpo_parts import (
-    BatchedForwards,
-    ReferencePolicy,
-    completion_loss,
-    filter_groups,
-    ingest,
-    logprobs,
-    plan_groups,
-    share_loss,
-    step_plan,
-    step_weights,
+from kiln.errors import (
+    DataSchemaError,
+    RequestError,
+    TrainingDataError,
+    TrainingFailedError,
+    ZeroActionTokensError,
+    ZeroEnvTokensError,
+    ZeroGroupsError,
 )
+from kiln.trainers._admission import (
+    AdmittedJob,
+    TrainingContext,
+    base_model,
+    run_identity,
+    single_process,
+    with_targets,
+)
+from kiln.trainers._checkpointing import (
+    CheckpointProgress,
+    manifest_head,
+    phase_timings,
+    publish_state,
+    restore_policy,
+)
+from kiln.trainers._forwards import BatchedForwards, ReferencePolicy, logprobs
 from kiln.trainers._kit import (
     Cadence,
+    OnCheckpoint,
     Policy,
     Progress,
     TrainResult,
@@ -71,52 +92,264 @@ from kiln.trainers._kit import (
     publish_adapter,
     publish_receipt_only,
 )
-from kiln.trainers._loop_states import GrpoLoop, grpo_cursor
 from kiln.trainers._receipts import data_block, echo_block, envelope
+from kiln.trainers._requests import json_rows, parse_request, refuse_gate
 from kiln.trainers._resume import claim_target, load_resume, resume_metadata
-from kiln.training import LORA_INIT_ALGORITHM, lora_delta_norms, model_head
+from kiln.training import (
+    LORA_INIT_ALGORITHM,
+    DataParallel,
+    Echo,
+    EffectiveConfig,
+    check_run_bounds,
+    common_members,
+    context_length,
+    lora_delta_norms,
+    model_head,
+    refuse,
+)
 from kiln.training import grpo_objective as obj
+from kiln.training.echo import EchoAccumulator, echo_loss, step_echo_ce
+
+if TYPE_CHECKING:
+    import torch
+
+    from kiln.data import GrpoCompletion, GrpoGroup, GrpoIngestion
+    from kiln.model import LoadedModel
+    from kiln.training import ModelHead
 
 KIND = "grpo"
 REFERENCE_FILE = "reference.safetensors"
 PROGRESS_AUX = ("source_byte_offset", "source_lines_consumed", "consumed_lines_sha256", "ema_groups_since_refresh")
-NO_COUNTS = {"dynamic": 0, "variance": 0}
-# fmt: off
+
+__all__ = [
+    "AdmittedGrpo",
+    "DryRun",
+    "EffectiveGrpoConfig",
+    "GrpoLoop",
+    "GrpoRun",
+    "KlReference",
+    "admit_grpo",
+    "admit_request",
+    "check_request",
+    "resolve_config",
+    "run_grpo",
+]
+
+
+# ----------------------------------------------------------------------------- the effective configuration
+
+
+@dataclass(frozen=True)
+class KlReference:
+    """The KL reference: the frozen base (``base_per_step``), an EMA of the LoRA tensors, or ``none``."""
+
+    kind: str
+    decay: float | None = None  # ema only
+    refresh_every: int | None = None  # ema only
+
+    def to_json(self) -> JsonObject:
+        if self.kind != "ema":
+            return {"kind": self.kind}
+        return {"kind": self.kind, "decay": self.decay, "refresh_every": self.refresh_every}
+
+
+@dataclass(frozen=True, kw_only=True)
+class EffectiveGrpoConfig(EffectiveConfig):
+    """A GRPO run's configuration with every default resolved: what its checkpoints, receipt and replay record."""
+
+    kl_coeff: float
+    clip_epsilon: float
+    clip_eps_high: float | None
+    cispo_max_weight: float
+    advantage_mode: str
+    loss_aggregation: str
+    kl_estimator: str
+    dynamic_sampling: bool
+    is_level: str
+    behavior_policy: str
+    kl_reference_policy: KlReference
+    entropy_aware_kl_quantile: float | None
+    reward_saturation_threshold: float
+    reward_low_variance_threshold: float
+    reward_filter_var_min: float | None
+    reward_filter_var_max: float | None
+    reward_filter_min_groups: int
+    reward_filter_on_empty: str
+    echo: Echo | None  # loss.echo
+    no_policy_loss: bool  # loss.no_policy_loss
+
+    @property
+    def kl_on(self) -> bool:
+        return self.kl_coeff > 0 and self.kl_estimator != "none"
+
+    def to_json(self) -> JsonObject:
+        return {
+            **self.common_json(),
+            "kl_coeff": self.kl_coeff,
+            "clip_epsilon": self.clip_epsilon,
+            "clip_eps_high": self.clip_eps_high,
+            "cispo_max_weight": self.cispo_max_weight,
+            "advantage_mode": self.advantage_mode,
+            "loss_aggregation": self.loss_aggregation,
+            "kl_estimator": self.kl_estimator,
+            "dynamic_sampling": self.dynamic_sampling,
+            "is_level": self.is_level,
+            "behavior_policy": self.behavior_policy,
+            "kl_reference_policy": self.kl_reference_policy.to_json(),
+            "entropy_aware_kl_quantile": self.entropy_aware_kl_quantile,
+            "reward_saturation_threshold": self.reward_saturation_threshold,
+            "reward_low_variance_threshold": self.reward_low_variance_threshold,
+            "reward_filter_var_min": self.reward_filter_var_min,
+            "reward_filter_var_max": self.reward_filter_var_max,
+            "reward_filter_min_groups": self.reward_filter_min_groups,
+            "reward_filter_on_empty": self.reward_filter_on_empty,
+            "loss": {"echo": None if self.echo is None else self.echo.to_json(), "no_policy_loss": self.no_policy_loss},
+        }
+
+
 RECEIPT_CONFIG = (  # the effective-config members the receipt's grpo block repeats
     "kl_coeff", "clip_epsilon", "clip_eps_high", "cispo_max_weight", "dynamic_sampling", "advantage_mode",
     "loss_aggregation", "kl_estimator", "is_level", "behavior_policy", "kl_reference_policy",
     "entropy_aware_kl_quantile",
-)
-# fmt: on
+)  # fmt: skip
 
-__all__ = ["AdmittedGrpo", "admit_grpo", "admit_request", "run_grpo"]
+
+def resolve_config(
+    config: GrpoConfig, adapter_name: str, *, seed: int | None = None, checkpoint_interval: int | None = None
+) -> EffectiveGrpoConfig:
+    """The effective configuration of a (schema-valid) ``GrpoConfig``; refuses, naming the field, what Kiln does not
+    execute: ``kl_reference_policy`` with its alias ``reference_policy``, a KL term against reference ``none``,
+    ``reward_filter_var_min`` above ``reward_filter_var_max``, ``loss.opd``, ``loss.no_policy_loss`` without an ECHO
+    term of positive ``lambda``, shape conversion, the smoke test, anomaly detection, the LoRA scale guardrail.
+
+    ``seed``: a resumed checkpoint's (authoritative); ``checkpoint_interval``: what a config without one gets."""
+    if config.allow_adapter_shape_conversion:
+        refuse(
+            "allow_adapter_shape_conversion", "Kiln never converts adapter shapes", code="training_backend_unsupported"
+        )
+    for flag in ("adapter_smoke_test", "adapter_smoke_prompts", "detect_anomaly"):
+        if getattr(config, flag):
+            refuse(flag, "not available for GRPO in this Kiln", code="training_backend_unsupported")
+    common = common_members(
+        config, "GrpoConfig", adapter_name=adapter_name, seed=seed, checkpoint_interval=checkpoint_interval
+    )
+    reference = _reference(config)
+    estimator = config.kl_estimator.value
+    if reference.kind == "none" and config.kl_coeff > 0 and estimator != "none":
+        refuse(
+            "kl_reference_policy",
+            f"reference 'none' needs the KL term off, but kl_coeff is {config.kl_coeff:g} with estimator {estimator!r}",
+            hint='set "kl_coeff": 0 or "kl_estimator": "none", or choose a reference (base_per_step, ema)',
+        )
+    var_min = None if config.reward_filter_var_min is None else config.reward_filter_var_min.root
+    var_max = None if config.reward_filter_var_max is None else config.reward_filter_var_max.root
+    if var_min is not None and var_max is not None and var_min > var_max:
+        refuse("reward_filter_var_min", f"{var_min:g} is above reward_filter_var_max {var_max:g}")
+    loss = config.loss
+    if loss.opd is not None:
+        refuse("loss.opd", "an OPD term inside GRPO is not executed by Kiln", code="training_backend_unsupported")
+    echo = Echo.resolve(loss.echo)
+    if loss.no_policy_loss and (echo is None or echo.lam <= 0):
+        default_lambda = GrpoConfig().loss.echo
+        refuse(
+            "loss.no_policy_loss",
+            "training with the policy loss off needs an ECHO term with lambda > 0",
+            hint=f'add "loss": {{"echo": {{"lambda": {default_lambda.lambda_ if default_lambda else 0.05:g}}}}} or '
+            "drop no_policy_loss",
+        )
+    quantile = config.entropy_aware_kl_quantile
+    return EffectiveGrpoConfig(
+        **common,
+        kl_coeff=config.kl_coeff,
+        clip_epsilon=config.clip_epsilon,
+        clip_eps_high=None if config.clip_eps_high is None else config.clip_eps_high.root,
+        cispo_max_weight=config.cispo_max_weight,
+        advantage_mode=config.advantage_mode.value,
+        loss_aggregation=config.loss_aggregation.value,
+        kl_estimator=estimator,
+        dynamic_sampling=config.dynamic_sampling,
+        is_level=config.is_level.value,
+        behavior_policy=config.behavior_policy.value,
+        kl_reference_policy=reference,
+        entropy_aware_kl_quantile=None if quantile is None else quantile.root,
+        reward_saturation_threshold=config.reward_saturation_threshold,
+        reward_low_variance_threshold=config.reward_low_variance_threshold,
+        reward_filter_var_min=var_min,
+        reward_filter_var_max=var_max,
+        reward_filter_min_groups=config.reward_filter_min_groups,
+        reward_filter_on_empty=config.reward_filter_on_empty.value,
+        echo=echo,
+        no_policy_loss=loss.no_policy_loss,
+    )
+
+
+def _reference(config: GrpoConfig) -> KlReference:
+    """``kl_reference_policy`` (or its alias ``reference_policy``, never both) with the ``ema`` members' defaults."""
+    given = config.model_fields_set
+    if "kl_reference_policy" in given and "reference_policy" in given:
+        refuse(
+            "reference_policy",
+            "send either kl_reference_policy or its alias reference_policy, not both",
+            hint="keep kl_reference_policy",
+        )
+    chosen = config.kl_reference_policy
+    if "kl_reference_policy" not in given and config.reference_policy is not None:
+        chosen = config.reference_policy
+    if chosen.kind == "ema":
+        return KlReference("ema", decay=chosen.decay, refresh_every=chosen.refresh_every)
+    return KlReference(chosen.kind)
+
+
+def check_request(request: GrpoRequest) -> None:
+    """The request-level refusals of spec/40 that need no data or model (the schema has been checked at the door)."""
+    if request.dataset is not None or "dataset_split" in request.model_fields_set:
+        raise RequestError(
+            "named datasets (dataset, dataset_split) are not supported: Kiln has no dataset registry",
+            code="training_backend_unsupported",
+        )
+    refuse_gate(request.post_eval)
+    sources = [key for key in ("groups", "agentic_groups") if key in request.model_fields_set]
+    if len(sources) > 1:
+        raise RequestError("send groups or its alias agentic_groups, not both", code="training_invalid_request")
+    if request.dataset_path is not None and sources:
+        raise RequestError("send inline groups or a dataset_path, not both", code="training_invalid_request")
+    if request.dataset_path is None and not sources:
+        raise RequestError("a GRPO request needs groups or a dataset_path", code="training_invalid_request")
+    if request.dry_run and request.dataset_path is None:
+        raise RequestError(
+            "dry_run checks a streamed file: it needs dataset_path",
+            code="training_invalid_request",
+            hint="write the groups to a .jsonl file (one group per line) and send its absolute path",
+        )
 
 
 # ----------------------------------------------------------------------------- admission
 
 
 @dataclass(kw_only=True)
-class AdmittedGrpo(AdmittedJob):
-    ingestion: Any
+class AdmittedGrpo(AdmittedJob[EffectiveGrpoConfig]):
+    """An admitted GRPO job: the ingested groups, the pinned source and, for a dry run, its data's refusal."""
+
+    kind: ClassVar[str] = KIND
+    ingestion: GrpoIngestion
     tokenize_ms: float
     pin: str | None = None
-    refused: Any = None  # a dry run's data refusal (TrainingFailedError), recorded by its failed receipt
-    head: Any = None  # kiln.training.ModelHead, proven at admission when micro-batches read the logits themselves
-    kind: str = field(default=KIND, init=False)
+    refused: TrainingFailedError | None = None  # a dry run's data refusal, recorded by its failed receipt
+    head: ModelHead | None = None  # proven at admission when micro-batches read the logits themselves
 
     @property
     def total_steps(self) -> int:
         kept, _ = plan_groups(self)
-        cfg = self.config
-        return len(step_plan(kept, cfg["loss_aggregation"], cfg["gradient_accumulation_steps"]))
+        return len(step_plan(kept, self.config.loss_aggregation, self.config.gradient_accumulation_steps))
 
     @property
     def data_sha256(self) -> str:
         return self.ingestion.source_sha256
 
-    def identity_manifest(self) -> dict[str, Any]:
+    def identity_manifest(self) -> JsonObject:
         cfg = self.config
         kept, _ = plan_groups(self)
+        ema = cfg.kl_reference_policy.kind == "ema"
         return manifest_head(
             self,
             KIND,
@@ -126,97 +359,328 @@ class AdmittedGrpo(AdmittedJob):
                 "content_sha256": raw_hex(self.ingestion.source_sha256),
                 "item_count": len(kept),
             },
-            rng_states={"lora-init": {"algorithm": LORA_INIT_ALGORITHM, "seed": cfg["seed"], "position": 0}},
-            extra_state_files={"reference_state": REFERENCE_FILE} if _ema(cfg) else None,
+            rng_states={"lora-init": {"algorithm": LORA_INIT_ALGORITHM, "seed": cfg.seed, "position": 0}},
+            extra_state_files={"reference_state": REFERENCE_FILE} if ema else None,
             auxiliary={
                 "route": self.ingestion.route,
                 "trainable_order_sha256": json_sha256([g.index for g in kept]),
-                "reference_policy": cfg["kl_reference_policy"]["kind"],
+                "reference_policy": cfg.kl_reference_policy.kind,
             },
         )
+
+
+def admit_request(request: GrpoRequest, *, adapter_name: str, context: TrainingContext) -> AdmittedGrpo:
+    """A ``GrpoRequest`` admitted in ``context`` (a dry run gets no default checkpoint interval); raises
+    ``KilnError`` and publishes nothing."""
+    from kiln.data import check_unchanged, dataset_sha256
+
+    single_process(context, "GRPO")
+    check_request(request)
+    config = request.config or GrpoConfig()
+    registry = context.registry
+    resume = None if config.resume_checkpoint is None else config.resume_checkpoint.root
+    point = resume_metadata(registry, adapter_name, resume, None if config.seed is None else config.seed.root, KIND)
+    cfg = resolve_config(
+        config,
+        adapter_name,
+        seed=None if point is None else point.seed,
+        checkpoint_interval=None if request.dry_run else context.checkpoint_interval,
+    )
+    claim_target(registry, adapter_name, point)
+    loaded = base_model(context)
+    pin = dataset_sha256(request.dataset_path) if request.dataset_path is not None else None
+    start = time.perf_counter()
+    ingestion, refused = _ingest(request, loaded, cfg, pin)
+    tokenize_ms = (time.perf_counter() - start) * 1000
+    if request.dataset_path is not None and pin is not None and refused is None:
+        check_unchanged(request.dataset_path, pin, now=ingestion.source_sha256)  # the bytes read are those pinned
+    cfg = with_targets(cfg, loaded)
+    job = AdmittedGrpo(
+        adapter_name=adapter_name,
+        registry=registry,
+        config=cfg,
+        loaded=loaded,
+        run=run_identity(loaded, cfg.optimizer, context.data_parallel),
+        dry_run=bool(request.dry_run),
+        ingestion=ingestion,
+        tokenize_ms=tokenize_ms,
+        refused=refused,
+        pin=pin,
+        head=model_head(loaded.model) if cfg.micro_batch_size > 1 else None,
+    )
+    _check_data(job)
+    job.resume = load_resume(point, job.identity_manifest(), progress_auxiliary=PROGRESS_AUX)
+    return job
 
 
 def admit_grpo(
     *,
     adapter_name: str,
-    registry: Any,
-    request: dict[str, Any],
+    registry: Path,
+    request: JsonObject,
     model_path: str | None = None,
-    loaded: Any = None,
-    data_parallel: Any = None,
+    loaded: LoadedModel | None = None,
+    data_parallel: DataParallel | None = None,
 ) -> AdmittedGrpo:
-    """Everything that can fail before training; raises ``KilnError`` and publishes nothing (``data_parallel``: the
-    one worker process it trains in, when not this one)."""
-    from kiln.data import check_unchanged, dataset_sha256
-
-    check_grpo_request(request)
-    config = dict(request.get("config") or {})
-    checkpoint_path = resume_metadata(registry, adapter_name, config, KIND)
-    cfg = effective_grpo_config(config, adapter_name)
-    claim_target(registry, adapter_name, checkpoint_path)
-    loaded = base_model(model_path, loaded)
-    dataset_path = request.get("dataset_path")
-    pin = dataset_sha256(dataset_path) if dataset_path is not None else None
-    start = time.perf_counter()
-    ingestion, refused = ingest(request, loaded.tokenizer, cfg, pin)
-    tokenize_ms = (time.perf_counter() - start) * 1000
-    if pin is not None and refused is None:  # the bytes the streamed pass read are the bytes pinned before it
-        check_unchanged(dataset_path, pin, now=ingestion.source_sha256)
-    job = AdmittedGrpo(
-        **job_fields(adapter_name, registry, cfg, loaded, data_parallel=data_parallel),
-        ingestion=ingestion,
-        tokenize_ms=tokenize_ms,
-        dry_run=bool(request.get("dry_run")),
-        refused=refused,
-        pin=pin,
-        head=model_head(loaded.model) if cfg["micro_batch_size"] > 1 else None,
+    """``admit_request`` for a caller holding a ``GrpoRequest`` body as JSON (``data_parallel``: the one worker
+    process it trains in, when not this one)."""
+    context = TrainingContext(
+        registry=registry, model_path=model_path, loaded=loaded, data_parallel=data_parallel or DataParallel()
     )
-    check_grpo_data(job)
-    job.resume = load_resume(checkpoint_path, job.identity_manifest(), progress_auxiliary=PROGRESS_AUX)
-    return job
+    return admit_request(parse_request(GrpoRequest, request), adapter_name=adapter_name, context=context)
 
 
-def admit_request(request: dict[str, Any], *, adapter_name: str, context: TrainingContext) -> AdmittedGrpo:
-    """A ``GrpoRequest`` body admitted in ``context`` (a dry run gets no default checkpoint interval)."""
-    single_process(context, "GRPO")
-    config = dict(request.get("config") or {})
-    if config.get("checkpoint_interval") is None and not request.get("dry_run"):
-        config["checkpoint_interval"] = context.checkpoint_interval
-    return admit_grpo(
-        adapter_name=adapter_name,
-        registry=context.registry,
-        request={**request, "config": config},
-        model_path=context.model_path,
-        loaded=context.loaded,
-        data_parallel=context.data_parallel,
+# the failure a dry run records for training data refused at admission, by the refusal's reason
+DRY_RUN_FAILURES: dict[str, type[TrainingFailedError]] = {
+    "data_schema_error": DataSchemaError,
+    "zero_action_tokens": ZeroActionTokensError,
+    "zero_groups": ZeroGroupsError,
+}
+
+
+def _ingest(
+    request: GrpoRequest, loaded: LoadedModel, cfg: EffectiveGrpoConfig, pin: str | None
+) -> tuple[GrpoIngestion, TrainingFailedError | None]:
+    """``(ingestion, refusal)``: the request's groups read and tokenised (``kiln.data.read_groups``), and None. Data
+    refused in a dry run gives an ingestion without groups (the pinned file's path and digest) and the failure the
+    dry run's receipt records; any other run's refusal raises (nothing is written for a refused request)."""
+    from kiln.data import read_groups, refused_ingestion
+
+    try:
+        ingestion = read_groups(
+            tokenizer=loaded.tokenizer,
+            groups=json_rows(request.groups),
+            agentic_groups=json_rows(request.agentic_groups),
+            dataset_path=request.dataset_path,
+            warning_filter=cfg.echo.warning_filter if cfg.echo else True,
+            behavior_policy=cfg.behavior_policy,
+        )
+    except TrainingDataError as refused:
+        if not request.dry_run or pin is None or request.dataset_path is None:
+            raise
+        return refused_ingestion(request.dataset_path, pin), DRY_RUN_FAILURES[refused.reason](refused.message)
+    return ingestion, None
+
+
+def _check_data(job: AdmittedGrpo) -> None:
+    """An admitted job within the run bounds: its optimizer steps and, per completion, the prompt + completion tokens
+    against the model's context length."""
+    per = "completions" if job.config.loss_aggregation == "per_sample" else "groups"
+    check_run_bounds(
+        total_steps=job.total_steps,
+        steps_rule=f"one per kept {per[:-1]}",
+        rows=(
+            (f"group {group.index + 1} completion {completion.index + 1}", len(completion.input_ids))
+            for group in job.ingestion.groups
+            for completion in group.completions
+        ),
+        context=context_length(job.loaded),
     )
 
 
-def _ema(cfg: dict[str, Any]) -> bool:
-    return cfg["kl_reference_policy"]["kind"] == "ema"
+# ----------------------------------------------------------------------------- the plan
 
 
-# ----------------------------------------------------------------------------- dry run
+@dataclass(frozen=True)
+class FilterCounts:
+    """The groups the filters dropped: equal rewards (dynamic sampling), and the reward-variance filter."""
+
+    dynamic: int = 0
+    variance: int = 0
 
 
-def dry_run_grpo(job: AdmittedGrpo) -> TrainResult:
-    """Every check of a real run without a forward or backward pass; a receipt without weights."""
-    started = time.perf_counter()
-    run: dict[str, Any] = {"kept": [], "counts": dict(NO_COUNTS), "timings": {}, "delta_norms": []}
+def filter_groups(job: AdmittedGrpo) -> tuple[list[GrpoGroup], FilterCounts]:
+    """The groups that train, and the counts of those dropped (dynamic sampling, variance filter)."""
+    cfg = job.config
+    kept: list[GrpoGroup] = []
+    dynamic = variance = 0
+    for group in job.ingestion.groups:
+        keep, reason = obj.keep_group(
+            [c.reward for c in group.completions],
+            dynamic_sampling=cfg.dynamic_sampling,
+            var_min=cfg.reward_filter_var_min,
+            var_max=cfg.reward_filter_var_max,
+        )
+        if keep:
+            kept.append(group)
+        elif reason == obj.DROP_EQUAL_REWARDS:
+            dynamic += 1
+        else:
+            variance += 1
+    counts = FilterCounts(dynamic, variance)
+    filtering = cfg.reward_filter_var_min is not None or cfg.reward_filter_var_max is not None
+    if filtering and len(kept) < cfg.reward_filter_min_groups:
+        if cfg.reward_filter_on_empty == "fail":
+            raise ZeroGroupsError(
+                f"the reward-variance filter kept {len(kept)} group(s), fewer than reward_filter_min_groups "
+                f"{cfg.reward_filter_min_groups}",
+                _as_counts(counts),
+            )
+        if cfg.reward_filter_on_empty == "train-all":
+            kept = [g for g in job.ingestion.groups if not (cfg.dynamic_sampling and equal_rewards(g))]
+            counts = FilterCounts(dynamic, 0)
+        else:  # skip: finish without an update
+            kept = []
+    elif not kept:
+        raise ZeroGroupsError("every group was filtered out; nothing would train", _as_counts(counts))
+    if cfg.no_policy_loss and not any(c.observation_tokens for g in kept for c in g.completions):
+        raise ZeroEnvTokensError(
+            "loss.no_policy_loss trains the ECHO term alone, but no group that would train has an observation "
+            "token; nothing would train",
+            _as_counts(counts),
+        )
+    return kept, counts
 
-    def check() -> TrainResult:
-        check_pin(job.ingestion.path, job.pin)
-        if job.refused is not None:
-            raise job.refused
-        run["kept"], run["counts"] = filter_groups(job)
-        return publish_receipt_only(job, _receipt(job, started, run, None, None, dry_run=True))
 
-    def failed(failure: tuple[str, str], exc: BaseException) -> dict[str, Any]:
-        if isinstance(exc, (ZeroGroupsError, ZeroEnvTokensError)):
-            run["counts"] = exc.counts or run["counts"]
-        return _receipt(job, started, run, None, None, failure=failure, dry_run=True)
+def _as_counts(counts: FilterCounts) -> dict[str, int]:
+    """The counts a ``ZeroGroupsError``/``ZeroEnvTokensError`` carries to the failed receipt."""
+    return {"dynamic": counts.dynamic, "variance": counts.variance}
 
-    return guarded(job, check, failed, dict)
+
+def _from_counts(counts: dict[str, int] | None) -> FilterCounts | None:
+    return None if counts is None else FilterCounts(counts["dynamic"], counts["variance"])
+
+
+def equal_rewards(group: GrpoGroup) -> bool:
+    """Every completion of the group got the same reward (what dynamic sampling drops)."""
+    rewards = [c.reward for c in group.completions]
+    return max(rewards) == min(rewards)
+
+
+def plan_groups(job: AdmittedGrpo) -> tuple[list[GrpoGroup], FilterCounts]:
+    """The trainable groups in order (empty when the filters leave nothing) and the filter counts."""
+    try:
+        return filter_groups(job)
+    except (ZeroGroupsError, ZeroEnvTokensError) as exc:
+        return [], _from_counts(exc.counts) or FilterCounts()
+
+
+Share = tuple[int, list[int]]  # (group number from 1, completion indices)
+
+
+def step_plan(kept: list[GrpoGroup], aggregation: str, accumulation: int) -> list[list[Share]]:
+    """The run's optimizer steps in order, each a list of shares ``(group number from 1, completion indices)``: one
+    backward each, their gradients added up before the step.
+
+    ``token_level``: ``accumulation`` consecutive groups, a share per group with all its completions (the last step
+    takes what is left). ``per_sample``: ``accumulation`` consecutive completions of one group, a share per
+    completion; a step never spans two groups, so every group ends on a step boundary."""
+    if aggregation == "token_level":
+        numbered = [(n, list(range(len(g.completions)))) for n, g in enumerate(kept, start=1)]
+        return [numbered[i : i + accumulation] for i in range(0, len(numbered), accumulation)]
+    return [
+        [(n, [i]) for i in range(start, min(start + accumulation, len(g.completions)))]
+        for n, g in enumerate(kept, start=1)
+        for start in range(0, len(g.completions), accumulation)
+    ]
+
+
+def step_weights(kept: list[GrpoGroup], shares: list[Share], aggregation: str) -> list[tuple[float, float]]:
+    """Per share of a step, ``(loss weight, ECHO weight)``: the factors that turn the share's own reduction (the
+    token mean over its action tokens) and its ECHO term (λ times its observation-token mean) into its part of the
+    step's loss -- the token mean over all the step's action tokens (``per_sample``: the mean of the per-completion
+    means) plus λ times the mean cross-entropy over all its observation tokens. A step of one share has weights
+    (1, 1): today's arithmetic exactly."""
+    if len(shares) == 1:
+        return [(1.0, 1.0)]
+
+    def count(number: int, indices: list[int], mask: str) -> int:
+        return sum(sum(bool(m) for m in getattr(kept[number - 1].completions[i], mask)) for i in indices)
+
+    actions = [count(n, idx, "action_mask") for n, idx in shares]
+    observed = [count(n, idx, "observation_mask") for n, idx in shares]
+    total, total_obs = max(sum(actions), 1), max(sum(observed), 1)
+    per_sample = aggregation == "per_sample"
+    return [
+        (1.0 / len(shares) if per_sample else a / total, o / total_obs) for a, o in zip(actions, observed, strict=True)
+    ]
+
+
+# ----------------------------------------------------------------------------- the loss of a completion and a share
+
+
+@dataclass
+class Audits:
+    """The run's audit accumulators: importance sampling, KL reference, ECHO."""
+
+    importance: obj.ImportanceSamplingAccumulator = field(default_factory=obj.ImportanceSamplingAccumulator)
+    kl: obj.KlReferenceAccumulator = field(default_factory=obj.KlReferenceAccumulator)
+    echo: EchoAccumulator = field(default_factory=EchoAccumulator)
+
+
+Terms = tuple["torch.Tensor", "torch.Tensor", "torch.Tensor", "torch.Tensor"]
+
+
+def completion_loss(
+    cfg: EffectiveGrpoConfig,
+    audits: Audits,
+    c: GrpoCompletion,
+    advantage: float,
+    ref: torch.Tensor | None,
+    taken: torch.Tensor,
+    spread: torch.Tensor | None,
+) -> Terms:
+    """One completion: its per-token policy(+KL) loss and action mask ``[1, T-1]``, and the log-probabilities of its
+    taken tokens with their observation mask ``[T-1]`` (ECHO). ``taken``/``spread``: the policy's log-probabilities of
+    the taken tokens and its per-position entropy (None unless the KL is entropy-aware); ``ref``: the reference's."""
+    import torch
+
+    mask = torch.tensor(c.action_mask, dtype=torch.bool).unsqueeze(0)
+    new = taken.unsqueeze(0)
+    behavior = None
+    if cfg.behavior_policy == "recorded":
+        behavior = torch.zeros_like(new)
+        behavior[mask] = torch.tensor(c.recorded_logprobs, dtype=new.dtype)
+    per_token, is_audit = obj.policy_loss(
+        new,
+        behavior,
+        torch.tensor([[advantage]], dtype=new.dtype),
+        mask,
+        is_level=cfg.is_level,
+        clip_low=cfg.clip_epsilon,
+        clip_high=cfg.clip_eps_high,
+        cispo_max_weight=cfg.cispo_max_weight,
+    )
+    audits.importance.add(is_audit)
+    if cfg.no_policy_loss:
+        per_token = torch.zeros_like(per_token)
+    if cfg.kl_on and ref is not None:
+        entropy = None if spread is None else spread.detach().unsqueeze(0)
+        kl, kl_audit = obj.kl_estimate(
+            new,
+            ref.unsqueeze(0),
+            mask,
+            cfg.kl_estimator,
+            entropy=entropy,
+            entropy_quantile=cfg.entropy_aware_kl_quantile,
+        )
+        audits.kl.add(kl_audit)
+        per_token = per_token + cfg.kl_coeff * kl
+    return per_token, mask, taken, torch.tensor(c.observation_mask, dtype=torch.bool)
+
+
+def share_loss(
+    parts: list[Terms], weight: float, echo_weight: float, echo: Echo | None
+) -> tuple[torch.Tensor, tuple[float, int] | None]:
+    """A share's part of its step's loss (``step_weights``): the policy loss reduced over the parts' action tokens,
+    plus ECHO's λ·CE over their observation tokens, each scaled by its weight; and ``(CE, observation tokens)``, None
+    without ECHO or without an observation token."""
+    import torch
+
+    width = max(p.shape[-1] for p, _, _, _ in parts)
+    per_token = torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[-1])) for p, _, _, _ in parts])
+    mask = torch.cat([torch.nn.functional.pad(m, (0, width - m.shape[-1])) for _, m, _, _ in parts])
+    loss = obj.aggregate(per_token, mask, "token_level")
+    if weight != 1.0:
+        loss = loss * weight
+    found = None
+    if echo is not None:
+        observation = torch.cat([o for _, _, _, o in parts])
+        term, env_ce = echo_loss(torch.cat([t for _, _, t, _ in parts]), observation, echo.lam)
+        if env_ce is not None:
+            loss = loss + (term if echo_weight == 1.0 else term * echo_weight)
+            found = (env_ce, int(observation.sum()))
+    return loss, found
 
 
 # ----------------------------------------------------------------------------- the run
@@ -227,116 +691,138 @@ def run_grpo(
     *,
     progress: Progress | None = None,
     cancel: threading.Event | None = None,
-    on_checkpoint: Callable[[Any], None] | None = None,
+    on_checkpoint: OnCheckpoint | None = None,
 ) -> TrainResult:
-    """Train, then publish adapter, receipt and manifest (or a failed receipt)."""
+    """Train, then publish adapter, receipt and manifest (or a failed receipt); a dry run checks and writes its
+    receipt only."""
     if job.dry_run:
-        return dry_run_grpo(job)
-    started = time.perf_counter()
-    cfg = job.config
-    audits = {
-        "is": obj.ImportanceSamplingAccumulator(),
-        "kl": obj.KlReferenceAccumulator(),
-        "echo": obj.EchoAccumulator(),
-    }
-    loop = GrpoLoop(job.ingestion.route, audits=audits, timings={})
-    run: dict[str, Any] = {"kept": [], "counts": dict(NO_COUNTS), "timings": {}, "delta_norms": [], "cadence": None}
-    echo = cfg["loss"]["echo"]
-    reference = cfg["kl_reference_policy"]
-    kl_on = cfg["kl_coeff"] > 0 and cfg["kl_estimator"] != "none"
-    entropy_kl = kl_on and cfg["entropy_aware_kl_quantile"] is not None
+        return guarded(DryRun(job))
+    return guarded(GrpoRun(job, progress=progress, cancel=cancel, on_checkpoint=on_checkpoint))
 
-    def train() -> TrainResult:
-        import torch
 
+class DryRun:
+    """Every check of a real run without a forward or backward pass; a receipt without weights."""
+
+    def __init__(self, job: AdmittedGrpo) -> None:
+        self.job = job
+        self.started = time.perf_counter()
+        self.kept: list[GrpoGroup] = []
+        self.counts = FilterCounts()
+
+    @property
+    def losses(self) -> list[float]:
+        return []  # a dry run takes no step
+
+    @property
+    def checkpoints(self) -> list[Path]:
+        return []
+
+    def train(self) -> TrainResult:
+        job = self.job
         check_pin(job.ingestion.path, job.pin)
-        kept, _ = run["kept"], run["counts"] = filter_groups(job)
+        if job.refused is not None:
+            raise job.refused
+        self.kept, self.counts = filter_groups(job)
+        return publish_receipt_only(job, receipt(job, self.started, self.kept, self.counts, None, dry_run=True))
+
+    def failed_receipt(self, failure: tuple[str, str], exc: BaseException) -> JsonObject:
+        if isinstance(exc, (ZeroGroupsError, ZeroEnvTokensError)):
+            self.counts = _from_counts(exc.counts) or self.counts
+        return receipt(self.job, self.started, self.kept, self.counts, None, failure=failure, dry_run=True)
+
+
+class GrpoRun:
+    """One run of an admitted GRPO job; ``train`` reads setup -> loop over the planned steps -> publication."""
+
+    def __init__(
+        self,
+        job: AdmittedGrpo,
+        *,
+        progress: Progress | None,
+        cancel: threading.Event | None,
+        on_checkpoint: OnCheckpoint | None,
+    ) -> None:
+        self.job = job
+        self.started = time.perf_counter()
+        self.progress, self.cancel, self.on_checkpoint = progress, cancel, on_checkpoint
+        self.audits = Audits()
+        self.loop = GrpoLoop(job.ingestion.route)
+        self.kept: list[GrpoGroup] = []
+        self.counts = FilterCounts()
+        self.delta_norms: list[JsonObject] = []
+        self.cadence: Cadence | None = None
+        self.group_refs: dict[int, list[tuple[GrpoCompletion, float, torch.Tensor | None]]] = {}
+
+    @property
+    def losses(self) -> list[float]:
+        return list(self.loop.losses)
+
+    @property
+    def checkpoints(self) -> list[Path]:
+        return self.cadence.published if self.cadence is not None else []
+
+    def train(self) -> TrainResult:
+        job, cfg, loop = self.job, self.job.config, self.loop
+        # setup: the plan, the policy, the reference, the restored state, the checkpoint cadence
+        check_pin(job.ingestion.path, job.pin)
+        self.kept, self.counts = kept, _ = filter_groups(job)
         policy = Policy(job, restore=restore_policy)
-        model, params = policy.model, policy.params
-        loop.timings = run["timings"] = policy.timings
+        loop.timings = policy.timings
+        reference = cfg.kl_reference_policy
         ema = (
-            obj.EmaReference(params, decay=reference["decay"], refresh_every=reference["refresh_every"])
-            if reference["kind"] == "ema"
+            obj.EmaReference(policy.params, decay=reference.decay, refresh_every=reference.refresh_every)
+            if reference.kind == "ema" and reference.decay is not None and reference.refresh_every is not None
             else None
         )
-        reference_logp = ReferencePolicy(model, params, ema, policy.timings)
+        reference_logp = ReferencePolicy(policy.model, policy.params, ema, policy.timings)
         if job.resume is not None:
-            loop.restore(job.resume, ema)
-        cadence = run["cadence"] = Cadence(job, lambda: _publish(job, loop, kept, policy, ema), cancel, on_checkpoint)
-
-        def completion_terms(c: Any, advantage: float, ref: Any, found: Any = None) -> tuple[Any, Any, Any, Any]:
-            """One completion's loss terms (``completion_loss``); ``found``: its ``(taken, entropy)`` from a batched
-            forward; None runs its own forward."""
-            if found is None:
-                t0 = time.perf_counter()
-                logp_all, taken = logprobs(model, torch.tensor(c.input_ids, dtype=torch.long))
-                loop.timings["policy_forward_ms"] += (time.perf_counter() - t0) * 1000
-                with torch.no_grad():
-                    found = (taken, -(logp_all.exp() * logp_all).sum(-1) if entropy_kl else None)
-            return completion_loss(cfg, audits, c, advantage, ref, *found, kl_on=kl_on)
-
-        forwards = BatchedForwards(
-            model, job.head, reference_logp, cfg["micro_batch_size"], echo=echo is not None, entropy=entropy_kl
+            loop.restore(job.resume, ema, self.audits)
+        self.cadence = cadence = Cadence(
+            job, lambda: self._publish_checkpoint(policy, ema), self.cancel, self.on_checkpoint
         )
-
-        def share(parts: list[tuple[Any, Any, Any, Any]], weight: float, echo_weight: float) -> tuple[float, Any]:
-            """Backward of one share of an optimizer step (``share_loss``); its value and ``(CE, tokens)``."""
-            loss, found = share_loss(parts, weight, echo_weight, echo)
-            return policy.accumulate(loss, lambda: f"optimizer step {len(loop.losses) + 1}"), found
-
-        def commit(values: list[float], found: list[Any]) -> float:
-            """The optimizer step of the accumulated shares; its loss and ECHO cross-entropy are recorded."""
-            policy.apply()
-            value = sum(values[1:], values[0])
-            audits["echo"].add(obj.step_echo_ce(found))
-            loop.losses.append(value)
-            return value
-
-        group_refs: dict[int, list[Any]] = {}  # reference log-probabilities of the group in training, computed first
-
-        def group_terms(number: int) -> list[tuple[Any, float, Any]]:
-            if number not in group_refs:
-                group_refs.clear()
-                completions = kept[number - 1].completions
-                rewards = torch.tensor([c.reward for c in completions], dtype=torch.float64)
-                adv = obj.advantages(rewards, cfg["advantage_mode"]).tolist()
-                # reference log-probabilities first: an EMA reference is swapped into the LoRA tensors,
-                # which must not happen between a policy forward and its backward
-                refs = forwards.references(completions) if kl_on else [None] * len(completions)
-                group_refs[number] = [(c, adv[i], refs[i]) for i, c in enumerate(completions)]
-            return group_refs[number]
-
+        entropy_kl = cfg.kl_on and cfg.entropy_aware_kl_quantile is not None
+        forwards = BatchedForwards(
+            policy.model,
+            job.head,
+            reference_logp,
+            cfg.micro_batch_size,
+            echo=cfg.echo is not None,
+            entropy=entropy_kl,
+        )
+        # the loop: the planned steps, each a backward per share and one optimizer step
         settled_at = loop.groups_committed
-        for shares in step_plan(kept, cfg["loss_aggregation"], cfg["gradient_accumulation_steps"]):
+        for shares in step_plan(kept, cfg.loss_aggregation, cfg.gradient_accumulation_steps):
             if shares[-1][0] <= loop.groups_committed:
                 continue  # resumed: committed before the checkpoint (checkpoints land on step boundaries)
-            values, found, value = [], [], None
+            values: list[float] = []
+            found: list[tuple[float, int] | None] = []
+            value: float | None = None
             for (number, indices), weights in zip(
-                shares, step_weights(kept, shares, cfg["loss_aggregation"]), strict=True
+                shares, step_weights(kept, shares, cfg.loss_aggregation), strict=True
             ):
-                terms = group_terms(number)
-                if cfg["loss_aggregation"] == "token_level":  # the whole group: batched forwards when configured
+                terms = self._group_terms(number, forwards)
+                if cfg.loss_aggregation == "token_level":  # the whole group: batched forwards when configured
                     batched = forwards.policy(kept[number - 1].completions, loop.timings)
-                    parts = [completion_terms(*t, batched[i]) for i, t in enumerate(terms)]
+                    parts = [self._completion(policy, *term, batched[i], entropy_kl) for i, term in enumerate(terms)]
                 else:  # one completion
-                    parts = [completion_terms(*terms[i]) for i in indices]
-                out = share(parts, *weights)
-                values.append(out[0])
-                found.append(out[1])
+                    parts = [self._completion(policy, *terms[i], None, entropy_kl) for i in indices]
+                loss, share_found = share_loss(parts, *weights, cfg.echo)
+                values.append(policy.accumulate(loss, lambda: f"optimizer step {len(loop.losses) + 1}"))
+                found.append(share_found)
                 if indices[-1] + 1 < len(terms):
                     continue  # per_sample: the group goes on in the next step
                 if number == shares[-1][0]:
-                    value = commit(values, found)
+                    value = self._commit(policy, values, found)
                 if ema is not None:
-                    ema.update(params, number)
+                    ema.update(policy.params, number)
                 loop.groups_committed = number
                 loop.completions += len(terms)
-                if progress:
-                    progress(
+                if self.progress:
+                    self.progress(
                         {"step": number, "total": len(kept), "loss": value, "tokens": kept[number - 1].prompt_tokens}
                     )
             if value is None:  # per_sample, a step inside a group
-                value = commit(values, found)
+                self._commit(policy, values, found)
                 continue
             cadence.settled(
                 len(loop.losses),
@@ -348,65 +834,240 @@ def run_grpo(
                 ),
             )
             settled_at = loop.groups_committed
-        run["delta_norms"] = lora_delta_norms(model)
+        # publication
+        self.delta_norms = lora_delta_norms(policy.model)
         if not kept:  # reward_filter_on_empty "skip": finish without an update
-            return publish_receipt_only(job, _receipt(job, started, run, audits, None), losses=list(loop.losses))
+            return publish_receipt_only(job, self.receipt(None), losses=list(loop.losses))
         return publish_adapter(
             job,
-            model,
-            lambda adapter_dir: _receipt(job, started, run, audits, adapter_dir),
+            policy.model,
+            self.receipt,
             losses=list(loop.losses),
             checkpoints=cadence.published,
         )
 
-    def failed(failure: tuple[str, str], exc: BaseException) -> dict[str, Any]:
-        if isinstance(exc, (ZeroGroupsError, ZeroEnvTokensError)):
-            run["counts"] = exc.counts or run["counts"]
-        return _receipt(job, started, run, audits, None, failure=failure)
+    def _group_terms(
+        self, number: int, forwards: BatchedForwards
+    ) -> list[tuple[GrpoCompletion, float, torch.Tensor | None]]:
+        """The completions of group ``number`` with their advantages and reference log-probabilities, computed once
+        when the group starts (an EMA reference is swapped into the LoRA tensors, which must not happen between a
+        policy forward and its backward)."""
+        import torch
 
-    return guarded(
-        job,
-        train,
-        failed,
-        lambda: {"losses": list(loop.losses), "checkpoints": run["cadence"].published if run["cadence"] else []},
-    )
+        if number not in self.group_refs:
+            self.group_refs.clear()
+            completions = self.kept[number - 1].completions
+            rewards = torch.tensor([c.reward for c in completions], dtype=torch.float64)
+            adv = obj.advantages(rewards, self.job.config.advantage_mode).tolist()
+            refs = forwards.references(completions) if self.job.config.kl_on else [None] * len(completions)
+            self.group_refs[number] = [(c, adv[i], refs[i]) for i, c in enumerate(completions)]
+        return self.group_refs[number]
 
+    def _completion(
+        self,
+        policy: Policy,
+        c: GrpoCompletion,
+        advantage: float,
+        ref: torch.Tensor | None,
+        found: tuple[torch.Tensor, torch.Tensor | None] | None,
+        entropy_kl: bool,
+    ) -> Terms:
+        """One completion's loss terms (``completion_loss``); ``found``: its ``(taken, entropy)`` from a batched
+        forward; None runs its own forward."""
+        import torch
 
-def _publish(job: AdmittedGrpo, loop: GrpoLoop, kept: list[Any], policy: Policy, ema: Any) -> Any:
-    def stamp(manifest: dict[str, Any], loop_doc: dict[str, Any]) -> CheckpointProgress:
-        consumed = loop.consumed(kept)
-        manifest["auxiliary_state"].update(grpo_cursor(job.ingestion, consumed, ema, loop.groups_committed))
-        return CheckpointProgress(
-            loop_doc["global_step"], job.total_steps, 0, loop.groups_committed, list(range(len(kept)))
+        if found is None:
+            t0 = time.perf_counter()
+            logp_all, taken = logprobs(policy.model, torch.tensor(c.input_ids, dtype=torch.long))
+            self.loop.timings["policy_forward_ms"] += (time.perf_counter() - t0) * 1000
+            with torch.no_grad():
+                found = (taken, -(logp_all.exp() * logp_all).sum(-1) if entropy_kl else None)
+        return completion_loss(self.job.config, self.audits, c, advantage, ref, *found)
+
+    def _commit(self, policy: Policy, values: list[float], found: list[tuple[float, int] | None]) -> float:
+        """The optimizer step of the accumulated shares; its loss and ECHO cross-entropy are recorded."""
+        policy.apply()
+        value = sum(values[1:], values[0])
+        self.audits.echo.add(step_echo_ce(found))
+        self.loop.losses.append(value)
+        return value
+
+    def _publish_checkpoint(self, policy: Policy, ema: obj.EmaReference | None) -> PublishedCheckpoint:
+        job, loop, kept = self.job, self.loop, self.kept
+
+        def stamp(manifest: JsonObject, loop_doc: JsonObject) -> CheckpointProgress:
+            consumed = loop.consumed(kept)
+            manifest["auxiliary_state"].update(grpo_cursor(job.ingestion, consumed, ema, loop.groups_committed))
+            return CheckpointProgress(
+                loop_doc["global_step"], job.total_steps, 0, loop.groups_committed, list(range(len(kept)))
+            )
+
+        def reference() -> dict[str, tuple[str, dict[str, torch.Tensor]]]:
+            return {REFERENCE_FILE: ("reference-state", ema.state_dict())} if ema is not None else {}
+
+        return publish_state(
+            job,
+            KIND,
+            policy.params,
+            policy.optimizer,
+            loop_document=lambda: loop.as_document(job, kept, ema, self.audits),
+            stamp=stamp,
+            extra_tensors=reference,
         )
 
-    def reference() -> dict[str, Any]:
-        return {REFERENCE_FILE: ("reference-state", ema.state_dict())} if ema is not None else {}
+    def failed_receipt(self, failure: tuple[str, str], exc: BaseException) -> JsonObject:
+        if isinstance(exc, (ZeroGroupsError, ZeroEnvTokensError)):
+            self.counts = _from_counts(exc.counts) or self.counts
+        return receipt(
+            self.job, self.started, self.kept, self.counts, self.audits, failure=failure, timings=self.loop.timings,
+            delta_norms=self.delta_norms,
+        )  # fmt: skip
 
-    return publish_state(
-        job,
-        KIND,
-        policy.params,
-        policy.optimizer,
-        loop_document=lambda: loop.as_document(job, kept, ema),
-        stamp=stamp,
-        extra_tensors=reference,
-    )
+    def receipt(self, adapter_dir: Path | None) -> JsonObject:
+        return receipt(
+            self.job, self.started, self.kept, self.counts, self.audits, adapter_dir=adapter_dir,
+            timings=self.loop.timings, delta_norms=self.delta_norms,
+        )  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- the loop's committed state
+
+
+def grpo_token_counts(groups: list[GrpoGroup]) -> dict[str, int]:
+    """``token_counts`` of the completions of ``groups``."""
+    action = sum(c.action_tokens for g in groups for c in g.completions)
+    env = sum(c.observation_tokens for g in groups for c in g.completions)
+    warning = sum(c.warning_tokens for g in groups for c in g.completions)
+    total = sum(len(c.input_ids) for g in groups for c in g.completions)
+    return {
+        "action_tokens": action,
+        "env_tokens": env,
+        "env_tokens_before_warning_filter": env + warning,
+        "env_tokens_after_warning_filter": env,
+        "warning_tokens_filtered": warning,
+        "context_tokens": total - action - env,
+    }
+
+
+def grpo_cursor(
+    ingestion: GrpoIngestion, consumed: int, ema: obj.EmaReference | None, committed: int, *, loop: bool = False
+) -> JsonObject:
+    """The progress-dependent members shared by the GRPO loop state and ``auxiliary_state``: the streamed source's
+    byte offset, lines consumed (and, in the manifest, their digest) and the EMA reference's cadence."""
+    out: JsonObject = {}
+    if ingestion.route == "jsonl":
+        position = ingestion.positions[consumed - 1] if consumed else None
+        out["source_byte_offset"] = position.source_byte_offset if position else 0
+        out["source_lines_consumed"] = position.source_lines_consumed if position else 0
+        if not loop:
+            out["consumed_lines_sha256"] = position.consumed_lines_sha256 if position else json_sha256([])
+    if ema is not None:
+        out["ema_groups_since_refresh"] = ema.groups_since_refresh(committed)
+    return out
+
+
+@dataclass
+class GrpoLoop:
+    """The GRPO loop's committed state; ``as_document`` is ``grpo_loop_state.json``."""
+
+    route: str
+    timings: dict[str, float] = field(default_factory=dict)
+    groups_committed: int = 0  # trainable groups done (the cursor into the trainable order)
+    losses: list[float] = field(default_factory=list)
+    completions: int = 0
+
+    def consumed(self, kept: list[GrpoGroup]) -> int:
+        """Groups of the source read so far (the trainable ones done and those filtered before them)."""
+        return kept[self.groups_committed - 1].index + 1 if self.groups_committed else 0
+
+    def as_document(
+        self, job: AdmittedGrpo, kept: list[GrpoGroup], ema: obj.EmaReference | None, audits: Audits
+    ) -> JsonObject:
+        groups = job.ingestion.groups
+        consumed = self.consumed(kept)
+        done = kept[: self.groups_committed]
+        filtered = consumed - self.groups_committed
+        dynamic = (
+            sum(1 for g in groups[:consumed] if g not in done and equal_rewards(g))
+            if job.config.dynamic_sampling
+            else 0
+        )
+        doc: JsonObject = {
+            "schema_version": 1,
+            "state_type": "kiln.grpo-loop-state.v1",
+            "route": self.route,
+            "global_step": len(self.losses),
+            "processed_completions": self.completions,
+            "loss_history": list(self.losses),
+            "last_loss": self.losses[-1] if self.losses else None,
+            "data_stats": {
+                "groups_read": consumed,
+                "groups_filtered": filtered,
+                "groups_trained": self.groups_committed,
+                "completions_read": sum(len(g.completions) for g in groups[:consumed]),
+                "completions_trained": self.completions,
+            },
+            "token_counts": grpo_token_counts(done),
+            "dynamic_groups_filtered": min(dynamic, filtered),
+            "echo_metrics": audits.echo.loop_state(),
+            "lora_grad_norms": [],
+            "policy_audit": {
+                "importance_sampling": audits.importance.loop_state(),
+                "kl_reference": audits.kl.loop_state(),
+                "recorded_provenance": {
+                    "completion_count": 0,
+                    "sampled_action_tokens": 0,
+                    "forced_action_tokens": 0,
+                    "behavior_sources": [],
+                },
+            },
+            "phase_timings": phase_timings(job.tokenize_ms, self.timings),
+            "writer_timings": {"gpu_writer_wait_ms": 0.0, "gpu_writer_held_ms": 0.0, "gpu_writer_acquisitions": 0},
+        }
+        doc.update(grpo_cursor(job.ingestion, consumed, ema, self.groups_committed, loop=True))
+        return doc
+
+    def restore(self, resume: Any, ema: obj.EmaReference | None, audits: Audits) -> None:
+        """The committed state, audits and EMA reference of the checkpoint a run resumes from."""
+        from safetensors.torch import load as load_tensors
+
+        manifest, state = resume.manifest, resume.loop_state
+        if ema is not None:
+            ema.load_state_dict(load_tensors(resume.blobs[manifest["state_files"]["reference_state"]]))
+        self.losses.extend(state["loss_history"])
+        self.completions = state["processed_completions"]
+        self.groups_committed = manifest["progress"]["cursor_in_epoch"]
+        audit = state["policy_audit"]
+        audits.importance = obj.ImportanceSamplingAccumulator.from_loop_state(audit["importance_sampling"])
+        audits.kl = obj.KlReferenceAccumulator.from_loop_state(audit["kl_reference"])
+        audits.echo = EchoAccumulator.from_loop_state(state["echo_metrics"])
 
 
 # ----------------------------------------------------------------------------- the receipt
 
 
-def _receipt(job, started, run, audits, adapter_dir, *, failure=None, dry_run=False) -> dict[str, Any]:
+def receipt(
+    job: AdmittedGrpo,
+    started: float,
+    kept: list[GrpoGroup],
+    counts: FilterCounts,
+    audits: Audits | None,
+    *,
+    adapter_dir: Path | None = None,
+    failure: tuple[str, str] | None = None,
+    dry_run: bool = False,
+    timings: dict[str, float] | None = None,
+    delta_norms: list[JsonObject] | None = None,
+) -> JsonObject:
+    """The train receipt of a run (or a dry run: ``audits`` None) of ``job``."""
     cfg, ingestion = job.config, job.ingestion
-    kept, counts = run["kept"], run["counts"]
     rewards = obj.RewardStatsAccumulator(
-        saturation_threshold=cfg["reward_saturation_threshold"],
-        low_variance_threshold=cfg["reward_low_variance_threshold"],
+        saturation_threshold=cfg.reward_saturation_threshold,
+        low_variance_threshold=cfg.reward_low_variance_threshold,
     )
     for group in ingestion.groups:
         rewards.add_group([c.reward for c in group.completions])
-    receipt = envelope(
+    out = envelope(
         job,
         KIND,
         training_data=ingestion.training_data(dry_run=dry_run),
@@ -415,28 +1076,29 @@ def _receipt(job, started, run, audits, adapter_dir, *, failure=None, dry_run=Fa
         adapter_dir=adapter_dir,
         failure=failure,
         tokenize_ms=job.tokenize_ms,
-        timings=run["timings"],
-        delta_norms=run["delta_norms"],
+        timings=timings or {},
+        delta_norms=delta_norms or [],
         grad_norms=[],
     )
-    receipt["hyperparameters"]["shuffle"] = False  # groups train once, in source order
-    grpo: dict[str, Any] = {key: cfg[key] for key in RECEIPT_CONFIG}
-    grpo["dynamic_groups_filtered"] = counts["dynamic"]
-    if audits and (audits["is"].ratio_observations or audits["kl"].token_observations):
-        grpo["policy_audit"] = obj.policy_audit_receipt(audits["is"], audits["kl"])
-    receipt["grpo"] = grpo
-    receipt["echo"] = echo_block(cfg["loss"]["echo"], audits["echo"] if audits else obj.EchoAccumulator())
-    receipt["no_policy_loss"] = cfg["loss"]["no_policy_loss"]
+    out["hyperparameters"]["shuffle"] = False  # groups train once, in source order
+    config = cfg.to_json()
+    grpo: JsonObject = {key: config[key] for key in RECEIPT_CONFIG}
+    grpo["dynamic_groups_filtered"] = counts.dynamic
+    if audits and (audits.importance.ratio_observations or audits.kl.token_observations):
+        grpo["policy_audit"] = obj.policy_audit_receipt(audits.importance, audits.kl)
+    out["grpo"] = grpo
+    out["echo"] = echo_block(cfg.echo, audits.echo if audits else EchoAccumulator())
+    out["no_policy_loss"] = cfg.no_policy_loss
     trained = len(kept) if failure is None and not dry_run else 0
-    receipt["data"] = data_block(
+    out["data"] = data_block(
         groups_read=len(ingestion.groups),
-        groups_filtered=counts["dynamic"] + counts["variance"],
+        groups_filtered=counts.dynamic + counts.variance,
         groups_trained=trained,
         completions_read=sum(len(g.completions) for g in ingestion.groups),
         completions_trained=sum(len(g.completions) for g in kept) if trained else 0,
-        reward_groups_filtered=counts["variance"],
-        reward_groups_kept=len(ingestion.groups) - counts["variance"],
+        reward_groups_filtered=counts.variance,
+        reward_groups_kept=len(ingestion.groups) - counts.variance,
     )
-    receipt["rewards"] = rewards.as_receipt()
-    receipt["token_counts"] = ingestion.counts.token_counts()
-    return receipt
+    out["rewards"] = rewards.as_receipt()
+    out["token_counts"] = ingestion.counts.token_counts()
+    return out

@@ -1,8 +1,21 @@
-"""Components shared by the trainers: LoRA setup and warm start, optimizers, seeds, failure categories, training
-state as checkpoint files and back, the receipt base."""
+"""Components shared by the trainers: the typed effective-configuration parts (schedule, optimizer, ECHO, the members
+every kind resolves alike, the run bounds), LoRA setup and warm start, seeds, failure categories, training state as
+checkpoint files and back, the receipt base."""
 
 from __future__ import annotations
 
+from kiln.training._config import (
+    MAX_ALPHA_OVER_RANK,
+    MAX_TOTAL_STEPS,
+    CommonMembers,
+    ConfigModel,
+    Echo,
+    EffectiveConfig,
+    check_run_bounds,
+    common_members,
+    context_length,
+    refuse,
+)
 from kiln.training._data_parallel import SHARDING_RULE, DataParallel, RanksDivergedError, StepSync, backend_for
 from kiln.training._defaults import default_by, schema_defaults
 from kiln.training._failures import classify_failure
@@ -15,9 +28,9 @@ from kiln.training._lora import (
     module_of,
     target_modules,
 )
-from kiln.training._optim import build_optimizer, effective_optimizer
+from kiln.training._optim import AdamW, Muon, Optimizer, Sgd, resolve_optimizer
 from kiln.training._receipt import receipt_base
-from kiln.training._schedule import effective_schedule, schedule_state, scheduled_rate
+from kiln.training._schedule import Schedule
 from kiln.training._seeds import resolve_seed
 from kiln.training._state import (
     ADAPTER_FILE,
@@ -36,23 +49,34 @@ from kiln.training._warm_start import base_adapter_dir, warm_start
 __all__ = [
     "ADAPTER_FILE",
     "LORA_INIT_ALGORITHM",
+    "MAX_ALPHA_OVER_RANK",
+    "MAX_TOTAL_STEPS",
     "OPTIMIZER_FILE",
     "SHARDING_RULE",
+    "AdamW",
+    "CommonMembers",
+    "ConfigModel",
     "DataParallel",
+    "Echo",
+    "EffectiveConfig",
     "ModelHead",
+    "Muon",
+    "Optimizer",
     "RanksDivergedError",
+    "Schedule",
+    "Sgd",
     "StepSync",
     "adapter_tensors",
     "attach_lora",
     "auxiliary_identity",
     "backend_for",
     "base_adapter_dir",
-    "build_optimizer",
+    "check_run_bounds",
     "classify_failure",
+    "common_members",
+    "context_length",
     "decoder_of",
     "default_by",
-    "effective_optimizer",
-    "effective_schedule",
     "encode_tensors",
     "lora_delta_norms",
     "lora_grad_norms",
@@ -62,11 +86,11 @@ __all__ = [
     "optimizer_tensors",
     "planning_identity",
     "receipt_base",
+    "refuse",
+    "resolve_optimizer",
     "resolve_seed",
     "restore_adapter",
     "restore_optimizer",
-    "schedule_state",
-    "scheduled_rate",
     "schema_defaults",
     "target_modules",
     "warm_start",

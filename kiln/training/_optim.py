@@ -1,67 +1,119 @@
 """Optimizers of the native profile: ``muon``, ``adam_w``, ``sgd``.
 
-The learning rate of each step comes from the run's schedule (``kiln.training._schedule``; ``Policy``
-sets it before every step); no accumulation, no clipping. AdamW and SGD run their
-single-tensor (non-foreach, non-fused) implementations so numerics do not change between
-runs. Muon is ``torch.optim.Muon`` (Newton-Schulz orthogonalised momentum) on the 2-D LoRA
-matrices.
+The learning rate of each step comes from the run's schedule (``kiln.training.Schedule``; ``Policy`` sets it
+before every step); no accumulation, no clipping. AdamW and SGD run their single-tensor (non-foreach, non-fused)
+implementations so numerics do not change between runs. Muon is ``torch.optim.Muon`` (Newton-Schulz orthogonalised
+momentum) on the 2-D LoRA matrices. Each kind's settings and their defaults are the schema's ``MuonOptimizer``,
+``AdamWOptimizer`` and ``SgdOptimizer``, which the generated models carry.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
-from kiln.training._defaults import schema_defaults
+from kiln_contracts.models.kiln_control_plane_v1_schema import AdamWOptimizer, MuonOptimizer, SgdOptimizer
 
-__all__ = ["build_optimizer", "effective_optimizer"]
+from kiln._jsonio import JsonObject
 
-
-def effective_optimizer(spec: Mapping[str, Any]) -> dict[str, Any]:
-    """The optimizer object with every default of its kind filled in (what the effective config records).
-
-    ``spec`` is the config's ``optimizer`` with its own default applied (``{"kind": "muon"}``
-    when the request left it out); each kind's settings and their defaults are the schema's
-    ``SgdOptimizer``, ``AdamWOptimizer`` and ``MuonOptimizer``.
-    """
-    kind = spec.get("kind")
-    try:
-        defaults = schema_defaults("Optimizer", variant=kind) if isinstance(kind, str) else None
-    except KeyError:
-        defaults = None
-    if defaults is None:
-        raise ValueError(f"unknown optimizer kind {kind!r}; choose muon, adam_w or sgd")
-    unknown = set(spec) - {"kind"} - set(defaults)
-    if unknown:
-        raise ValueError(f"optimizer {kind} does not take {sorted(unknown)}")
-    given = {k: v for k, v in spec.items() if k != "kind"}
-    # one canonical number type per member, so ``0`` and ``0.0`` give the same effective config
-    # (JSON writers such as JavaScript's drop the ``.0``); the schema has already checked ranges
-    typed = {k: type(defaults[k])(v) if not isinstance(v, bool) else v for k, v in given.items()}
-    return {"kind": kind, **defaults, **typed}
-
-
-def build_optimizer(optimizer: dict[str, Any], params: list[Any], learning_rate: float) -> Any:
+if TYPE_CHECKING:
     import torch
 
-    kind = optimizer["kind"]
-    if kind == "muon":
+__all__ = ["AdamW", "Muon", "Optimizer", "Sgd", "resolve_optimizer"]
+
+
+@dataclass(frozen=True)
+class Muon:
+    """``torch.optim.Muon`` (Newton-Schulz orthogonalised momentum) on the 2-D LoRA matrices."""
+
+    kind: ClassVar[Literal["muon"]] = "muon"
+    stateful: ClassVar[bool] = True
+    momentum: float
+    nesterov: bool
+    ns_iters: int
+    weight_decay: float
+
+    def to_json(self) -> JsonObject:
+        return {
+            "kind": self.kind,
+            "momentum": self.momentum,
+            "nesterov": self.nesterov,
+            "ns_iters": self.ns_iters,
+            "weight_decay": self.weight_decay,
+        }
+
+    def build(self, params: list[Any], learning_rate: float) -> torch.optim.Optimizer:
+        import torch
+
         return torch.optim.Muon(
             params,
             lr=learning_rate,
-            weight_decay=optimizer["weight_decay"],
-            momentum=optimizer["momentum"],
-            nesterov=optimizer["nesterov"],
-            ns_steps=optimizer["ns_iters"],
+            weight_decay=self.weight_decay,
+            momentum=self.momentum,
+            nesterov=self.nesterov,
+            ns_steps=self.ns_iters,
         )
-    if kind == "adam_w":
+
+
+@dataclass(frozen=True)
+class AdamW:
+    """``torch.optim.AdamW``, single-tensor (neither foreach nor fused), so numerics never depend on the batch."""
+
+    kind: ClassVar[Literal["adam_w"]] = "adam_w"
+    stateful: ClassVar[bool] = True
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+
+    def to_json(self) -> JsonObject:
+        return {
+            "kind": self.kind,
+            "beta1": self.beta1,
+            "beta2": self.beta2,
+            "eps": self.eps,
+            "weight_decay": self.weight_decay,
+        }
+
+    def build(self, params: list[Any], learning_rate: float) -> torch.optim.Optimizer:
+        import torch
+
         return torch.optim.AdamW(
             params,
             lr=learning_rate,
-            betas=(optimizer["beta1"], optimizer["beta2"]),
-            eps=optimizer["eps"],
-            weight_decay=optimizer["weight_decay"],
+            betas=(self.beta1, self.beta2),
+            eps=self.eps,
+            weight_decay=self.weight_decay,
             foreach=False,
             fused=False,
         )
-    return torch.optim.SGD(params, lr=learning_rate, momentum=0.0, foreach=False)
+
+
+@dataclass(frozen=True)
+class Sgd:
+    """Plain SGD without momentum: no state to checkpoint."""
+
+    kind: ClassVar[Literal["sgd"]] = "sgd"
+    stateful: ClassVar[bool] = False
+
+    def to_json(self) -> JsonObject:
+        return {"kind": self.kind}
+
+    def build(self, params: list[Any], learning_rate: float) -> torch.optim.Optimizer:
+        import torch
+
+        return torch.optim.SGD(params, lr=learning_rate, momentum=0.0, foreach=False)
+
+
+Optimizer = Muon | AdamW | Sgd
+
+
+def resolve_optimizer(model: MuonOptimizer | AdamWOptimizer | SgdOptimizer) -> Optimizer:
+    """The optimizer of a config's ``optimizer``, every member of its kind filled in (the schema's defaults)."""
+    if isinstance(model, MuonOptimizer):
+        return Muon(
+            momentum=model.momentum, nesterov=model.nesterov, ns_iters=model.ns_iters, weight_decay=model.weight_decay
+        )
+    if isinstance(model, AdamWOptimizer):
+        return AdamW(beta1=model.beta1, beta2=model.beta2, eps=model.eps, weight_decay=model.weight_decay)
+    return Sgd()

@@ -12,11 +12,16 @@ import resource
 import time
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kiln import __version__
+from kiln._jsonio import JsonObject
 from kiln.digests import json_sha256
 from kiln.publish import adapter_file_receipt
+from kiln.training._config import EffectiveConfig
+
+if TYPE_CHECKING:
+    from kiln.model import ModelIdentity
 
 EMPTY_REWARDS: dict[str, Any] = {
     "count": 0,
@@ -44,10 +49,10 @@ def receipt_base(
     *,
     mode: str,
     adapter_name: str,
-    cfg: dict[str, Any],
-    identity: Any,
-    precision: dict[str, Any],
-    training_data: dict[str, Any],
+    cfg: EffectiveConfig,
+    identity: ModelIdentity,
+    precision: JsonObject,
+    training_data: JsonObject,
     started: float,
     epochs: int,
     base_adapter_dir: Path | None,
@@ -55,15 +60,16 @@ def receipt_base(
     failure: tuple[str, str] | None,
     tokenize_ms: float,
     timings: dict[str, float],
-    delta_norms: list[dict[str, Any]],
-    grad_norms: list[dict[str, Any]],
-) -> dict[str, Any]:
+    delta_norms: list[JsonObject],
+    grad_norms: list[JsonObject],
+) -> JsonObject:
     from kiln.model import git_source
 
-    config_hash = json_sha256(cfg)
+    config = cfg.to_json()
+    config_hash = json_sha256(config)
     commit, dirty = git_source()
     peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    receipt: dict[str, Any] = {
+    receipt: JsonObject = {
         "schema_version": 1,
         "receipt_type": "kiln_train_receipt",
         "adapter_name": adapter_name,
@@ -91,12 +97,12 @@ def receipt_base(
         "training_data": training_data,
         "hyperparameters": {
             "mode": mode,
-            "rank": cfg["lora_rank"],
-            "alpha": cfg["lora_alpha"],
-            "alpha_over_rank": cfg["lora_alpha"] / cfg["lora_rank"],
-            "learning_rate": cfg["learning_rate"],
+            "rank": cfg.lora_rank,
+            "alpha": cfg.lora_alpha,
+            "alpha_over_rank": cfg.lora_alpha / cfg.lora_rank,
+            "learning_rate": cfg.learning_rate,
             "epochs": epochs,
-            "seed": cfg["seed"],
+            "seed": cfg.seed,
         },
         "grpo": None,
         "echo": dict(ECHO_OFF),
@@ -130,7 +136,7 @@ def receipt_base(
         },
         "lora_delta_norms": delta_norms,
         "lora_grad_norms": grad_norms,
-        "config": cfg,
+        "config": config,
     }
     if failure is not None:
         receipt["failure_message"] = failure[1]

@@ -19,71 +19,91 @@ tokens taking no step but keeping its position).
 from __future__ import annotations
 
 import math
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
+from kiln._jsonio import JsonObject
 from kiln.errors import RequestError
 
-__all__ = ["KINDS", "effective_schedule", "schedule_state", "scheduled_rate", "warmup_steps"]
+if TYPE_CHECKING:
+    from kiln_contracts.models.kiln_control_plane_v1_schema import LrScheduler
+
+__all__ = ["KINDS", "Schedule"]
 
 KINDS = ("constant", "linear", "cosine")
-DEFAULT = {"kind": "constant", "warmup_steps": None, "warmup_ratio": None, "min_lr_ratio": 0.0}
 
 
-def effective_schedule(spec: dict[str, Any] | None) -> dict[str, Any]:
-    """The ``lr_scheduler`` object with every member filled in (the schema has checked types and ranges)."""
-    merged = {**DEFAULT, **(spec or {})}
-    if merged["warmup_steps"] is not None and merged["warmup_ratio"] is not None:
-        raise RequestError(
-            "lr_scheduler: give warmup_steps or warmup_ratio, not both",
-            code="training_invalid_request",
-            pointer="/config/lr_scheduler/warmup_ratio",
+@dataclass(frozen=True)
+class Schedule:
+    """The ``lr_scheduler`` of a run: kind, warmup (in steps or as a ratio of the planned steps) and the floor."""
+
+    kind: str  # one of KINDS
+    warmup_steps: int | None
+    warmup_ratio: float | None
+    min_lr_ratio: float
+
+    @classmethod
+    def resolve(cls, model: LrScheduler) -> Schedule:
+        """The schedule of a config's ``lr_scheduler`` with every member filled in (the schema has checked types
+        and ranges); refuses both warmups at once, and a floor under a constant schedule."""
+        if model.warmup_steps is not None and model.warmup_ratio is not None:
+            raise RequestError(
+                "lr_scheduler: give warmup_steps or warmup_ratio, not both",
+                code="training_invalid_request",
+                pointer="/config/lr_scheduler/warmup_ratio",
+            )
+        kind = model.kind.value
+        if kind == "constant" and model.min_lr_ratio:
+            raise RequestError(
+                f"lr_scheduler: min_lr_ratio {model.min_lr_ratio:g} applies to the linear and cosine schedules; a "
+                "constant schedule never decays",
+                code="training_invalid_request",
+                pointer="/config/lr_scheduler/min_lr_ratio",
+            )
+        return cls(
+            kind=kind,
+            warmup_steps=None if model.warmup_steps is None else model.warmup_steps.root,
+            warmup_ratio=None if model.warmup_ratio is None else model.warmup_ratio.root,
+            min_lr_ratio=model.min_lr_ratio,
         )
-    if merged["kind"] == "constant" and merged["min_lr_ratio"]:
-        raise RequestError(
-            f"lr_scheduler: min_lr_ratio {merged['min_lr_ratio']:g} applies to the linear and cosine schedules; a "
-            "constant schedule never decays",
-            code="training_invalid_request",
-            pointer="/config/lr_scheduler/min_lr_ratio",
-        )
-    return {
-        "kind": merged["kind"],
-        "warmup_steps": None if merged["warmup_steps"] is None else int(merged["warmup_steps"]),
-        "warmup_ratio": None if merged["warmup_ratio"] is None else float(merged["warmup_ratio"]),
-        "min_lr_ratio": float(merged["min_lr_ratio"]),
-    }
 
+    def to_json(self) -> JsonObject:
+        return {
+            "kind": self.kind,
+            "warmup_steps": self.warmup_steps,
+            "warmup_ratio": self.warmup_ratio,
+            "min_lr_ratio": self.min_lr_ratio,
+        }
 
-def warmup_steps(schedule: dict[str, Any], total: int) -> int:
-    if schedule["warmup_steps"] is not None:
-        return schedule["warmup_steps"]
-    if schedule["warmup_ratio"] is not None:
-        return math.ceil(schedule["warmup_ratio"] * total)
-    return 0
+    def warmup(self, total: int) -> int:
+        """The warmup in optimizer steps of a run of ``total`` planned steps."""
+        if self.warmup_steps is not None:
+            return self.warmup_steps
+        if self.warmup_ratio is not None:
+            return math.ceil(self.warmup_ratio * total)
+        return 0
 
+    def rate(self, base: float, step: int, total: int) -> float:
+        """The learning rate of the optimizer step at position ``step`` (0-based) of ``total``."""
+        warmup = self.warmup(total)
+        if step < warmup:
+            return base * (step / warmup)
+        if self.kind == "constant":
+            return base
+        span = max(1, total - warmup)
+        if self.kind == "linear":
+            factor = max(0.0, (total - step) / span)
+        else:
+            factor = 0.5 * (1.0 + math.cos(math.pi * min(1.0, (step - warmup) / span)))
+        return base * (self.min_lr_ratio + (1.0 - self.min_lr_ratio) * factor)
 
-def scheduled_rate(schedule: dict[str, Any], base: float, step: int, total: int) -> float:
-    """The learning rate of the optimizer step at position ``step`` (0-based) of ``total``."""
-    warmup = warmup_steps(schedule, total)
-    if step < warmup:
-        return base * (step / warmup)
-    kind, floor = schedule["kind"], schedule["min_lr_ratio"]
-    if kind == "constant":
-        return base
-    span = max(1, total - warmup)
-    if kind == "linear":
-        factor = max(0.0, (total - step) / span)
-    else:
-        factor = 0.5 * (1.0 + math.cos(math.pi * min(1.0, (step - warmup) / span)))
-    return base * (floor + (1.0 - floor) * factor)
-
-
-def schedule_state(schedule: dict[str, Any], base: float, total: int) -> dict[str, Any]:
-    """The checkpoint manifest's ``scheduler.state``: what the rate of every step follows from."""
-    if schedule["kind"] == "constant" and warmup_steps(schedule, total) == 0:
-        return {"learning_rate": base}  # what a constant schedule has always recorded
-    return {
-        "learning_rate": base,
-        "warmup_steps": warmup_steps(schedule, total),
-        "total_steps": total,
-        "min_lr_ratio": schedule["min_lr_ratio"],
-    }
+    def state(self, base: float, total: int) -> JsonObject:
+        """The checkpoint manifest's ``scheduler.state``: what the rate of every step follows from."""
+        if self.kind == "constant" and self.warmup(total) == 0:
+            return {"learning_rate": base}  # what a constant schedule has always recorded
+        return {
+            "learning_rate": base,
+            "warmup_steps": self.warmup(total),
+            "total_steps": total,
+            "min_lr_ratio": self.min_lr_ratio,
+        }

@@ -1,9 +1,11 @@
 """The GRPO objective as small pure functions: advantages, reward statistics, group filters,
 the policy loss at three importance-sampling levels, the KL estimate, loss aggregation,
-ECHO, the EMA reference, and the accumulators behind the receipt's audit blocks.
+the EMA reference, and the accumulators behind the receipt's audit blocks (ECHO, which OPD
+shares, is ``kiln.training.echo``).
 
 Longer than 600 lines: one module for the whole objective, so each formula sits beside the audit that reports it;
-it imports only torch and the standard library, and its tests exercise it without a model.
+it imports only torch, the standard library and the objectives' shared checks, and its tests exercise it without
+a model.
 
 Shapes: a group of ``B`` completions padded to ``T`` action positions gives ``[B, T]``
 tensors; ``mask`` (bool or 0/1) marks the positions that count. Values at masked
@@ -20,7 +22,7 @@ Objective (spec/40, GRPO)::
                   cispo    −sg(min(ρ, cap))·A·logπθ
     KL            k1       logπθ − logπref
                   k3       exp(logπref − logπθ) − (logπref − logπθ) − 1   (≥ 0)
-    total         policy + kl_coeff·KL per token, then ``aggregate``; ECHO adds λ·CE(obs)
+    total         policy + kl_coeff·KL per token, then ``aggregate``; ECHO (kiln.training.echo) adds λ·CE(obs)
 
 The caller composes the terms; nothing here owns a model, a device or a file.
 
@@ -70,6 +72,8 @@ from typing import Any
 
 import torch
 
+from kiln.training._checks import active_mask, check_members
+
 ADVANTAGE_MODES = ("dr_grpo", "vanilla")
 IS_LEVELS = ("token", "sequence", "cispo")
 KL_ESTIMATORS = ("k1", "k3", "none")
@@ -77,7 +81,7 @@ LOSS_AGGREGATIONS = ("token_level", "per_sample")
 
 VANILLA_STD_EPSILON = 1e-8
 # Keyword conveniences of the functions below, equal to the GrpoConfig schema defaults (the trainer always passes
-# the effective config's values). This module imports only torch and the standard library, so it cannot read the
+# the effective config's values). This module imports no contract code, so it cannot read the
 # bundle; tests/test_config_defaults.py fails when these and the schema disagree.
 DEFAULT_CLIP_EPSILON = 0.2
 DEFAULT_CISPO_MAX_WEIGHT = 5.0
@@ -101,7 +105,6 @@ DROP_EQUAL_REWARDS = "dynamic_sampling_equal_rewards"
 DROP_VARIANCE_BELOW_MIN = "reward_variance_below_min"
 DROP_VARIANCE_ABOVE_MAX = "reward_variance_above_max"
 
-ECHO_NEVER_CONTRIBUTED = "no optimizer step had observation tokens for the ECHO term"
 EMPTY_RECORDED_PROVENANCE: dict[str, Any] = {
     "completion_count": 0,
     "sampled_action_tokens": 0,
@@ -119,21 +122,18 @@ __all__ = [
     "LOSS_AGGREGATIONS",
     "POLICY_AUDIT_SCHEMA",
     "VARIANCE_BUCKETS",
-    "EchoAccumulator",
     "EmaReference",
     "ImportanceSamplingAccumulator",
     "KlReferenceAccumulator",
     "RewardStatsAccumulator",
     "advantages",
     "aggregate",
-    "echo_loss",
     "group_reward_variance",
     "keep_group",
     "kl_estimate",
     "policy_audit_receipt",
     "policy_loss",
     "reward_stats",
-    "step_echo_ce",
 ]
 
 
@@ -312,12 +312,6 @@ def keep_group(
 # --- per-token terms --------------------------------------------------------------------
 
 
-def _active(mask: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    if tuple(mask.shape) != tuple(like.shape):
-        raise ValueError(f"mask is {tuple(mask.shape)}, the log-probabilities are {tuple(like.shape)}")
-    return mask.bool()
-
-
 def _ratio_audit(scope: str, action_tokens: int, observed: torch.Tensor, below: int, above: int) -> dict[str, Any]:
     n = observed.numel()
     if n == 0:
@@ -376,7 +370,7 @@ def policy_loss(
         raise ValueError(f"clip ranges must be >= 0, got clip_epsilon {clip_low} and clip_eps_high {clip_high}")
     if not cispo_max_weight > 0:
         raise ValueError(f"cispo_max_weight must be > 0, got {cispo_max_weight}")
-    active = _active(mask, logp_new)
+    active = active_mask(mask, logp_new)
     if advantages_per_token.dim() != logp_new.dim():
         raise ValueError(
             f"advantages are {tuple(advantages_per_token.shape)}; give them per token {tuple(logp_new.shape)} or per completion [B, 1]"
@@ -435,7 +429,7 @@ def kl_estimate(
     """
     if estimator not in KL_ESTIMATORS:
         raise ValueError(f"unknown kl_estimator {estimator!r}; choose one of {', '.join(KL_ESTIMATORS)}")
-    active = _active(mask, logp_new)
+    active = active_mask(mask, logp_new)
     zero = torch.zeros_like(logp_new)
     if estimator == "none":
         return zero, {
@@ -500,37 +494,11 @@ def aggregate(per_token_loss: torch.Tensor, mask: torch.Tensor, mode: str) -> to
     """
     if mode not in LOSS_AGGREGATIONS:
         raise ValueError(f"unknown loss_aggregation {mode!r}; choose one of {', '.join(LOSS_AGGREGATIONS)}")
-    active = _active(mask, per_token_loss)
+    active = active_mask(mask, per_token_loss)
     masked = torch.where(active, per_token_loss, torch.zeros_like(per_token_loss))
     if mode == "token_level":
         return masked.sum() / active.sum().clamp(min=1).to(masked.dtype)
     return masked.sum(dim=-1) / active.sum(dim=-1).clamp(min=1).to(masked.dtype)
-
-
-def echo_loss(
-    logp_on_observation_targets: torch.Tensor, observation_mask: torch.Tensor, lam: float
-) -> tuple[torch.Tensor, float | None]:
-    """ECHO: ``(λ·CE, CE)`` with CE = −Σ m·logπθ / Σ m over the observation tokens.
-
-    CE (a float, unweighted) is what the receipt records as the environment cross-entropy;
-    it is None when there is no observation token, and the loss is then a connected 0.
-    """
-    if not lam >= 0:
-        raise ValueError(f"ECHO lambda must be >= 0, got {lam}")
-    active = _active(observation_mask, logp_on_observation_targets)
-    logp = torch.where(active, logp_on_observation_targets, torch.zeros_like(logp_on_observation_targets))
-    n = int(active.sum())
-    ce = -logp.sum() / max(n, 1)
-    return lam * ce, (float(ce.detach()) if n else None)
-
-
-def step_echo_ce(found: Sequence[tuple[float, int] | None]) -> float | None:
-    """An optimizer step's ECHO cross-entropy from its shares' ``(CE, observation tokens)`` (None: a share without
-    one): the mean over all the step's observation tokens; a single share's CE exactly; None when no share has one."""
-    seen = [f for f in found if f is not None]
-    if len(seen) <= 1:
-        return seen[0][0] if seen else None
-    return sum(ce * n for ce, n in seen) / sum(n for _, n in seen)
 
 
 # --- EMA reference ----------------------------------------------------------------------
@@ -610,12 +578,6 @@ def _greater(a: float | None, b: float) -> float:
     return b if a is None else max(a, b)
 
 
-def _check_keys(state: Mapping[str, Any], keys: Iterable[str], what: str) -> None:
-    expected = set(keys)
-    if set(state) != expected:
-        raise ValueError(f"{what} has members {sorted(state)}, expected exactly {sorted(expected)}")
-
-
 @dataclass
 class ImportanceSamplingAccumulator:
     """Run-level importance-sampling evidence; its fields are the loop state's ``GrpoLoopImportanceSampling``."""
@@ -660,7 +622,7 @@ class ImportanceSamplingAccumulator:
 
     @classmethod
     def from_loop_state(cls, state: Mapping[str, Any]) -> ImportanceSamplingAccumulator:
-        _check_keys(state, cls().loop_state(), "the importance-sampling loop state")
+        check_members(state, cls().loop_state(), "the importance-sampling loop state")
         return cls(**state)
 
     def as_receipt(self) -> dict[str, Any]:
@@ -711,7 +673,7 @@ class KlReferenceAccumulator:
 
     @classmethod
     def from_loop_state(cls, state: Mapping[str, Any]) -> KlReferenceAccumulator:
-        _check_keys(state, cls().loop_state(), "the KL-reference loop state")
+        check_members(state, cls().loop_state(), "the KL-reference loop state")
         return cls(**state)
 
     def as_receipt(self) -> dict[str, Any]:
@@ -742,64 +704,3 @@ def policy_audit_receipt(
         "kl_reference": kl.as_receipt(),
         "recorded_provenance": dict(EMPTY_RECORDED_PROVENANCE if recorded_provenance is None else recorded_provenance),
     }
-
-
-@dataclass
-class EchoAccumulator:
-    """Run-level ECHO state; its fields are the loop state's ``LoopEchoMetrics``."""
-
-    contributed: bool = False
-    observations: int = 0
-    initial_env_ce: float | None = None
-    last_env_ce: float | None = None
-
-    def add(self, env_ce: float | None) -> None:
-        """Record the environment CE of one optimizer step the term contributed to (None: it did not)."""
-        if env_ce is None:
-            return
-        self.contributed = True
-        self.observations += 1
-        if self.initial_env_ce is None:
-            self.initial_env_ce = env_ce
-        self.last_env_ce = env_ce
-
-    def loop_state(self) -> dict[str, Any]:
-        return {
-            "contributed": self.contributed,
-            "observations": self.observations,
-            "initial_env_ce": self.initial_env_ce,
-            "last_env_ce": self.last_env_ce,
-        }
-
-    @classmethod
-    def from_loop_state(cls, state: Mapping[str, Any]) -> EchoAccumulator:
-        _check_keys(state, cls().loop_state(), "the ECHO loop state")
-        return cls(**state)
-
-    def as_receipt(
-        self,
-        *,
-        lam: float | None,
-        env_mask_mode: str | None,
-        warning_filter: bool | None,
-        dropped_reason: str | None = None,
-    ) -> dict[str, Any]:
-        """``TrainReceiptEcho``; pass None for all three settings when ECHO was not configured.
-
-        A configured term that never contributed gets ``dropped_reason`` (a generic one
-        when the caller gives none).
-        """
-        configured = lam is not None
-        if not configured and (env_mask_mode is not None or warning_filter is not None or self.contributed):
-            raise ValueError("ECHO settings or contributions without a configured lambda")
-        receipt: dict[str, Any] = {
-            "enabled": self.contributed,
-            "lambda": lam,
-            "env_mask_mode": env_mask_mode,
-            "warning_filter": warning_filter,
-            "initial_env_ce": self.initial_env_ce,
-            "final_env_ce": self.last_env_ce,
-        }
-        if configured and not self.contributed:
-            receipt["dropped_reason"] = dropped_reason or ECHO_NEVER_CONTRIBUTED
-        return receipt

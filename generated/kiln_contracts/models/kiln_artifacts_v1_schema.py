@@ -720,7 +720,7 @@ class LoadAdapterRequest(BaseModel):
     model_config = ConfigDict(
         extra="allow",
     )
-    allow_quarantined: StrictBool | None = False
+    allow_quarantined: StrictBool = False
     """
     Load even though the adapter's canary quarantined it.
     """
@@ -730,7 +730,7 @@ class LoadAdapterRequest(BaseModel):
     """
     Registry name of the adapter to load.
     """
-    reload: StrictBool | None = False
+    reload: StrictBool = False
     """
     Re-read the files and publish the current on-disk revision even if an adapter of this name is already loaded.
     """

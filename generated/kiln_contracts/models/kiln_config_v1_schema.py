@@ -40,7 +40,7 @@ class KilnPathsConfig(BaseModel):
     model_config = ConfigDict(
         extra="forbid",
     )
-    home: Annotated[StrictStr | None, Field(min_length=1)] = "~/.kiln"
+    home: Annotated[StrictStr, Field(min_length=1)] = "~/.kiln"
     """
     Kiln data directory: holds the job database, the materialised tiny default model and, unless `model.adapter_dir` says otherwise, the adapter registry. A leading `~` expands to the user's home directory; a relative path is resolved against the working directory at startup. Environment variable: `KILN_PATHS_HOME` (also accepted: `KILN_HOME`; the canonical name wins when both are set).
     """
@@ -62,24 +62,22 @@ class KilnServerConfig(BaseModel):
     Secret that clients must send as `Authorization: Bearer <key>` on every route except `/health`; visible ASCII without spaces. Omitted means no authentication. Reported as `<redacted-present>` by `GET /v1/config`. Environment variable: `KILN_SERVER_API_KEY` (also accepted: `KILN_API_KEY`; the canonical name wins when both are set).
     """
     host: Annotated[
-        StrictStr | None, Field(max_length=253, min_length=1, pattern="^[^\\s]+$")
+        StrictStr, Field(max_length=253, min_length=1, pattern="^[^\\s]+$")
     ] = "127.0.0.1"
     """
     Address the HTTP server binds to. Binding to anything other than a loopback address prints a warning unless `api_key` is set. Environment variable: `KILN_SERVER_HOST`.
     """
-    max_request_bytes: Annotated[StrictInt | None, Field(ge=1024, le=1073741824)] = (
-        8388608
-    )
+    max_request_bytes: Annotated[StrictInt, Field(ge=1024, le=1073741824)] = 8388608
     """
     Largest accepted HTTP request body in bytes (1 KiB to 1 GiB, default 8 MiB: room for the 10,000 inline rows a request may carry, admitted in seconds); a body that declares more is refused with HTTP 413 before it is read, and a chunked body as soon as it passes the limit. Larger datasets go in a `dataset_path` file. Environment variable: `KILN_SERVER_MAX_REQUEST_BYTES`.
     """
-    max_upload_bytes: Annotated[StrictInt | None, Field(ge=1024, le=1099511627776)] = (
+    max_upload_bytes: Annotated[StrictInt, Field(ge=1024, le=1099511627776)] = (
         4294967296
     )
     """
     Largest accepted dataset upload (`POST /v1/datasets`) in bytes (1 KiB to 1 TiB, default 4 GiB). The upload is streamed to disk, never held in memory; one that declares more is refused with HTTP 413 before it is read, and one that sends more as soon as it passes the limit. Environment variable: `KILN_SERVER_MAX_UPLOAD_BYTES`.
     """
-    port: Annotated[StrictInt | None, Field(ge=1, le=65535)] = 8420
+    port: Annotated[StrictInt, Field(ge=1, le=65535)] = 8420
     """
     TCP port of the HTTP server, 1 to 65535. Environment variable: `KILN_SERVER_PORT`.
     """
@@ -114,11 +112,11 @@ class KilnTrainingConfig(BaseModel):
     """
     Directories (absolute, or starting with `~`) a training request's `dataset_path` may lie in, every symlink resolved; any other path is refused with 403 `path_not_allowed` before the file is opened, and the refusal says nothing about the file. `<home>/data` is always one of them: uploads (`POST /v1/datasets`) are stored there, under `uploads/`. Omitted means `<home>/data` alone. A `base_adapter` is read only from the adapter registry, whatever this says. Environment variable: `KILN_TRAINING_DATA_ROOTS`, paths separated by `:`.
     """
-    max_queued_jobs: Annotated[StrictInt | None, Field(ge=1)] = 32
+    max_queued_jobs: Annotated[StrictInt, Field(ge=1)] = 32
     """
     How many jobs may wait in the training queue (the running job is not counted). A submission beyond it gets HTTP 503 with `Retry-After: 30`. Environment variable: `KILN_TRAINING_MAX_QUEUED_JOBS`.
     """
-    nproc_per_node: Annotated[StrictInt | None, Field(ge=1, le=1024)] = 1
+    nproc_per_node: Annotated[StrictInt, Field(ge=1, le=1024)] = 1
     """
     Data-parallel ranks an SFT job trains with on this machine. 1 (the default): one worker process. N > 1: the worker runs `torchrun --standalone --nproc-per-node N -m kiln.worker`, each rank a process of its own (gloo on CPU, NCCL on CUDA) training its share of every optimizer step, the LoRA gradients summed before the step; rank 0 alone publishes. The world size is part of the checkpoint's planning identity: a checkpoint resumes only at the world size it was written at. GRPO and OPD jobs always train in one process. Needs `worker = "process"`. Environment variable: `KILN_TRAINING_NPROC_PER_NODE`.
     """
@@ -129,7 +127,7 @@ class KilnTrainingConfig(BaseModel):
     """
     HTTP(S) URL that receives a JSON POST when a job reaches a terminal state (short timeout, redirects not followed). Omitted means no notifications. Environment variable: `KILN_TRAINING_WEBHOOK_URL`.
     """
-    worker: Worker | None = "process"
+    worker: Worker = Worker.process
     """
     Where a training job runs. `process` (the default): a worker process of its own (`python -m kiln.worker`), so a crash, a SIGKILL or the kernel's OOM killer ends only that job (failed as `oom` or `training_error`, its checkpoints kept) while the server and its queue go on, and status reads never compete with training for the interpreter. `thread`: in a thread of the server process, as before workers existed (no process start; for debugging and tests that patch the trainer). Environment variable: `KILN_TRAINING_WORKER`.
     """

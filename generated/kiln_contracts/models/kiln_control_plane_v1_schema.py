@@ -33,15 +33,15 @@ class AdamWOptimizer(BaseModel):
     model_config = ConfigDict(
         extra="forbid",
     )
-    beta1: Annotated[StrictFloat | None, Field(ge=0.0, lt=1.0)] = 0.9
+    beta1: Annotated[StrictFloat, Field(ge=0.0, lt=1.0)] = 0.9
     """
     First-moment decay.
     """
-    beta2: Annotated[StrictFloat | None, Field(ge=0.0, lt=1.0)] = 0.999
+    beta2: Annotated[StrictFloat, Field(ge=0.0, lt=1.0)] = 0.999
     """
     Second-moment decay.
     """
-    eps: Annotated[StrictFloat | None, Field(gt=0.0)] = 1e-08
+    eps: Annotated[StrictFloat, Field(gt=0.0)] = 1e-08
     """
     Denominator stabiliser.
     """
@@ -49,7 +49,7 @@ class AdamWOptimizer(BaseModel):
     """
     AdamW with decoupled weight decay, run with deterministic (non-fused, non-foreach) kernels.
     """
-    weight_decay: Annotated[StrictFloat | None, Field(ge=0.0)] = 0.0
+    weight_decay: Annotated[StrictFloat, Field(ge=0.0)] = 0.0
     """
     Decoupled weight decay.
     """
@@ -1164,7 +1164,7 @@ class KlReferencePolicy3(BaseModel):
     model_config = ConfigDict(
         extra="allow",
     )
-    decay: Annotated[StrictFloat | None, Field(ge=0.0, le=1.0)] = 0.99
+    decay: Annotated[StrictFloat, Field(ge=0.0, le=1.0)] = 0.99
     """
     EMA decay applied at each refresh: reference = decay x reference + (1 - decay) x current.
     """
@@ -1172,7 +1172,7 @@ class KlReferencePolicy3(BaseModel):
     """
     An exponential moving average of the trained LoRA weights, saved in checkpoints as the reference state.
     """
-    refresh_every: Annotated[StrictInt | None, Field(ge=1)] = 1
+    refresh_every: Annotated[StrictInt, Field(ge=1)] = 1
     """
     Refresh the EMA reference after every N committed groups.
     """
@@ -1238,7 +1238,7 @@ class LrScheduler(BaseModel):
     """
     The shape after the warmup: `constant` keeps the base rate, `linear` falls to `min_lr_ratio` × the base rate at the last step, `cosine` follows a half cosine down to it (the Hugging Face schedules' factors).
     """
-    min_lr_ratio: Annotated[StrictFloat | None, Field(ge=0.0, le=1.0)] = 0.0
+    min_lr_ratio: Annotated[StrictFloat, Field(ge=0.0, le=1.0)] = 0.0
     """
     Where `linear` and `cosine` end, as a fraction of the base rate; must be 0 for `constant`.
     """
@@ -1264,19 +1264,19 @@ class MuonOptimizer(BaseModel):
     """
     Momentum with Newton-Schulz orthogonalised updates.
     """
-    momentum: Annotated[StrictFloat | None, Field(ge=0.0, lt=1.0)] = 0.95
+    momentum: Annotated[StrictFloat, Field(ge=0.0, lt=1.0)] = 0.95
     """
     Momentum coefficient.
     """
-    nesterov: StrictBool | None = True
+    nesterov: StrictBool = True
     """
     Use Nesterov momentum.
     """
-    ns_iters: Annotated[StrictInt | None, Field(ge=0)] = 5
+    ns_iters: Annotated[StrictInt, Field(ge=0)] = 5
     """
     Newton-Schulz iterations per update.
     """
-    weight_decay: Annotated[StrictFloat | None, Field(ge=0.0)] = 0.0
+    weight_decay: Annotated[StrictFloat, Field(ge=0.0)] = 0.0
     """
     Decoupled weight decay.
     """
@@ -2165,15 +2165,15 @@ class EchoConfig(BaseModel):
     model_config = ConfigDict(
         extra="allow",
     )
-    env_mask_mode: EnvMaskMode | None = "env_only"
+    env_mask_mode: EnvMaskMode = EnvMaskMode.env_only
     """
     Which observation tokens count.
     """
-    lambda_: Annotated[StrictFloat | None, Field(alias="lambda", ge=0.0)] = 0.05
+    lambda_: Annotated[StrictFloat, Field(alias="lambda", ge=0.0)] = 0.05
     """
     Weight of the ECHO term (mean cross-entropy over observation tokens) added to the loss.
     """
-    warning_filter: StrictBool | None = True
+    warning_filter: StrictBool = True
     """
     Leave environment warning banners (see `warning_prefix_len`) out of the ECHO term.
     """
@@ -2311,7 +2311,7 @@ class GrpoLossConfig(BaseModel):
     """
     ECHO settings. On by default, as in the reference (`lambda` 0.05, `env_mask_mode` `env_only`, `warning_filter` true): the term adds the cross-entropy of observation tokens, so it contributes only where trajectories carry observations (the receipt's `echo.enabled` says whether it did, `dropped_reason` why not). `null` disables ECHO; an object fills its omitted members with these defaults.
     """
-    no_policy_loss: StrictBool | None = False
+    no_policy_loss: StrictBool = False
     """
     Drop the policy-gradient and KL terms and train the ECHO term only; requires `echo`.
     """
@@ -2531,7 +2531,7 @@ class SftConfig(BaseModel):
     """
     Prompts for the adapter smoke test; omitted or null uses Kiln's built-in prompts.
     """
-    adapter_smoke_test: StrictBool | None = False
+    adapter_smoke_test: StrictBool = False
     """
     After training, generate from the base model and the adapter on a few prompts and record the comparison under `adapter_smoke_test` in the receipt.
     """
@@ -2539,11 +2539,11 @@ class SftConfig(BaseModel):
     """
     Reference option to reshape a base adapter of a different rank. Kiln never converts shapes: `true` is rejected, and a base adapter whose shapes differ fails with `shape_mismatch`.
     """
-    allow_high_lora_scale: StrictBool | None = False
+    allow_high_lora_scale: StrictBool = False
     """
     Permit alpha / rank above 2, which Kiln otherwise refuses as unsafe.
     """
-    auto_load: StrictBool | None = True
+    auto_load: StrictBool = True
     """
     After a successful run, make the adapter active for serving once its serving canary passes.
     """
@@ -2555,11 +2555,11 @@ class SftConfig(BaseModel):
     """
     Publish an exact-resume checkpoint after every N committed optimizer steps (a checkpoint due at an epoch end is published at the epoch boundary; the final step publishes the adapter instead). Omitted or null uses the server's `training.checkpoint_interval`; zero is invalid.
     """
-    detect_anomaly: StrictBool | None = False
+    detect_anomaly: StrictBool = False
     """
     Run the backward pass under autograd anomaly detection to locate the source of non-finite values; much slower, meant for debugging.
     """
-    epochs: Annotated[StrictInt | None, Field(ge=1, le=100000)] = 3
+    epochs: Annotated[StrictInt, Field(ge=1, le=100000)] = 3
     """
     Passes over the kept rows; total optimizer steps = epochs x kept rows.
     """
@@ -2567,15 +2567,15 @@ class SftConfig(BaseModel):
     """
     Number of activation-recomputation segments over the layer stack; omitted or null lets Kiln plan it from the memory budget. Part of the checkpoint planning identity, so a resume must resolve to the same plan.
     """
-    gradient_accumulation_steps: Annotated[StrictInt | None, Field(ge=1, le=1024)] = 1
+    gradient_accumulation_steps: Annotated[StrictInt, Field(ge=1, le=1024)] = 1
     """
     Micro-batches whose gradients add up before one optimizer step. An optimizer step consumes `micro_batch_size` x `gradient_accumulation_steps` consecutive conversations of the epoch order (the last step of an epoch takes what is left); its loss is the mean over all their supervised tokens, so accumulating k micro-batches equals one batch of the same rows to fp32 rounding.
     """
-    group_by_length: StrictBool | None = False
+    group_by_length: StrictBool = False
     """
     Rearrange the seeded epoch order inside windows of 50 optimizer steps' worth of conversations, longest first (ties keep their seeded order), so micro-batches pad little. Deterministic; each window keeps exactly the rows the seeded order put in it.
     """
-    invalid_row_policy: SftInvalidRowPolicy | None = "fail"
+    invalid_row_policy: SftInvalidRowPolicy = SftInvalidRowPolicy.fail
     """
     Handling of invalid rows.
     """
@@ -2583,11 +2583,11 @@ class SftConfig(BaseModel):
     """
     Base learning rate (the peak of `lr_scheduler`). Omitted or null selects the default for the optimizer's `kind` (`x-kiln-default-by`). The resolved value is recorded in the effective configuration.
     """
-    lora_alpha: Annotated[StrictFloat | None, Field(gt=0.0)] = 32.0
+    lora_alpha: Annotated[StrictFloat, Field(gt=0.0)] = 32.0
     """
     LoRA alpha. A ratio alpha / rank above 2 needs `allow_high_lora_scale`.
     """
-    lora_rank: Annotated[StrictInt | None, Field(ge=1)] = 16
+    lora_rank: Annotated[StrictInt, Field(ge=1)] = 16
     """
     LoRA rank r.
     """
@@ -2595,7 +2595,7 @@ class SftConfig(BaseModel):
     """
     Which modules get LoRA adapters. Omitted or null: every linear projection of the decoder layers (attention and MLP, `nn.Linear` or GPT-2's Conv1D; never expert routers, the output head or the embeddings). A name that matches no projection of the model is refused at admission, naming the ones it has. The resolved list is recorded in the effective configuration and in the adapter's `adapter_config.json`.
     """
-    lr_scheduler: Annotated[LrScheduler | None, Field(validate_default=True)] = {
+    lr_scheduler: Annotated[LrScheduler, Field(validate_default=True)] = {
         "kind": "constant"
     }
     """
@@ -2605,13 +2605,12 @@ class SftConfig(BaseModel):
     """
     Longest row in tokens. Omitted or null: the model's context length; a value above it is refused. The resolved value is recorded in the effective configuration.
     """
-    micro_batch_size: Annotated[StrictInt | None, Field(ge=1, le=1024)] = 1
+    micro_batch_size: Annotated[StrictInt, Field(ge=1, le=1024)] = 1
     """
     Conversations per forward pass. 1 runs each conversation alone, unpadded (the behaviour before batching, byte for byte); larger values right-pad that many conversations into one batch with an attention mask. Only the floating-point rounding depends on it: the loss of an optimizer step is the mean over every supervised token of the step's conversations.
     """
     optimizer: Annotated[
-        SgdOptimizer | AdamWOptimizer | MuonOptimizer | None,
-        Field(validate_default=True),
+        SgdOptimizer | AdamWOptimizer | MuonOptimizer, Field(validate_default=True)
     ] = {"kind": "muon"}
     """
     Optimizer and its settings; each kind's omitted settings take that kind's defaults.
@@ -2620,7 +2619,7 @@ class SftConfig(BaseModel):
     """
     Registry name of the adapter (and of its checkpoints) this job produces. Omitted or null lets Kiln choose a fresh name, reported as `adapter_name` in the job status.
     """
-    overlong_row_policy: OverlongRowPolicy | None = "fail"
+    overlong_row_policy: OverlongRowPolicy = OverlongRowPolicy.fail
     """
     What happens to a row longer than `max_seq_len`: `fail` refuses the job naming the row, `skip` drops it, `truncate` keeps its last `max_seq_len` tokens.
     """
@@ -2636,7 +2635,7 @@ class SftConfig(BaseModel):
     """
     Reference option to also train a multi-token-prediction head. Kiln has no such head: `true` is rejected; `false` or null is accepted and changes nothing.
     """
-    training_profile: SftTrainingProfile | None = "native_online_lora_v1"
+    training_profile: SftTrainingProfile = SftTrainingProfile.native_online_lora_v1
     """
     The SFT workflow; only `native_online_lora_v1` exists.
     """
@@ -3007,11 +3006,11 @@ class GrpoConfig(BaseModel):
     """
     Prompts for the adapter smoke test; omitted or null uses Kiln's built-in prompts.
     """
-    adapter_smoke_test: StrictBool | None = False
+    adapter_smoke_test: StrictBool = False
     """
     After training, generate from the base model and the adapter on a few prompts and record the comparison under `adapter_smoke_test` in the receipt.
     """
-    advantage_mode: AdvantageMode | None = "dr_grpo"
+    advantage_mode: AdvantageMode = AdvantageMode.dr_grpo
     """
     Advantage normalisation.
     """
@@ -3019,11 +3018,11 @@ class GrpoConfig(BaseModel):
     """
     Reference option to reshape a base adapter of a different rank. Kiln never converts shapes: `true` is rejected, and a base adapter whose shapes differ fails with `shape_mismatch`.
     """
-    allow_high_lora_scale: StrictBool | None = False
+    allow_high_lora_scale: StrictBool = False
     """
     Permit alpha / rank above 2, which Kiln otherwise refuses as unsafe.
     """
-    auto_load: StrictBool | None = True
+    auto_load: StrictBool = True
     """
     After a successful run, make the adapter active for serving once its serving canary passes.
     """
@@ -3031,7 +3030,7 @@ class GrpoConfig(BaseModel):
     """
     Warm start from an existing PEFT adapter: a registry adapter name or an absolute server-local directory holding `adapter_config.json` and `adapter_model.safetensors`. Only the LoRA weights are copied (optimizer state and progress are not; use `resume_checkpoint` for that), and their shapes must match the new adapter.
     """
-    behavior_policy: BehaviorPolicy | None = "no_importance_correction"
+    behavior_policy: BehaviorPolicy = BehaviorPolicy.no_importance_correction
     """
     Behaviour policy for importance ratios.
     """
@@ -3039,7 +3038,7 @@ class GrpoConfig(BaseModel):
     """
     Publish an exact-resume checkpoint after every N committed groups. Omitted or null uses the server's `training.checkpoint_interval`; zero is invalid.
     """
-    cispo_max_weight: Annotated[StrictFloat | None, Field(gt=0.0)] = 5.0
+    cispo_max_weight: Annotated[StrictFloat, Field(gt=0.0)] = 5.0
     """
     Cap of the stop-gradient importance weight when `is_level` is `cispo`.
     """
@@ -3047,15 +3046,15 @@ class GrpoConfig(BaseModel):
     """
     Separate upper clip range (1 + eps_high); null or absent reuses `clip_epsilon`.
     """
-    clip_epsilon: Annotated[StrictFloat | None, Field(ge=0.0)] = 0.2
+    clip_epsilon: Annotated[StrictFloat, Field(ge=0.0)] = 0.2
     """
     Lower clip range of the importance ratio (1 - eps), and the upper one unless `clip_eps_high` is set.
     """
-    detect_anomaly: StrictBool | None = False
+    detect_anomaly: StrictBool = False
     """
     Run the backward pass under autograd anomaly detection to locate the source of non-finite values; much slower, meant for debugging.
     """
-    dynamic_sampling: StrictBool | None = True
+    dynamic_sampling: StrictBool = True
     """
     Drop groups whose rewards are all equal (they carry no learning signal); the count is recorded as `dynamic_groups_filtered`. On by default, as in the reference; send `false` to train on every group.
     """
@@ -3067,24 +3066,24 @@ class GrpoConfig(BaseModel):
     """
     Number of activation-recomputation segments over the layer stack; omitted or null lets Kiln plan it from the memory budget. Part of the checkpoint planning identity, so a resume must resolve to the same plan.
     """
-    gradient_accumulation_steps: Annotated[StrictInt | None, Field(ge=1, le=1024)] = 1
+    gradient_accumulation_steps: Annotated[StrictInt, Field(ge=1, le=1024)] = 1
     """
     Groups whose gradients add up before one optimizer step. Under `token_level` aggregation a step consumes that many consecutive trainable groups (the last step takes what is left) and its loss is the mean over all their action tokens; under `per_sample` a step consumes that many consecutive completions of one group (a step never spans two groups) and its loss is the mean of their per-completion means. ECHO's cross-entropy is the mean over every observation token of the step. 1 is one step per group (or per completion), as before. Checkpoints and cancellation land on step boundaries.
     """
-    is_level: IsLevel | None = "token"
+    is_level: IsLevel = IsLevel.token
     """
     Importance-sampling level.
     """
-    kl_coeff: Annotated[StrictFloat | None, Field(ge=0.0)] = 0.1
+    kl_coeff: Annotated[StrictFloat, Field(ge=0.0)] = 0.1
     """
     Weight of the KL penalty. Zero turns the KL term off.
     """
-    kl_estimator: KlEstimator | None = "k1"
+    kl_estimator: KlEstimator = KlEstimator.k1
     """
     KL estimator.
     """
     kl_reference_policy: Annotated[
-        KlReferencePolicy1 | KlReferencePolicy2 | KlReferencePolicy3 | None,
+        KlReferencePolicy1 | KlReferencePolicy2 | KlReferencePolicy3,
         Field(validate_default=True),
     ] = {"kind": "base_per_step"}
     """
@@ -3094,11 +3093,11 @@ class GrpoConfig(BaseModel):
     """
     Base learning rate (the peak of `lr_scheduler`). Omitted or null selects the default for the optimizer's `kind` (`x-kiln-default-by`). The resolved value is recorded in the effective configuration.
     """
-    lora_alpha: Annotated[StrictFloat | None, Field(gt=0.0)] = 32.0
+    lora_alpha: Annotated[StrictFloat, Field(gt=0.0)] = 32.0
     """
     LoRA alpha. A ratio alpha / rank above 2 needs `allow_high_lora_scale`.
     """
-    lora_rank: Annotated[StrictInt | None, Field(ge=1)] = 16
+    lora_rank: Annotated[StrictInt, Field(ge=1)] = 16
     """
     LoRA rank r.
     """
@@ -3106,27 +3105,26 @@ class GrpoConfig(BaseModel):
     """
     Which modules get LoRA adapters. Omitted or null: every linear projection of the decoder layers (attention and MLP, `nn.Linear` or GPT-2's Conv1D; never expert routers, the output head or the embeddings). A name that matches no projection of the model is refused at admission, naming the ones it has. The resolved list is recorded in the effective configuration and in the adapter's `adapter_config.json`.
     """
-    loss: Annotated[GrpoLossConfig | None, Field(validate_default=True)] = {}
+    loss: Annotated[GrpoLossConfig, Field(validate_default=True)] = {}
     """
     Composite objective (ECHO, policy-loss switch); omitted members take their defaults.
     """
-    loss_aggregation: LossAggregation | None = "token_level"
+    loss_aggregation: LossAggregation = LossAggregation.token_level
     """
     Loss reduction and step cadence.
     """
-    lr_scheduler: Annotated[LrScheduler | None, Field(validate_default=True)] = {
+    lr_scheduler: Annotated[LrScheduler, Field(validate_default=True)] = {
         "kind": "constant"
     }
     """
     Learning-rate schedule; the base rate is `learning_rate`.
     """
-    micro_batch_size: Annotated[StrictInt | None, Field(ge=1, le=1024)] = 1
+    micro_batch_size: Annotated[StrictInt, Field(ge=1, le=1024)] = 1
     """
     Completions of a group per forward pass. 1 runs one forward per completion with dense logits; larger values run right-padded batches of that many completions (one policy forward and one reference forward inside a single adapter switch per batch), computing the model's logits only at the positions the loss reads. Losses agree to fp32 rounding; under `per_sample` aggregation only the reference forwards batch, since the policy changes after every completion.
     """
     optimizer: Annotated[
-        SgdOptimizer | AdamWOptimizer | MuonOptimizer | None,
-        Field(validate_default=True),
+        SgdOptimizer | AdamWOptimizer | MuonOptimizer, Field(validate_default=True)
     ] = {"kind": "muon"}
     """
     Optimizer and its settings; each kind's omitted settings take that kind's defaults.
@@ -3145,11 +3143,11 @@ class GrpoConfig(BaseModel):
     """
     Continue an interrupted run as the same optimizer run: the checkpoint's directory basename as reported by `latest_checkpoint.resume_checkpoint` (for example `support-bot-checkpoint-step-00000025.kiln-checkpoint`), or an absolute path directly inside the adapter registry. A PEFT adapter directory is not a checkpoint and is refused. Omitted or null starts a fresh run.
     """
-    reward_filter_min_groups: Annotated[StrictInt | None, Field(ge=1)] = 1
+    reward_filter_min_groups: Annotated[StrictInt, Field(ge=1)] = 1
     """
     Fewest groups the reward-variance filter must keep before `reward_filter_on_empty` applies.
     """
-    reward_filter_on_empty: RewardFilterOnEmpty | None = "fail"
+    reward_filter_on_empty: RewardFilterOnEmpty = RewardFilterOnEmpty.fail
     """
     Action when too few groups survive the filter.
     """
@@ -3161,11 +3159,11 @@ class GrpoConfig(BaseModel):
     """
     Keep only groups whose reward variance is at least this value; null or absent sets no lower bound.
     """
-    reward_low_variance_threshold: Annotated[StrictFloat | None, Field(ge=0.0)] = 1e-12
+    reward_low_variance_threshold: Annotated[StrictFloat, Field(ge=0.0)] = 1e-12
     """
     Group reward variance at or below which a group counts as degenerate in the reward statistics. Diagnostic only.
     """
-    reward_saturation_threshold: StrictFloat | None = 0.95
+    reward_saturation_threshold: StrictFloat = 0.95
     """
     Reward at or above which a completion counts as a pass in the reward statistics (all-pass groups). Diagnostic only.
     """
@@ -3259,11 +3257,11 @@ class OpdConfig(BaseModel):
     model_config = ConfigDict(
         extra="allow",
     )
-    allow_high_lora_scale: StrictBool | None = False
+    allow_high_lora_scale: StrictBool = False
     """
     Permit alpha / rank above 2, which Kiln otherwise refuses as unsafe.
     """
-    auto_load: StrictBool | None = True
+    auto_load: StrictBool = True
     """
     After a successful run, make the adapter active for serving once its serving canary passes.
     """
@@ -3277,15 +3275,15 @@ class OpdConfig(BaseModel):
     """
     Publish an exact-resume checkpoint after every N committed optimizer steps. Null defers to the server's `training.checkpoint_interval`; zero is invalid.
     """
-    clip_epsilon: StrictFloat | None = 0.0
+    clip_epsilon: StrictFloat = 0.0
     """
     Reference ratio clipping for OPD. Kiln executes only the default; another value is refused at admission.
     """
-    detect_anomaly: StrictBool | None = False
+    detect_anomaly: StrictBool = False
     """
     Run the backward pass under autograd anomaly detection to locate the source of non-finite values; much slower, meant for debugging.
     """
-    discount: StrictFloat | None = 0.0
+    discount: StrictFloat = 0.0
     """
     Per-position discount of the reference objective. Kiln executes only the default; another value is refused at admission.
     """
@@ -3293,7 +3291,7 @@ class OpdConfig(BaseModel):
     """
     Optional ECHO term over observation tokens of replayed trajectories, combined with the distillation loss; null or absent disables it.
     """
-    epochs: Annotated[StrictInt | None, Field(ge=1, le=100000)] = 1
+    epochs: Annotated[StrictInt, Field(ge=1, le=100000)] = 1
     """
     Passes over the prompt x sample candidates.
     """
@@ -3301,7 +3299,7 @@ class OpdConfig(BaseModel):
     """
     Number of activation-recomputation segments over the layer stack; omitted lets Kiln plan it. Part of the checkpoint planning identity.
     """
-    gradient_accumulation_steps: Annotated[StrictInt | None, Field(ge=1, le=1024)] = 1
+    gradient_accumulation_steps: Annotated[StrictInt, Field(ge=1, le=1024)] = 1
     """
     Micro-batches of candidates whose gradients add up before one optimizer step. A step's loss is the mean of the per-position reverse KL over every action position of its candidates (plus ECHO's λ times the mean cross-entropy over all their observation tokens); a step whose rollouts are all empty takes no optimizer step. Checkpoints and cancellation land on step boundaries.
     """
@@ -3309,11 +3307,11 @@ class OpdConfig(BaseModel):
     """
     Base learning rate (the peak of `lr_scheduler`). Omitted or null selects the default for the optimizer's `kind` (`x-kiln-default-by`). The resolved value is recorded in the effective configuration.
     """
-    lora_alpha: Annotated[StrictFloat | None, Field(gt=0.0)] = 32.0
+    lora_alpha: Annotated[StrictFloat, Field(gt=0.0)] = 32.0
     """
     LoRA alpha. A ratio alpha / rank above 2 needs `allow_high_lora_scale`.
     """
-    lora_rank: Annotated[StrictInt | None, Field(ge=1)] = 16
+    lora_rank: Annotated[StrictInt, Field(ge=1)] = 16
     """
     LoRA rank r.
     """
@@ -3321,11 +3319,11 @@ class OpdConfig(BaseModel):
     """
     Which modules get LoRA adapters. Omitted or null: every linear projection of the decoder layers (attention and MLP, `nn.Linear` or GPT-2's Conv1D; never expert routers, the output head or the embeddings). A name that matches no projection of the model is refused at admission, naming the ones it has. The resolved list is recorded in the effective configuration and in the adapter's `adapter_config.json`.
     """
-    loss: OpdLossGranularity | None = "teacher_top_k"
+    loss: OpdLossGranularity = OpdLossGranularity.teacher_top_k
     """
     Teacher-distribution granularity. Kiln executes only the default; another value is refused at admission.
     """
-    lr_scheduler: Annotated[LrScheduler | None, Field(validate_default=True)] = {
+    lr_scheduler: Annotated[LrScheduler, Field(validate_default=True)] = {
         "kind": "constant"
     }
     """
@@ -3339,17 +3337,16 @@ class OpdConfig(BaseModel):
     """
     Longest student rollout in tokens; default and upper bound come from the model's context length.
     """
-    micro_batch_size: Annotated[StrictInt | None, Field(ge=1, le=256)] = 1
+    micro_batch_size: Annotated[StrictInt, Field(ge=1, le=256)] = 1
     """
     Candidates rolled out and scored together, one micro-batch. 1 samples and scores one candidate at a time (the behaviour before batching, byte for byte). Larger values decode that many consecutive candidates of the epoch order in one KV-cached batch and send their rollouts to a local teacher in one scoring forward. An optimizer step consumes `micro_batch_size` x `gradient_accumulation_steps` consecutive candidates (the last step of an epoch takes what is left); all of its rollouts come from the policy at the step's start, so training stays exactly on-policy.
     """
-    objective: OpdObjective | None = "reverse_kl"
+    objective: OpdObjective = OpdObjective.reverse_kl
     """
     Objective. Kiln executes only the default; another value is refused at admission.
     """
     optimizer: Annotated[
-        SgdOptimizer | AdamWOptimizer | MuonOptimizer | None,
-        Field(validate_default=True),
+        SgdOptimizer | AdamWOptimizer | MuonOptimizer, Field(validate_default=True)
     ] = {"kind": "muon"}
     """
     Optimizer and its settings; each kind's omitted settings take that kind's defaults.
@@ -3362,7 +3359,9 @@ class OpdConfig(BaseModel):
     """
     Continue an interrupted run as the same optimizer run: the checkpoint's directory basename as reported by `latest_checkpoint.resume_checkpoint` (for example `support-bot-checkpoint-step-00000025.kiln-checkpoint`), or an absolute path directly inside the adapter registry. A PEFT adapter directory is not a checkpoint and is refused. Omitted or null starts a fresh run.
     """
-    rollout_prompt_rendering: OpdRolloutPromptRendering | None = "chat_template"
+    rollout_prompt_rendering: OpdRolloutPromptRendering = (
+        OpdRolloutPromptRendering.chat_template
+    )
     """
     Rollout prefix rendering. Kiln executes only the default; another value is refused at admission.
     """
@@ -3370,7 +3369,7 @@ class OpdConfig(BaseModel):
     """
     Reference sampler performance option; accepted and ignored by Kiln.
     """
-    samples_per_prompt: Annotated[StrictInt | None, Field(ge=1, le=1024)] = 4
+    samples_per_prompt: Annotated[StrictInt, Field(ge=1, le=1024)] = 4
     """
     Student rollouts sampled per prompt: 1 to 1024.
     """
@@ -3379,25 +3378,24 @@ class OpdConfig(BaseModel):
     Seed of every random stream of the run (LoRA initialisation, data order, rollout sampling). Omitted or null draws a fresh random 64-bit seed at admission; either way the effective seed is returned as `effective_seed`. When resuming, the checkpoint's seed is authoritative and a different explicit seed is rejected.
     """
     stable_opd: Annotated[
-        StableOpdMode1 | StableOpdMode2 | StableOpdMode3 | None,
-        Field(validate_default=True),
+        StableOpdMode1 | StableOpdMode2 | StableOpdMode3, Field(validate_default=True)
     ] = {"mode": "off"}
     """
     Stable-OPD mode. Kiln executes only the default; another value is refused at admission.
     """
-    temperature: Annotated[StrictFloat | None, Field(gt=0.0)] = 1.0
+    temperature: Annotated[StrictFloat, Field(gt=0.0)] = 1.0
     """
     Student sampling temperature.
     """
-    top_k: Annotated[StrictInt | None, Field(ge=1)] = 32
+    top_k: Annotated[StrictInt, Field(ge=1)] = 32
     """
     Teacher top-K per position. Kiln executes 16 or 32, clamped to the teacher's maximum top-K.
     """
-    top_p: Annotated[StrictFloat | None, Field(gt=0.0, le=1.0)] = 0.9
+    top_p: Annotated[StrictFloat, Field(gt=0.0, le=1.0)] = 0.9
     """
     Student nucleus-sampling mass.
     """
-    training_mode: OpdTrainingMode | None = "on_policy"
+    training_mode: OpdTrainingMode = OpdTrainingMode.on_policy
     """
     Rollout source.
     """
