@@ -191,7 +191,7 @@ def side_kiln(args: argparse.Namespace) -> dict[str, Any]:
     # each, microseconds against steps of tens of milliseconds)
     import torch
 
-    import kiln.trainers._grpo_parts as parts_module
+    import kiln.trainers._forwards as parts_module
     import kiln.trainers.grpo as trainer_module
 
     clocks = dict.fromkeys(
@@ -215,23 +215,25 @@ def side_kiln(args: argparse.Namespace) -> dict[str, Any]:
     def forward_kind() -> str:
         return "policy_forward" if torch.is_grad_enabled() else "reference_forward"
 
-    # one completion's dense forward (the policy's in the trainer, the reference's in the parts module) and the
+    # one completion's dense forward (the policy's in the trainer, the reference's in the forwards module) and the
     # batched forwards of micro-batches
     trainer_module.logprobs = timed(trainer_module.logprobs, forward_kind)
     parts_module.logprobs = timed(parts_module.logprobs, forward_kind)
     parts_module.group_logprobs = timed(parts_module.group_logprobs, forward_kind)
     torch.Tensor.backward = timed(torch.Tensor.backward, "backward")
-    import kiln.trainers._kit as kit_module
+    from kiln.training import AdamW, Muon, Sgd
 
-    build = kit_module.build_optimizer
+    def build_timed(build: Any) -> Any:
+        def wrapper(*a: Any, **k: Any) -> Any:
+            optimizer = build(*a, **k)
+            optimizer.step = timed(optimizer.step, "optimizer")
+            optimizer.zero_grad = timed(optimizer.zero_grad, "optimizer")
+            return optimizer
 
-    def build_timed(*a: Any, **k: Any) -> Any:
-        optimizer = build(*a, **k)
-        optimizer.step = timed(optimizer.step, "optimizer")
-        optimizer.zero_grad = timed(optimizer.zero_grad, "optimizer")
-        return optimizer
+        return wrapper
 
-    kit_module.build_optimizer = build_timed
+    for kind in (Muon, AdamW, Sgd):  # the run's optimizer is built by its kind's build()
+        kind.build = build_timed(kind.build)
     import peft
 
     disable = peft.PeftModel.disable_adapter

@@ -216,8 +216,8 @@ def side_kiln(args: argparse.Namespace) -> dict[str, Any]:
     job = trainer.admit_opd(adapter_name=f"bench-{os.getpid()}", registry=registry, teachers_root=Path(args.teachers),
                             request={"teacher": TEACHER, "prompts": prompts, "config": config},
                             model_path=args.model)  # fmt: skip
-    if job.config["top_k"] != TOP_K:
-        raise RuntimeError(f"the teacher clamps top_k to {job.config['top_k']}")
+    if job.config.top_k != TOP_K:
+        raise RuntimeError(f"the teacher clamps top_k to {job.config.top_k}")
     scorer = LocalScorer(job.teacher, registry_dir=registry)  # the teacher, loaded before the baseline
     load_peak = memory_status("VmHWM")
     baseline = reset_peak()
@@ -249,16 +249,20 @@ def side_kiln(args: argparse.Namespace) -> dict[str, Any]:
         return model
 
     kit.attach_lora = attach_lora
-    objective.top_k_reverse_kl = clocks.timed(objective.top_k_reverse_kl, "loss")  # read at each call
-    original_build = kit.build_optimizer
+    trainer.top_k_reverse_kl = clocks.timed(objective.top_k_reverse_kl, "loss")  # the name the trainer calls
+    from kiln.training import AdamW, Muon, Sgd
 
-    def build_optimizer(*a: Any, **k: Any) -> Any:
-        optimizer = original_build(*a, **k)
-        optimizer.step = clocks.timed(optimizer.step, "optim")
-        optimizer.zero_grad = clocks.timed(optimizer.zero_grad, "optim")
-        return optimizer
+    def build_timed(build: Any) -> Any:
+        def wrapper(*a: Any, **k: Any) -> Any:
+            optimizer = build(*a, **k)
+            optimizer.step = clocks.timed(optimizer.step, "optim")
+            optimizer.zero_grad = clocks.timed(optimizer.zero_grad, "optim")
+            return optimizer
 
-    kit.build_optimizer = build_optimizer
+        return wrapper
+
+    for kind in (Muon, AdamW, Sgd):  # the run's optimizer is built by its kind's build()
+        kind.build = build_timed(kind.build)
     patch_backward(clocks)
     peak = [0]
     ends: list[tuple[int, float]] = []  # (candidates done, when): the batch report's clock

@@ -156,9 +156,9 @@ def test_one_sft_epoch_publishes_a_valid_receipt_and_an_adapter_plain_peft_loads
         "scale": steps.get("scale", 1.0),
         "softcap": steps.get("softcap"),
     }
-    assert receipt["config"]["lora_target_modules"] == job.config["lora_target_modules"]
+    assert receipt["config"]["lora_target_modules"] == job.config.to_json()["lora_target_modules"]
     adapter_config = json.loads((result.adapter_dir / "adapter_config.json").read_text())
-    assert adapter_config["target_modules"] == job.config["lora_target_modules"]
+    assert adapter_config["target_modules"] == job.config.to_json()["lora_target_modules"]
 
     base = load_base_model(models[family])
     ids, _ = _ids_and_labels(base.tokenizer)

@@ -281,7 +281,7 @@ def test_resume_keeps_the_checkpoint_seed_when_none_is_given(cancelled, tiny_mod
         dataset_path=data_file,
         model_path=str(tiny_model_dir),
     )
-    assert job.config["seed"] == 7
+    assert job.config.seed == 7
     assert job.start_step == 4
 
 

@@ -125,7 +125,7 @@ def _off_policy(tmp_path, model, root, path, config):
     events = []
     result = run_opd(job, progress=events.append)
     assert result.status == "success", result.receipt.get("failure_message")
-    order = epoch_order(job.config["seed"], 0, len(job.candidates))
+    order = epoch_order(job.config.seed, 0, len(job.candidates))
     lengths = [len(job.source.rows[job.candidates[i][0]].action_ids) for i in order]
     return result, [(e["loss"], n) for e, n in zip(events, lengths, strict=False)]
 

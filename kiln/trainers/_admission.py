@@ -35,7 +35,8 @@ __all__ = [
     "with_targets",
 ]
 
-C = TypeVar("C", bound=EffectiveConfig)
+C = TypeVar("C", bound=EffectiveConfig, covariant=True)  # an AdmittedSft is an admitted job of some kind
+E = TypeVar("E", bound=EffectiveConfig)
 
 
 @dataclass(frozen=True)
@@ -181,7 +182,7 @@ def run_identity(loaded: LoadedModel, optimizer: Optimizer, data_parallel: DataP
     return RunIdentity(identity=identity, precision=precision, data_parallel=data_parallel)
 
 
-def with_targets(config: C, loaded: LoadedModel) -> C:
+def with_targets(config: E, loaded: LoadedModel) -> E:
     """``config`` with ``lora_target_modules`` resolved against the model: the request's, checked, or the
     architecture's default."""
     from kiln.training import target_modules

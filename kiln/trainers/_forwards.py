@@ -16,10 +16,18 @@ right-padded into one forward of the decoder, the model's logits computed only a
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from kiln.data import GrpoCompletion
+    from kiln.training import ModelHead
+    from kiln.training.grpo_objective import EmaReference
+
 
 __all__ = ["BatchedForwards", "ReferencePolicy", "SelectedLogits", "group_logprobs", "logprobs", "selected_logits"]
 
@@ -29,11 +37,11 @@ class SelectedLogits:
     """``rows`` ``[sum of A_i, V]`` fp32 logits, sequence after sequence; ``positions[i]`` the A_i positions of
     sequence i (a LongTensor); ``targets`` the token each row predicts (``ids[p + 1]``)."""
 
-    rows: Any
-    positions: list[Any]
-    targets: Any
+    rows: torch.Tensor
+    positions: list[torch.Tensor]
+    targets: torch.Tensor
 
-    def split(self, values: Any) -> list[Any]:
+    def split(self, values: torch.Tensor) -> list[torch.Tensor]:
         """``values`` (one per row) cut back into one tensor per sequence."""
         out, start = [], 0
         for pos in self.positions:
@@ -42,7 +50,9 @@ class SelectedLogits:
         return out
 
 
-def selected_logits(model: Any, head: Any, sequences: list[Any], wanted: list[Any]) -> SelectedLogits:
+def selected_logits(
+    model: Any, head: ModelHead | None, sequences: Sequence[Sequence[int]], wanted: Sequence[Sequence[bool]]
+) -> SelectedLogits:
     """The logits at the positions where ``wanted[i]`` (a bool ``[T_i - 1]``) is true, from one forward."""
     import torch
 
@@ -51,17 +61,19 @@ def selected_logits(model: Any, head: Any, sequences: list[Any], wanted: list[An
 
     causal = model.get_base_model() if hasattr(model, "get_base_model") else model
     body, out = decoder_of(causal), causal.get_output_embeddings()
-    ids, attention = right_padded(sequences)
+    ids, attention = right_padded([list(sequence) for sequence in sequences])
     width = ids.shape[1]
     hidden = body(input_ids=ids, attention_mask=attention).last_hidden_state
     positions = [torch.as_tensor(w, dtype=torch.bool).nonzero().squeeze(1) for w in wanted]
     flat = torch.cat([i * width + p for i, p in enumerate(positions)])
     targets = torch.cat([ids[i, p + 1] for i, p in enumerate(positions)])
     rows = hidden.reshape(-1, hidden.shape[-1]).index_select(0, flat).float()
+    if head is None:  # admission proves the head whenever a batch can hold several sequences
+        raise AssertionError("a batched forward needs the model's head, proven at admission")
     return SelectedLogits(head.logit_map.head_logits(rows, out.weight, out.bias), positions, targets)
 
 
-def logprobs(model: Any, ids: Any) -> tuple[Any, Any]:
+def logprobs(model: Any, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probabilities of every next token ``[T-1, V]`` and of the taken ones ``[T-1]``, from the model's own
     logits (``kiln.model.forward_logits``: after its soft-cap or scaling)."""
     import torch
@@ -74,8 +86,13 @@ def logprobs(model: Any, ids: Any) -> tuple[Any, Any]:
 
 
 def group_logprobs(
-    model: Any, head: Any, sequences: list[Any], wanted: list[Any], *, entropy: bool = False
-) -> list[tuple[Any, Any]]:
+    model: Any,
+    head: ModelHead | None,
+    sequences: Sequence[Sequence[int]],
+    wanted: Sequence[Sequence[bool]],
+    *,
+    entropy: bool = False,
+) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
     """Per sequence ``(taken [T-1], entropy [T-1] or None)`` from one right-padded forward of all of them.
 
     Only the positions where ``wanted[i]`` (a bool ``[T_i - 1]``) is true are computed; the others are 0 (the
@@ -104,7 +121,9 @@ class ReferencePolicy:
     Call it before the policy forward of the same step: an EMA reference is swapped into the LoRA tensors, which
     must not happen between a policy forward and its backward."""
 
-    def __init__(self, model: Any, params: dict[str, Any], ema: Any, timings: dict[str, float]) -> None:
+    def __init__(
+        self, model: Any, params: dict[str, torch.nn.Parameter], ema: EmaReference | None, timings: dict[str, float]
+    ) -> None:
         self.model, self.params, self.ema, self.timings = model, params, ema, timings
 
     @contextmanager
@@ -126,14 +145,16 @@ class ReferencePolicy:
                 for name, tensor in saved.items():
                     self.params[name].copy_(tensor)
 
-    def __call__(self, ids: Any) -> Any:
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         t0 = time.perf_counter()
         with self._as_reference():
             _, taken = logprobs(self.model, ids)
         self.timings["reference_forward_ms"] += (time.perf_counter() - t0) * 1000
         return taken
 
-    def group(self, head: Any, sequences: list[Any], wanted: list[Any]) -> list[Any]:
+    def group(
+        self, head: ModelHead | None, sequences: Sequence[Sequence[int]], wanted: Sequence[Sequence[bool]]
+    ) -> list[torch.Tensor]:
         """The reference's taken log-probabilities of several sequences: one batched forward (``group_logprobs``)
         inside one ``disable_adapter()`` or one EMA swap."""
         t0 = time.perf_counter()
@@ -147,18 +168,20 @@ class BatchedForwards:
     """A group's forwards, ``width`` (``micro_batch_size``) completions at a time; width 1 leaves each completion
     to its own dense forward (``policy`` answers None for it, ``references`` calls the reference per completion)."""
 
-    def __init__(self, model: Any, head: Any, reference: ReferencePolicy, width: int, *, echo: bool, entropy: bool):
+    def __init__(
+        self, model: Any, head: ModelHead | None, reference: ReferencePolicy, width: int, *, echo: bool, entropy: bool
+    ) -> None:
         self.model, self.head, self.reference, self.width = model, head, reference, width
         self.echo, self.entropy = echo, entropy
 
-    def _batches(self, completions: list[Any]) -> list[list[Any]]:
+    def _batches(self, completions: Sequence[GrpoCompletion]) -> list[Sequence[GrpoCompletion]]:
         return [completions[i : i + self.width] for i in range(0, len(completions), self.width)]
 
-    def _wanted(self, c: Any) -> list[bool]:
+    def _wanted(self, c: GrpoCompletion) -> list[bool]:
         """The positions a loss reads: the action targets, and ECHO's observation targets."""
         return [a or (self.echo and o) for a, o in zip(c.action_mask, c.observation_mask, strict=True)]
 
-    def references(self, completions: list[Any]) -> list[Any]:
+    def references(self, completions: Sequence[GrpoCompletion]) -> list[torch.Tensor | None]:
         import torch
 
         if self.width == 1:
@@ -169,12 +192,14 @@ class BatchedForwards:
             for taken in self.reference.group(self.head, [c.input_ids for c in part], [self._wanted(c) for c in part])
         ]
 
-    def policy(self, completions: list[Any], timings: dict[str, float]) -> list[Any]:
+    def policy(
+        self, completions: Sequence[GrpoCompletion], timings: dict[str, float]
+    ) -> list[tuple[torch.Tensor, torch.Tensor | None] | None]:
         """Per completion ``(taken, entropy)`` with gradient, or None when each runs its own forward (width 1)."""
         if self.width == 1:
             return [None] * len(completions)
         t0 = time.perf_counter()
-        found = [
+        found: list[tuple[torch.Tensor, torch.Tensor | None] | None] = [
             row
             for part in self._batches(completions)
             for row in group_logprobs(

@@ -103,7 +103,8 @@ class Run(Protocol):
     """A trainer's run of one admitted job: ``train`` is the whole run; ``failed_receipt`` the receipt of a run that
     stopped with ``failure`` (raised as ``exc``); ``losses`` and ``checkpoints`` what it has done so far."""
 
-    job: Job
+    @property
+    def job(self) -> Job: ...
 
     def train(self) -> TrainResult: ...
 
@@ -329,4 +330,4 @@ class Cadence:
 
     def due(self, step: int) -> bool:
         """Every ``checkpoint_interval`` optimizer steps."""
-        return bool(self.interval) and step % self.interval == 0
+        return self.interval is not None and self.interval > 0 and step % self.interval == 0

@@ -107,7 +107,7 @@ def open_request(job: Job, policy: Policy) -> None:
         load_replay_log(path)  # a resume continues a log that reads strictly, or fails before training
     parent = _parent(job)
     resume = job.resume
-    record = {
+    record: JsonObject = {
         "schema_version": 1,
         "record_type": "request",
         "request_id": f"req-{uuid.uuid4().hex}",

@@ -27,7 +27,7 @@ M = TypeVar("M", bound=BaseModel)
 
 def parse_request(model: type[M], body: JsonObject | M) -> M:
     """``body`` as its request model (already one: returned as it is)."""
-    if isinstance(body, model):
+    if not isinstance(body, dict):
         return body
     loaded = contracts.load(model.__name__, body, document=model.__name__)
     assert isinstance(loaded, model)
@@ -36,7 +36,7 @@ def parse_request(model: type[M], body: JsonObject | M) -> M:
 
 def parse_config(model: type[M], config: JsonObject | M | None, label: str) -> M:
     """``config`` (None: empty) as its config model; a refusal names every problem, pointing inside the config."""
-    if isinstance(config, model):
+    if config is not None and not isinstance(config, dict):
         return config
     try:
         loaded = contracts.load(model.__name__, {} if config is None else config)

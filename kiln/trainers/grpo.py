@@ -47,6 +47,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -829,9 +830,7 @@ class GrpoRun:
                 last=loop.groups_committed >= len(kept),
                 # every checkpoint_interval groups, published at the end of the step that reaches it
                 due=any(cadence.due(n) for n in range(settled_at + 1, loop.groups_committed + 1)),
-                cancelled=lambda name, n=loop.groups_committed: (
-                    f"cancelled after group {n} of {len(kept)}; resume from {name}"
-                ),
+                cancelled=partial(_cancelled_after_group, loop.groups_committed, len(kept)),
             )
             settled_at = loop.groups_committed
         # publication
@@ -928,6 +927,10 @@ class GrpoRun:
             self.job, self.started, self.kept, self.counts, self.audits, adapter_dir=adapter_dir,
             timings=self.loop.timings, delta_norms=self.delta_norms,
         )  # fmt: skip
+
+
+def _cancelled_after_group(group: int, groups: int, checkpoint: str) -> str:
+    return f"cancelled after group {group} of {groups}; resume from {checkpoint}"
 
 
 # ----------------------------------------------------------------------------- the loop's committed state

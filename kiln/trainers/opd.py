@@ -71,6 +71,7 @@ from kiln._jsonio import JsonObject
 from kiln.artifacts.checkpoint_manifest import OPD_SOURCE_KINDS
 from kiln.batch_plan import steps_per_epoch
 from kiln.checkpoints import PublishedCheckpoint
+from kiln.data.opd import OffPolicyFile, OpdPrompts
 from kiln.digests import json_sha256, raw_hex, teacher_identity_revision
 from kiln.epoch_order import ALGORITHM_ID, epoch_order
 from kiln.errors import NotFoundError, RequestError, ZeroActionTokensError
@@ -124,7 +125,6 @@ from kiln.training.opd_objective import CollapseAccumulator, receipt_snapshot, t
 if TYPE_CHECKING:
     import torch
 
-    from kiln.data.opd import OffPolicyFile, OpdPrompts
     from kiln.model import LoadedModel
     from kiln.teachers import PinnedTeacher, TeacherScorer
     from kiln.training import ModelHead
@@ -333,16 +333,16 @@ class AdmittedOpd(AdmittedJob[EffectiveOpdConfig]):
 
     @property
     def data_sha256(self) -> str:
-        return self.source.source_sha256 if isinstance(self.source, _prompts_type()) else self.source.sha256
+        return self.source.source_sha256 if isinstance(self.source, OpdPrompts) else self.source.sha256
 
     @property
     def prompts(self) -> OpdPrompts:
-        assert isinstance(self.source, _prompts_type())
+        assert isinstance(self.source, OpdPrompts)
         return self.source
 
     @property
     def pre_scored(self) -> OffPolicyFile:
-        assert not isinstance(self.source, _prompts_type())
+        assert isinstance(self.source, OffPolicyFile)
         return self.source
 
     def fingerprint(self) -> JsonObject:
@@ -380,12 +380,6 @@ class AdmittedOpd(AdmittedJob[EffectiveOpdConfig]):
                 "teacher_content_revision": self.teacher_content_revision,
             },
         )
-
-
-def _prompts_type() -> type[OpdPrompts]:
-    from kiln.data.opd import OpdPrompts
-
-    return OpdPrompts
 
 
 def admit_request(request: OpdRequest, *, adapter_name: str, context: TrainingContext) -> AdmittedOpd:
@@ -549,8 +543,8 @@ class Prompts:
         self.prompts, self.loaded = json_rows(request.prompts) or [], loaded
         self.max_top_k: int = teacher.identity["max_top_k"] if teacher.identity else DEFAULT_MAX_TOP_K
         self.teacher_identity = teacher.identity
-        self.identity_revision: str = teacher.identity_revision
-        self.content_revision: str = teacher.content_revision
+        self.identity_revision: str = teacher.identity_revision or ""  # a live teacher has both, pinned at
+        self.content_revision: str = teacher.content_revision or ""  # registration
 
     def read(self, cfg: EffectiveOpdConfig) -> OpdPrompts:
         from kiln.data.opd import read_prompts
@@ -560,7 +554,7 @@ class Prompts:
 
     @staticmethod
     def candidates(source: OpdPrompts | OffPolicyFile, cfg: EffectiveOpdConfig) -> list[tuple[int, int]]:
-        assert isinstance(source, _prompts_type())
+        assert isinstance(source, OpdPrompts)
         return [(item.index, s) for item in source.items for s in range(cfg.samples_per_prompt)]
 
 
@@ -612,7 +606,7 @@ class PreScored:
 
     @staticmethod
     def candidates(source: OpdPrompts | OffPolicyFile, cfg: EffectiveOpdConfig) -> list[tuple[int, int]]:
-        assert not isinstance(source, _prompts_type())
+        assert isinstance(source, OffPolicyFile)
         return [(row.index, 0) for row in source.rows]
 
 

@@ -43,6 +43,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -492,9 +493,9 @@ class SftRun:
                 if len(batch) < len(step_rows):  # this micro-batch's share of the step's mean
                     loss = loss * (sum(examples[i].supervised_tokens for i in batch) / supervised)
                 policy.timings["policy_forward_ms"] += (time.perf_counter() - t0) * 1000
-                value += policy.accumulate(loss, lambda rows=step_rows: self._where(rows))
-            value = sync.reduce(value, lambda rows=step_rows: self._where(rows))
-            policy.apply(before_step=lambda found=norms: found.update(lora_grad_norms(policy.params)))
+                value += policy.accumulate(loss, partial(self._where, step_rows))
+            value = sync.reduce(value, partial(self._where, step_rows))
+            policy.apply(before_step=partial(_record_grad_norms, norms, policy))
             loop.commit(value, norms, len(step_rows))
             if self.progress:
                 tokens = sum(len(rows_of[i][0]) for i in step_rows)
@@ -596,6 +597,11 @@ class SftRun:
         if job.data_parallel.active:
             receipt["runtime"]["data_parallel"] = job.data_parallel.plan()
         return receipt
+
+
+def _record_grad_norms(norms: dict[str, float], policy: Policy) -> None:
+    """The per-module gradient norms of the step about to be applied (read before the optimizer step)."""
+    norms.update(lora_grad_norms(policy.params))
 
 
 def _forward(body: Any, rows: list[tuple[list[int], torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -175,7 +175,7 @@ class StepSync:
             raise NonFiniteLossError(
                 f"non-finite loss {total} at {where()} (summed over {self.group.world_size} ranks)"
             )
-        if flags > 0:
+        if flags > 0 and self.cancel is not None:
             self.cancel.set()
         return total
 

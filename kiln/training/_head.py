@@ -18,7 +18,7 @@ trained on an approximate loss.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, TypeGuard
 
 from kiln.errors import RequestError
 
@@ -74,7 +74,7 @@ def logit_map_of(config: Any) -> Any:
     return LogitMap(scale=scale, softcap=float(cap) if _number(cap) and cap > 0 else None)
 
 
-def _number(value: Any) -> bool:
+def _number(value: object) -> TypeGuard[int | float]:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 

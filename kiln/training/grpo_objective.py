@@ -462,6 +462,7 @@ def kl_estimate(
     per_token = torch.where(keep, values, zero)
     n = int(active.sum())
     masked = n - int(keep.sum())
+    audit: dict[str, int | float | None]
     if n == 0:
         audit = {
             "token_observations": 0,
