@@ -129,11 +129,11 @@ def _data_parallel_problems(old: dict[str, Any], new: dict[str, Any]) -> Iterato
         return
     world_a, world_b = a.get("world_size"), b.get("world_size")
     if world_a != world_b:
-        path = (*_PLANNING, "world_size")
+        world = (*_PLANNING, "world_size")
         yield Problem(
-            ".".join(path),
-            "/" + "/".join(path),
-            f"{'.'.join(path)} differs: {_show(world_a)} (checkpoint) != {_show(world_b)} (this run): the checkpoint "
+            ".".join(world),
+            "/" + "/".join(world),
+            f"{'.'.join(world)} differs: {_show(world_a)} (checkpoint) != {_show(world_b)} (this run): the checkpoint "
             f"was trained by {world_a} rank(s) and resumes only at that world size (nodes x nproc_per_node)",
         )
         return

@@ -32,7 +32,7 @@ import os
 import shutil
 import time
 from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
@@ -192,7 +192,8 @@ def publish_checkpoint(
             sentinel.result()
             list(pool.map(os.fsync, fds))
         finally:
-            wait([*hashing.values(), sentinel])  # nothing may touch the staging directory after this
+            running: list[Future[Any]] = [*hashing.values(), sentinel]
+            wait(running)  # nothing may touch the staging directory after this
             for fd in fds:
                 os.close(fd)
         for directory in {(staging / rel).parent for rel in files} - {staging}:

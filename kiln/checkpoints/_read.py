@@ -16,7 +16,7 @@ import os
 import stat
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from kiln import _documents
 from kiln._jsonio import MAX_DOCUMENT_BYTES, parse_json
@@ -64,7 +64,9 @@ class LoadedCheckpoint:
         return self.info.path
 
 
-def _fail(reason: str, message: str, *, code: str = "checkpoint_invalid", hint: str | None = None, **kw: Any):
+def _fail(
+    reason: str, message: str, *, code: str = "checkpoint_invalid", hint: str | None = None, **kw: Any
+) -> NoReturn:
     problems = kw.pop("problems", None) or [Problem(reason, kw.get("pointer") or "", message)]
     raise CheckpointError(message, code=code, reason=reason, hint=hint, problems=problems, **kw)
 
@@ -230,9 +232,9 @@ def _walk(path: Path) -> dict[str, os.stat_result]:
                     found[rel] = st
                 else:
                     _fail("special_file", f"{rel!r} in {path.name} is not a regular file (device, FIFO or socket)")
-    for directory in dirs:
-        if not any(name.startswith(f"{directory}/") for name in found):
-            _fail("extra_file", f"{path.name} holds an empty directory {directory!r} that the manifest does not list")
+    for folder in dirs:
+        if not any(name.startswith(f"{folder}/") for name in found):
+            _fail("extra_file", f"{path.name} holds an empty directory {folder!r} that the manifest does not list")
     return found
 
 

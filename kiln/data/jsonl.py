@@ -18,7 +18,7 @@ Every refusal is ``RequestError`` (``training_invalid_request``) naming the file
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Generator
 from pathlib import Path
 
 from kiln.digests import prefixed, raw_hex, stream_sha256
@@ -43,7 +43,7 @@ def dataset_file(dataset_path: str | os.PathLike[str], *, hint: str) -> Path:
     return path
 
 
-def file_lines(path: Path) -> Iterator[bytes]:
+def file_lines(path: Path) -> Generator[bytes, None, None]:
     """Every physical line of the file, exactly as read (newline included), in binary."""
     try:
         with path.open("rb") as fh:

@@ -75,7 +75,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections import Counter
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Generator, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -179,7 +179,7 @@ def ingest_sft(
                 hint='send examples as [{"messages": [...]}, ...]',
             )
         source = source or "inline"
-        rows: Iterator[bytes] = _inline_rows(examples)
+        rows: Generator[bytes, None, None] = _inline_rows(examples)
     else:
         path = dataset_file(
             dataset_path,  # type: ignore[arg-type]
@@ -329,7 +329,7 @@ class _SequenceLimit:
 # --- rows -------------------------------------------------------------------------------
 
 
-def _file_rows(path: Path) -> Iterator[bytes]:
+def _file_rows(path: Path) -> Generator[bytes, None, None]:
     """Non-blank lines of a JSONL file, read in binary one line at a time."""
     with contextlib.closing(file_lines(path)) as lines:
         for line in lines:
@@ -337,7 +337,7 @@ def _file_rows(path: Path) -> Iterator[bytes]:
                 yield line
 
 
-def _inline_rows(examples: Sequence[Any]) -> Iterator[bytes]:
+def _inline_rows(examples: Sequence[Any]) -> Generator[bytes, None, None]:
     """Inline examples as canonical JSON lines, so they take the file path's parser."""
     for example in examples:
         try:

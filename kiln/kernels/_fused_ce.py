@@ -29,6 +29,9 @@ route without post-processing (no extra operation runs).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from typing import Any
+
 import torch
 from torch.autograd.function import once_differentiable
 
@@ -61,7 +64,15 @@ def fused_chunked_loss(
 
 class _FusedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, labels, chunk_size, bias, logit_map):
+    def forward(
+        ctx: Any,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        labels: torch.Tensor,
+        chunk_size: int,
+        bias: torch.Tensor | None,
+        logit_map: LogitMap,
+    ) -> torch.Tensor:
         compute = torch.promote_types(torch.promote_types(hidden.dtype, weight.dtype), torch.float32)
         active = (labels != IGNORE_INDEX).nonzero().squeeze(1)
         targets = labels.index_select(0, active)
@@ -94,7 +105,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             if b is not None:
                 logits.add_(b if factor == 1.0 else b * factor)
             slope = None
-            if cap is not None:
+            if cap is not None and slope_buffer is not None:
                 sig = logits.sigmoid_()  # in place: the buffer now holds sigmoid(v)
                 slope = torch.addcmul(sig, sig, sig, value=-1.0, out=slope_buffer[: sig.numel()].view(sig.shape))
                 target_slope = torch.where(hit, slope.gather(1, cols).squeeze(1), target_slope)
@@ -127,7 +138,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad_loss):
+    def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         active, grad_rows = ctx.saved_tensors
         grad_hidden = grad_rows.new_zeros((ctx.num_rows_total, grad_rows.shape[1]), dtype=ctx.hidden_dtype)
         if active.numel():
@@ -137,7 +148,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
 
 def _chunks(
     weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor, chunk_size: int, compute: torch.dtype
-):
+) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]]:
     """Yield ``(cols, hit, w, b)`` per vocabulary chunk.
 
     ``w`` is the chunk of the head in the compute dtype (a view when no cast is needed), ``b`` its bias (or None),

@@ -94,7 +94,7 @@ def _source_identity() -> tuple[str, str | None, bool | None]:
 
     records = []
     for package in (kiln, kiln_contracts):
-        root = Path(package.__file__).parent
+        root = Path(str(package.__file__)).parent
         for path in sorted(root.rglob("*")):
             if path.is_file() and "__pycache__" not in path.parts and path.suffix in (".py", ".json"):
                 records.append([f"{package.__name__}/{path.relative_to(root).as_posix()}", file_sha256(path)[0]])

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 from kiln._fs import file_mode, publish_dir
 
@@ -74,7 +75,7 @@ def tiny_corpus() -> list[str]:
     return lines * 8
 
 
-def build_tokenizer():
+def build_tokenizer() -> Any:
     """Train the byte-level BPE tokenizer on the built-in corpus (deterministic)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -101,7 +102,7 @@ def build_tokenizer():
     return fast
 
 
-def tiny_config(vocab_size: int):
+def tiny_config(vocab_size: int) -> Any:
     from transformers import Qwen2Config
 
     return Qwen2Config(
@@ -123,7 +124,7 @@ def tiny_config(vocab_size: int):
     )
 
 
-def _init_weights(model, seed: int) -> None:
+def _init_weights(model: Any, seed: int) -> None:
     import torch
 
     generator = torch.Generator().manual_seed(seed)
