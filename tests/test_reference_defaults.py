@@ -17,10 +17,10 @@ from _effective import check_grpo_request
 from _effective import grpo_effective as effective_grpo_config
 from _effective import opd_effective as effective_opd_config
 from _upstream import needs_upstream, upstream_definition
+from kiln_contracts.models import kiln_control_plane_v1_schema as control_plane
 
 from kiln import contracts
 from kiln.errors import RequestError
-from kiln.training import schema_defaults
 
 pytestmark = needs_upstream
 
@@ -163,7 +163,14 @@ def _kiln_default(definition: str, field: str) -> Any:
     effective = _kiln_effective(definition)
     if field in effective:
         return effective[field]
-    return schema_defaults(KILN_DEFINITION.get(definition, definition)).get(field)
+    model = getattr(control_plane, KILN_DEFINITION.get(definition, definition))
+    declared = model.model_fields.get(field) or next(
+        (f for f in model.model_fields.values() if f.alias == field), None
+    )  # the generated model holds the schema's defaults
+    if declared is None or declared.is_required():
+        return None
+    value = declared.get_default(call_default_factory=True, validated_data={})
+    return value.model_dump(mode="json", by_alias=True) if hasattr(value, "model_dump") else value
 
 
 def test_every_reference_field_of_a_grpo_or_opd_request_is_classified():

@@ -17,7 +17,7 @@ from kiln.training._config import (
     refuse,
 )
 from kiln.training._data_parallel import SHARDING_RULE, DataParallel, RanksDivergedError, StepSync, backend_for
-from kiln.training._defaults import default_by, schema_defaults
+from kiln.training._defaults import default_by
 from kiln.training._failures import classify_failure
 from kiln.training._head import ModelHead, decoder_of, model_head
 from kiln.training._lora import (
@@ -91,7 +91,6 @@ __all__ = [
     "resolve_seed",
     "restore_adapter",
     "restore_optimizer",
-    "schema_defaults",
     "target_modules",
     "warm_start",
 ]

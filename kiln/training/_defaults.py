@@ -1,19 +1,13 @@
-"""Request defaults, read from the schema: the one place each of them is written.
+"""The one request default the generated models cannot carry: a default chosen by another field.
 
-A field's default is the ``default`` keyword on its property; a default chosen by another
-field of the same object (the learning rate by the optimizer's ``kind``) is the
-``x-kiln-default-by`` keyword (docs/schemas.md, rule 12). Defaults that come from outside
-the request -- a drawn seed, the model's context length, the server's settings -- are not
-in the schema; the effective-config code resolves them.
+A field's default is the ``default`` keyword on its property, and the generated model carries it as the field's
+Python default (codegen), so the effective-config resolvers read it from the loaded model. A default chosen by
+another field of the same object (the learning rate by the optimizer's ``kind``) is the ``x-kiln-default-by``
+keyword (docs/schemas.md, rule 12), which no model expresses: ``default_by(definition, field, resolved)`` looks it
+up in the bundle. Defaults that come from outside the request -- a drawn seed, the model's context length, the
+server's settings -- are not in the schema; the resolvers take them from their caller.
 
-``schema_defaults(definition)``                 ``{field: default}`` of an object definition
-``schema_defaults(definition, variant=tag)``    the same for the branch of a ``oneOf`` union
-                                                whose constant tag (``kind``, ``mode``) is ``tag``
-``default_by(definition, field, resolved)``     a dependent default, looked up in ``resolved``
-
-Values come back in the JSON type of their field -- a ``number`` as a float, an ``integer``
-as an int -- so ``0`` and ``0.0`` in a schema file give the same effective configuration;
-each call returns fresh copies, which the caller may keep or change.
+The value comes back in the JSON type of its field -- a ``number`` as a float, an ``integer`` as an int.
 """
 
 from __future__ import annotations
@@ -24,7 +18,7 @@ from typing import Any
 
 import kiln_contracts
 
-__all__ = ["default_by", "schema_defaults"]
+__all__ = ["default_by"]
 
 _CASTS = {"number": float, "integer": int}
 
@@ -56,32 +50,13 @@ def _typed(schema: Mapping[str, Any], value: Any) -> Any:
     return cast(value)
 
 
-def _object(definition: str, variant: str | None) -> Mapping[str, Any]:
-    schema = _resolve(_definitions()[definition])
-    if variant is None:
-        return schema
-    for branch in map(_resolve, schema.get("oneOf", [])):
-        if any(p.get("const") == variant for p in branch.get("properties", {}).values()):
-            return branch
-    raise KeyError(f"{definition} has no variant {variant!r}")
-
-
-def schema_defaults(definition: str, *, variant: str | None = None) -> dict[str, Any]:
-    """``{field: default}`` for every property of ``definition`` (or of its ``variant`` branch) with a ``default``.
-
-    Raises ``KeyError`` for an unknown definition or variant.
-    """
-    properties = _object(definition, variant).get("properties", {})
-    return {name: _typed(prop, prop["default"]) for name, prop in properties.items() if "default" in prop}
-
-
 def default_by(definition: str, field: str, resolved: Mapping[str, Any]) -> Any:
     """The ``x-kiln-default-by`` default of ``definition.field``, chosen by the value its pointer names in ``resolved``.
 
     ``resolved`` holds the object's fields with their own defaults applied (for the learning
     rate: ``{"optimizer": {"kind": "adam_w", ...}}``).
     """
-    prop = _object(definition, None)["properties"][field]
+    prop = _resolve(_definitions()[definition])["properties"][field]
     rule = prop["x-kiln-default-by"]
     value: Any = resolved
     for part in rule["pointer"].split("/")[1:]:
