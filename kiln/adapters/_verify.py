@@ -46,9 +46,9 @@ from kiln._fs import name_problem
 from kiln._jsonio import read_json_file
 from kiln.artifacts.adapter_bodies import MANIFEST_CHECK, OFFLINE_CHECKS, SERVER_CHECKS
 from kiln.artifacts.lineage import binding_problems
+from kiln.config import configured_registry
 from kiln.digests import file_sha256, prefixed
 from kiln.errors import ContractError, InternalError, KilnError, RequestError
-from kiln.home import adapter_registry
 
 CONFIG = "adapter_config.json"
 WEIGHTS = "adapter_model.safetensors"
@@ -112,7 +112,7 @@ def verify_adapter(
 def _resolve(given: str, registry: str | os.PathLike[str] | None) -> tuple[Path, str, str | None]:
     """(adapter path, registry or parent directory, name or None)."""
     if not os.path.isdir(given) and name_problem(given, kind="adapter") is None:
-        root = os.path.abspath(adapter_registry(registry))
+        root = os.path.abspath(configured_registry(registry))
         return Path(root, given), root, given
     path = Path(os.path.abspath(given))
     return path, str(path.parent), path.name or None

@@ -33,7 +33,6 @@ from pathlib import Path
 from typing import Any
 
 from kiln.cli._requests import build_request, flag_argv, prepare, sft_resume_command, training_flags
-from kiln.errors import RequestError
 
 __all__ = ["cmd_train_local", "rank_flags_problem"]
 
@@ -67,23 +66,6 @@ class _Cancellation:
     def __exit__(self, *exc: object) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
-
-
-def _configured_interval(value: Any) -> int | None:
-    """``training.checkpoint_interval`` from ``KILN_TRAINING_CHECKPOINT_INTERVAL`` or kiln.toml."""
-    if value is None:
-        return None
-    try:
-        interval = int(value)
-    except (TypeError, ValueError):
-        interval = 0
-    if interval < 1 or isinstance(value, bool):
-        raise RequestError(
-            f"training.checkpoint_interval is {value!r}; it must be a positive integer",
-            code="config_invalid",
-            hint="fix KILN_TRAINING_CHECKPOINT_INTERVAL or [training] checkpoint_interval in kiln.toml",
-        )
-    return interval
 
 
 # ----------------------------------------------------------------------------- how each kind is described
@@ -244,20 +226,19 @@ def _ranks(args: argparse.Namespace) -> int:
 
 def _admit(args: argparse.Namespace, kind: str, path: Path) -> tuple[Any, dict[str, Any], Any]:
     """The admitted job, the replay request the ranks admit again, and the context it was admitted in."""
-    from kiln.config import config_value, configured_registry, load_config
-    from kiln.home import kiln_home
+    from kiln.config import resolve_settings
     from kiln.teachers import teachers_root
     from kiln.trainers import TRAINERS, TrainingContext
     from kiln.training import DataParallel
 
-    settings = load_config()
+    settings = resolve_settings({"model.path": args.model, "model.adapter_dir": args.adapter_dir})
     request = build_request(args, kind, path)
     request["config"].pop("auto_load", None)  # nothing is served locally
     context = TrainingContext(
-        registry=configured_registry(args.adapter_dir, settings),
-        model_path=args.model or config_value(settings, "model", "path"),
-        teachers_root=teachers_root(kiln_home()),
-        checkpoint_interval=_configured_interval(config_value(settings, "training", "checkpoint_interval")),
+        registry=settings.registry,
+        model_path=settings.model.path,
+        teachers_root=teachers_root(settings.home),
+        checkpoint_interval=settings.training.checkpoint_interval,
         data_parallel=DataParallel.planned(_ranks(args), getattr(args, "nproc_per_node", 1)),
     )
     job = TRAINERS[kind].admit(request, adapter_name=args.adapter, context=context)

@@ -107,11 +107,11 @@ def _usage(message: str) -> int:
 
 
 def _registry(adapter_dir: str | None = None) -> Any:
-    from kiln.config import configured_registry
-    from kiln.home import kiln_home
+    from kiln.config import resolve_settings
     from kiln.teachers import TeacherRegistry, teachers_root
 
-    return TeacherRegistry(teachers_root(kiln_home()), adapter_registry=configured_registry(adapter_dir))
+    settings = resolve_settings({"model.adapter_dir": adapter_dir})
+    return TeacherRegistry(teachers_root(settings.home), adapter_registry=settings.registry)
 
 
 def _request(args: argparse.Namespace) -> dict[str, Any] | str:

@@ -82,7 +82,7 @@ def _conflict(name: str) -> ConflictError:
 
 
 class SuiteRegistry:
-    """Evaluation suites by name under ``root`` (``suites_root(kiln_home())`` on a server)."""
+    """Evaluation suites by name under ``root`` (``suites_root(settings.home)`` on a server)."""
 
     def __init__(self, root: Path):
         self.root = Path(root)

@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from kiln._jsonio import read_json_file
+from kiln.config import Settings, resolve_settings
 from kiln.errors import KilnError, RequestError
-from kiln.home import models_dir
 from kiln.model._tiny import ensure_default_tiny, quiet_hub
 
 WEIGHTS_FILE = "model.safetensors"
@@ -30,20 +30,23 @@ class LoadedModel:
 
 
 def resolve_model_path(
-    cli_path: str | os.PathLike[str] | None = None, *, config_path: str | None = None
+    path: str | os.PathLike[str] | None = None, *, settings: Settings | None = None
 ) -> tuple[Path, bool]:
-    """(path, is_default): ``--model`` > ``KILN_MODEL_PATH`` > ``model.path`` > the tiny default."""
-    for candidate in (cli_path, os.environ.get("KILN_MODEL_PATH"), config_path):
-        if candidate:
-            path = Path(candidate).expanduser()
-            if not (path / "config.json").is_file():
-                raise RequestError(
-                    f"model path {path} is not a Hugging Face model directory (no config.json)",
-                    code="training_invalid_request",
-                    hint="pass --model with a local directory holding config.json, *.safetensors and tokenizer files",
-                )
-            return path.resolve(), False
-    return ensure_default_tiny(models_dir()).resolve(), True
+    """(path, is_default): ``path`` (``--model``), else ``model.path`` of the configuration (``settings``, else the
+    configuration resolved now: ``KILN_MODEL_PATH`` > ``kiln.toml``), else the tiny default under its home."""
+    if not path:
+        configured = settings or resolve_settings()
+        if configured.model.path is None:
+            return ensure_default_tiny(configured.models_dir).resolve(), True
+        path = configured.model.path
+    directory = Path(path).expanduser()
+    if not (directory / "config.json").is_file():
+        raise RequestError(
+            f"model path {directory} is not a Hugging Face model directory (no config.json)",
+            code="training_invalid_request",
+            hint="pass --model with a local directory holding config.json, *.safetensors and tokenizer files",
+        )
+    return directory.resolve(), False
 
 
 def load_base_model(path: Path, *, is_default: bool = False, dtype: str = "float32") -> LoadedModel:

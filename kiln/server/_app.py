@@ -99,7 +99,7 @@ class Server:
         """The teacher registry under the server's home (``kiln.teachers.TeacherRegistry``)."""
         from kiln.teachers import TeacherRegistry, teachers_root
 
-        roots = (*self.settings.data_roots, self.settings.home / "models")
+        roots = (*self.settings.data_roots, self.settings.models_dir)
         if self.model_path is not None:
             roots = (*roots, self.model_path)  # the served model may teach
         return TeacherRegistry(
@@ -111,7 +111,7 @@ class Server:
 
 
 def _notify(settings: Settings, server_ref: list[Server]) -> Any:
-    url = settings.get("training", "webhook_url")
+    url = settings.training.webhook_url
 
     def on_terminal(job: Any) -> None:
         if not url:
@@ -141,7 +141,7 @@ def build_server(settings: Settings) -> Server:
     from kiln.server._generation import Generator
     from kiln.server._teacher_protocol import build_protocol
 
-    path, is_default = resolve_model_path(settings.get("model", "path"))
+    path, is_default = resolve_model_path(settings=settings)
     served = load_base_model(path, is_default=is_default)
     # training works on private copies of pristine weights with a tokenizer of its own;
     # generation owns `served` and may wrap it with adapters
@@ -163,7 +163,7 @@ def build_server(settings: Settings) -> Server:
     ref: list[Server] = []
     jobs = JobManager(
         JobStore(settings.job_store),
-        max_queued=int(settings.get("training", "max_queued_jobs")),
+        max_queued=settings.training.max_queued_jobs,
         runner=lambda job, cancel, report: _training.run(engine, job, cancel, report),
         on_terminal=_notify(settings, ref),
         interrupted=lambda job: interrupted_reason(settings.registry, job),
@@ -213,7 +213,7 @@ async def _body(request: Request, server: Server) -> Any:
             code="unsupported_media_type",
             hint="send Content-Type: application/json",
         )
-    limit = int(server.settings.get("server", "max_request_bytes"))
+    limit = server.settings.server.max_request_bytes
     declared = request.headers.get("content-length", "").strip()
     if declared.isdigit() and int(declared) > limit:
         raise _too_large(f"of {declared} bytes", limit)
@@ -245,7 +245,7 @@ def create_app(server: Server, *, own_lifecycle: bool = True) -> FastAPI:
             server.jobs.stop()
 
     app = FastAPI(title="Kiln", version=__version__, openapi_url=None, docs_url=None, redoc_url=None, lifespan=lifespan)
-    api_key = server.settings.get("server", "api_key")
+    api_key = server.settings.server.api_key
 
     @app.middleware("http")
     async def guard(request: Request, call_next: Any) -> Response:
@@ -308,7 +308,7 @@ def create_app(server: Server, *, own_lifecycle: bool = True) -> FastAPI:
 
     @app.post("/v1/datasets")
     async def upload_dataset(request: Request) -> JSONResponse:
-        limit = int(server.settings.get("server", "max_upload_bytes"))
+        limit = server.settings.server.max_upload_bytes
         return JSONResponse(await _datasets.receive(request, server.settings.uploads, limit))
 
     @app.get("/v1/train/status")
@@ -690,7 +690,7 @@ def health_body(server: Server) -> dict[str, Any]:
         "uptime_seconds": int(time.time() - server.started),
         "model": server.model_name,
         "model_source": server.model_source,
-        "auth_required": bool(server.settings.get("server", "api_key")),
+        "auth_required": server.settings.server.api_key is not None,
         "config_hashes": {
             "tokenizer_config_hash": identity.tokenizer_config_hash,
             "chat_template_hash": identity.chat_template_hash,
@@ -814,8 +814,8 @@ def serve(
         {"server.host": host, "server.port": port, "model.path": model, "model.adapter_dir": adapter_dir},
         config_path=config_path,
     )
-    bind_host, bind_port = settings.get("server", "host"), int(settings.get("server", "port"))
-    if not _loopback(bind_host) and not settings.get("server", "api_key"):
+    bind_host, bind_port = settings.server.host, settings.server.port
+    if not _loopback(bind_host) and settings.server.api_key is None:
         print(
             f"warning: binding {bind_host} without an API key: anyone who can reach this port can train and "
             "delete adapters; set KILN_API_KEY (or server.api_key)",

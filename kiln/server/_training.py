@@ -38,7 +38,7 @@ log = logging.getLogger("kiln.server.training")
 class Engine:
     """What admission and the worker share: the base model (pristine training copy) and settings."""
 
-    settings: Any  # kiln.server._settings.Settings
+    settings: Any  # kiln.config.Settings
     base: Any  # kiln.model.LoadedModel: pristine weights and a tokenizer of their own, never served
     generator: Any = None  # kiln.server._generation.Generator (auto_load, canaries, evaluations)
     admission_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
@@ -54,17 +54,17 @@ class Engine:
     def ranks(self, kind: str) -> int:
         """The data-parallel ranks a job of ``kind`` trains with: ``training.nproc_per_node`` for a kind that trains
         over several ranks (SFT) in worker processes, else 1."""
-        if self.settings.get("training", "worker", "process") == "thread" or not TRAINERS[kind].data_parallel:
+        if self.settings.training.worker == "thread" or not TRAINERS[kind].data_parallel:
             return 1  # a thread of the server is one process
-        return int(self.settings.get("training", "nproc_per_node", 1))
+        return self.settings.training.nproc_per_node
 
     def worker_threads(self) -> int:
         """The intra-op threads of a training worker process: ``training.worker_threads``, else all of this
         process's but one (at least 1), so the server keeps a core while a job trains."""
         import torch
 
-        configured = self.settings.get("training", "worker_threads")
-        return int(configured) if configured is not None else max(1, torch.get_num_threads() - 1)
+        configured = self.settings.training.worker_threads
+        return configured if configured is not None else max(1, torch.get_num_threads() - 1)
 
     def context(self, kind: str | None = None) -> TrainingContext:
         """Where the trainers admit and run: the server's registry, its base model, teachers and interval, and for
@@ -72,7 +72,7 @@ class Engine:
         from kiln.teachers import teachers_root
         from kiln.training import DataParallel
 
-        in_workers = kind is not None and self.settings.get("training", "worker", "process") == "process"
+        in_workers = kind is not None and self.settings.training.worker == "process"
         return TrainingContext(
             data_parallel=DataParallel.planned(self.ranks(kind), threads=self.worker_threads())
             if in_workers
@@ -80,7 +80,7 @@ class Engine:
             registry=self.registry,
             loaded=self.base,
             teachers_root=teachers_root(self.settings.home),
-            checkpoint_interval=self.settings.get("training", "checkpoint_interval"),
+            checkpoint_interval=self.settings.training.checkpoint_interval,
             data_roots=self.settings.data_roots,
         )
 
@@ -222,7 +222,7 @@ def run(engine: Engine, job: Job, cancel: threading.Event, report: Callable[[dic
     config = dict(body["config"])
     config.pop("auto_load", None)
     request = {**body, "config": config}
-    if engine.settings.get("training", "worker", "process") == "thread":
+    if engine.settings.training.worker == "thread":
 
         def private_weights(admitted: Any) -> None:
             admitted.loaded = dataclasses.replace(engine.base, model=copy.deepcopy(engine.base.model))

@@ -33,6 +33,7 @@ from typing import Any
 from kiln import contracts
 from kiln._fs import create_exclusive, fsync_dir, name_problem, within_roots
 from kiln._jsonio import parse_json, read_json_file
+from kiln.config import configured_registry
 from kiln.digests import file_sha256, json_sha256, prefixed, teacher_identity_revision
 from kiln.errors import (
     AccessError,
@@ -228,7 +229,7 @@ def _check_student(alias: str, student: Any, vocab_size: int | None, tokenizer_s
 
 class TeacherRegistry:
     """Teachers by alias under ``root``; ``adapter_registry`` is where ``local`` teachers' adapters live
-    (default: the adapter registry ``kiln.home`` resolves)."""
+    (default: the adapter registry ``kiln.config`` resolves)."""
 
     def __init__(
         self, root: Path, *, adapter_registry: Path | None = None, model_roots: tuple[Path, ...] | None = None
@@ -242,9 +243,7 @@ class TeacherRegistry:
     def adapter_registry(self) -> Path:
         if self._adapters is not None:
             return self._adapters
-        from kiln.home import adapter_registry
-
-        return adapter_registry()
+        return configured_registry()
 
     def path(self, alias: str) -> Path:
         return self.root / f"{alias}{SUFFIX}"
