@@ -54,7 +54,6 @@ __all__ = [
     "ServerSettings",
     "Settings",
     "TrainingSettings",
-    "config_value",
     "configured_registry",
     "load_config",
     "resolve_settings",
@@ -282,20 +281,6 @@ def load_config(path: str | os.PathLike[str] | None = None) -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------- resolution
-
-
-def config_value(config: Mapping[str, Any], section: str, key: str) -> JsonValue | None:
-    """One field without flags or defaults: its environment variable (converted like the resolver's) if set, else
-    the value in ``config`` (a parsed ``kiln.toml``), else None."""
-    field = _fields()[f"{section}.{key}"]
-    named = field.from_environment()
-    if named is None:
-        value: JsonValue | None = config.get(section, {}).get(key)
-        return value
-    found = _converted(field, *named)
-    if isinstance(found, Problem):
-        raise _refusal([found])
-    return found
 
 
 def _named(problem: Problem, givers: Mapping[str, str]) -> Problem:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kiln.config import config_value, load_config
+from kiln.config import load_config, resolve_settings
 from kiln.errors import RequestError
 
 
@@ -20,11 +20,10 @@ def test_no_config_file_means_defaults():
 
 def test_a_valid_file_is_read_and_the_environment_wins(tmp_path, monkeypatch):
     _write(tmp_path, '[model]\npath = "/models/a"\nadapter_dir = "/adapters"\n')
-    config = load_config()
-    assert config_value(config, "model", "path") == "/models/a"
+    assert resolve_settings().model.path == "/models/a"
     monkeypatch.setenv("KILN_MODEL_PATH", "/models/b")
-    assert config_value(config, "model", "path") == "/models/b"
-    assert config_value(config, "model", "adapter_dir") == "/adapters"
+    assert resolve_settings().model.path == "/models/b"
+    assert resolve_settings().model.adapter_dir == "/adapters"
 
 
 def test_unknown_keys_are_refused_with_a_pointer(tmp_path):

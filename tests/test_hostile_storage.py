@@ -325,8 +325,8 @@ def http(tmp_path_factory, tiny_model_dir):
     (``training.worker = "thread"``), so the storage faults these tests patch in reach the trainer."""
     from fastapi.testclient import TestClient
 
+    from kiln.config import resolve_settings
     from kiln.server._app import build_server, create_app
-    from kiln.server._settings import resolve_settings
 
     home = tmp_path_factory.mktemp("serve") / "home"
     with pytest.MonkeyPatch.context() as mp:

@@ -38,8 +38,8 @@ _NUMBER = re.compile(rb"-?[0-9]+(?:\.[0-9]+)?(?:[eE][-+]?[0-9]+)?")
 def http(tmp_path_factory, tiny_model_dir):
     from fastapi.testclient import TestClient
 
+    from kiln.config import resolve_settings
     from kiln.server._app import build_server, create_app
-    from kiln.server._settings import resolve_settings
 
     home = tmp_path_factory.mktemp("serve") / "home"
     with pytest.MonkeyPatch.context() as mp:

@@ -35,6 +35,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from kiln import __version__, contracts
 from kiln._fs import writable_problem
 from kiln._jsonio import parse_json
+from kiln.config import Settings, resolve_settings
 from kiln.errors import (
     AuthError,
     CapacityError,
@@ -47,7 +48,6 @@ from kiln.errors import (
 )
 from kiln.server import _datasets, _evals, _openai, _training
 from kiln.server._jobs import JobManager, JobStore
-from kiln.server._settings import Settings, resolve_settings
 
 log = logging.getLogger("kiln.server")
 STATIC = Path(__file__).parent / "static"
