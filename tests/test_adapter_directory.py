@@ -244,7 +244,8 @@ def test_a_demotion_cut_short_after_any_step_never_leaves_a_directory_that_looks
     assert _serving_entries(registry) == listed, sorted(p.name for p in registry.iterdir())
     if not listed:  # the adapter's files are hidden, not lost
         hidden = [p for p in registry.iterdir() if p.name.startswith(".")]
-        assert len(hidden) == 1 and (hidden[0] / WEIGHTS_FILE).is_file()
+        assert len(hidden) == 1
+        assert (hidden[0] / WEIGHTS_FILE).is_file()
 
 
 def test_the_gate_demotes_through_the_registry_module(registry):
