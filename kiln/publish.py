@@ -36,7 +36,7 @@ from typing import Any
 from kiln import contracts
 from kiln._fs import file_mode
 from kiln.adapters import (
-    CONFIG_FILE,
+    BINDINGS,
     MANIFEST_FILE,
     RECEIPT_FILE,
     SERVING_FILES,
@@ -215,16 +215,14 @@ def bind_adapter_manifest(adapter_dir: Path, receipt: dict[str, Any]) -> Path:
         "schema_version": 1,
         "manifest_type": "kiln_adapter_manifest",
         "adapter_name": receipt["adapter_name"],
-        "safetensors_hash": _digest(adapter_dir / WEIGHTS_FILE),
-        "config_hash": _digest(adapter_dir / CONFIG_FILE),
-        "receipt_hash": _digest(adapter_dir / RECEIPT_FILE),
+        **{binding.field: _digest(adapter_dir / binding.file_name) for binding in BINDINGS},
         "parent_adapter": receipt["config"].get("base_adapter"),
         "model_config_hash": receipt["model"]["config_hash"],
         "kiln_commit": receipt["kiln"]["git_commit"],
         "training_data_hash": receipt["training_data"]["sha256"],
         "training_data_source": receipt["training_data"]["source"],
         "training_data_path": receipt["training_data"]["path"],
-        "files": {"adapter_model": WEIGHTS_FILE, "adapter_config": CONFIG_FILE, "train_receipt": RECEIPT_FILE},
+        "files": {binding.role: binding.file_name for binding in BINDINGS},
     }
     template = receipt["tokenizer"].get("training_chat_template_hash")
     if template:

@@ -23,6 +23,7 @@ from kiln.adapters import (
     list_adapters,
     verify_adapter,
 )
+from kiln.digests import file_sha256, prefixed
 from kiln.errors import AdapterError, NotFoundError
 from kiln.model import load_base_model
 
@@ -162,9 +163,7 @@ def test_an_evaluation_target_is_named_by_the_registry_rule(tmp_path, trained_ad
     shutil.copytree(trained_adapter, registry / "bot.failed")
     engine = SimpleNamespace(registry=registry, base_sha256="sha256:" + "0" * 64)
     target = _evals.target(engine, "bot")
-    assert target["adapter_manifest_sha256"] == kiln.digests.prefixed(
-        kiln.digests.file_sha256(registry / "bot" / MANIFEST_FILE)[0]
-    )
+    assert target["adapter_manifest_sha256"] == prefixed(file_sha256(registry / "bot" / MANIFEST_FILE)[0])
     for refused in ("bot.failed", "../adapters/bot"):
         with pytest.raises(NotFoundError) as caught:
             _evals.target(engine, refused)

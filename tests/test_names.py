@@ -168,7 +168,8 @@ def test_the_adapters_package_exports_its_public_names():
     import kiln.publish
 
     assert sorted(kiln.adapters.__all__) == [
-        "AdapterDirectory", "AdapterFiles", "CANARY_FILE", "CONFIG_FILE", "LoraConfig", "LoraConfigProblem",
+        "AdapterDirectory", "AdapterFiles", "BINDINGS", "Binding", "CANARY_FILE", "CONFIG_FILE", "LoraConfig",
+        "LoraConfigProblem",
         "MANIFEST_FILE", "RECEIPT_FILE", "SERVING_FILES", "WEIGHTS_FILE", "adapter_directory", "adapter_entry",
         "base_adapter_dir", "content_revision", "delete_adapter", "demote", "holds_attempt_record_only",
         "list_adapters", "parse_lora_config", "read_canary_status", "require_adapter_name", "restore_adapter",

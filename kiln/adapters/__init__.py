@@ -1,7 +1,8 @@
 """Adapters as content-bound file sets (spec/50), locally.
 
 The adapter directory (``_directory``): its file names (``CONFIG_FILE``, ``WEIGHTS_FILE``, ``RECEIPT_FILE``,
-``MANIFEST_FILE``, ``CANARY_FILE``, ``SERVING_FILES``), finding and reading an adapter
+``MANIFEST_FILE``, ``CANARY_FILE``, ``SERVING_FILES``; ``BINDINGS``: the files a manifest binds, by role and digest
+field), finding and reading an adapter
 (``adapter_directory`` -> ``AdapterDirectory.read`` -> ``AdapterFiles``; ``parse_lora_config`` -> ``LoraConfig``;
 ``content_revision``; ``read_canary_status``), and every change to the registry:
 
@@ -24,6 +25,7 @@ from __future__ import annotations
 from typing import Any
 
 from kiln.adapters._directory import (
+    BINDINGS,
     CANARY_FILE,
     CONFIG_FILE,
     MANIFEST_FILE,
@@ -32,6 +34,7 @@ from kiln.adapters._directory import (
     WEIGHTS_FILE,
     AdapterDirectory,
     AdapterFiles,
+    Binding,
     LoraConfig,
     LoraConfigProblem,
     adapter_directory,
@@ -48,6 +51,7 @@ from kiln.adapters._directory import (
 from kiln.adapters._registry import adapter_entry, list_adapters
 
 __all__ = [
+    "BINDINGS",
     "CANARY_FILE",
     "CONFIG_FILE",
     "MANIFEST_FILE",
@@ -56,6 +60,7 @@ __all__ = [
     "WEIGHTS_FILE",
     "AdapterDirectory",
     "AdapterFiles",
+    "Binding",
     "LoraConfig",
     "LoraConfigProblem",
     "adapter_directory",

@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import itertools
 import math
 import os
 import re
@@ -453,7 +452,7 @@ class AdapterDirectory:
     def canary_path(self) -> Path:
         return self.path / CANARY_FILE
 
-    def invalid(self, why: str, hint: str | None = None) -> AdapterError:
+    def _invalid(self, why: str, hint: str | None = None) -> AdapterError:
         return AdapterError(f"adapter {self.name!r}: {why}", hint=hint)
 
     def read(self) -> AdapterFiles:
@@ -467,12 +466,12 @@ class AdapterDirectory:
         try:
             value = parse_json(config_bytes, source=CONFIG_FILE)
         except KilnError as exc:
-            raise self.invalid(f"{CONFIG_FILE} does not parse: {exc.message}") from None
+            raise self._invalid(f"{CONFIG_FILE} does not parse: {exc.message}") from None
         if not isinstance(value, dict):
-            raise self.invalid(f"{CONFIG_FILE} is not a JSON object")
+            raise self._invalid(f"{CONFIG_FILE} is not a JSON object")
         config = parse_lora_config(value)
         if isinstance(config, LoraConfigProblem):
-            raise self.invalid(f"{CONFIG_FILE} {config.reason}")
+            raise self._invalid(f"{CONFIG_FILE} {config.reason}")
         weights_hex = hashlib.sha256(weights_bytes).hexdigest()
         return AdapterFiles(
             name=self.name,
@@ -511,14 +510,14 @@ class AdapterDirectory:
     def _read(self, file_name: str, limit: int | None) -> bytes:
         path = self.path / file_name
         if path.is_symlink() or not path.is_file():
-            raise self.invalid(f"{file_name} is missing (or not a regular file) in {self.path}")
+            raise self._invalid(f"{file_name} is missing (or not a regular file) in {self.path}")
         try:
             with open(path, "rb") as fh:
                 data = fh.read() if limit is None else fh.read(limit + 1)
         except OSError as exc:
-            raise self.invalid(f"cannot read {file_name}: {exc.strerror or exc}") from None
+            raise self._invalid(f"cannot read {file_name}: {exc.strerror or exc}") from None
         if limit is not None and len(data) > limit:
-            raise self.invalid(f"{file_name} is larger than {limit} bytes")
+            raise self._invalid(f"{file_name} is larger than {limit} bytes")
         return data
 
     def _manifest_bytes(self) -> bytes | None:
@@ -526,7 +525,7 @@ class AdapterDirectory:
         if os.path.lexists(self.manifest_path):
             return self._read(MANIFEST_FILE, MAX_DOCUMENT_BYTES)
         if os.path.lexists(self.receipt_path):
-            raise self.invalid(
+            raise self._invalid(
                 f"{MANIFEST_FILE} is missing, but {RECEIPT_FILE} is here: Kiln binds every adapter it publishes with "
                 "a manifest, so this one is unfinished or was altered",
                 hint="retrain it, or restore it from a copy that has its manifest (kiln adapters restore)",
@@ -538,7 +537,7 @@ class AdapterDirectory:
         try:
             manifest = load_adapter_manifest(manifest_bytes)  # schema, semantic rules, embedded records
         except KilnError as exc:
-            raise self.invalid(f"{MANIFEST_FILE} is invalid: {exc.message}") from None
+            raise self._invalid(f"{MANIFEST_FILE} is invalid: {exc.message}") from None
 
         def digest_of(file_name: str) -> str | None:
             if file_name not in read:
@@ -553,7 +552,7 @@ class AdapterDirectory:
 
         problems, _ = manifest_problems(manifest, self.path, digest_of, receipt_of)
         if problems:
-            raise self.invalid(
+            raise self._invalid(
                 f"{MANIFEST_FILE} {problems[0]}",
                 hint="the files changed after publication; restore the adapter or retrain it",
             )
@@ -602,14 +601,15 @@ def staged_adapter(
 def _claim_demoted_name(registry: Path, name: str) -> Path:
     """``<name>.failed``, else ``<name>.failed-<n>`` for the first free n from 2, created empty: ``mkdir`` is
     exclusive, so no two demotions ever hold one name."""
-    for n in itertools.count(1):
+    n = 1
+    while True:
         claimed = registry / (f"{name}.failed" if n == 1 else f"{name}.failed-{n}")
         try:
             os.mkdir(claimed)
         except FileExistsError:
-            continue
-        return claimed
-    raise AssertionError("unreachable")  # itertools.count never ends
+            n += 1
+        else:
+            return claimed
 
 
 def demote(registry: Path, name: str) -> Path:
