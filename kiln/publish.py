@@ -4,8 +4,9 @@
   would have to destroy: the name is free, or its directory holds only an earlier attempt's receipt (a failed run,
   a dry run) -- which the publication supersedes -- or nothing;
 * ``publish_trained_adapter``: the whole adapter directory -- ``adapter_config.json``,
-  ``adapter_model.safetensors``, ``train_receipt.json`` and ``adapter_manifest.json`` -- built in one hidden staging
-  directory of the registry and made visible by one rename (``kiln._fs.publish_dir``): the receipt is computed from
+  ``adapter_model.safetensors``, ``train_receipt.json`` and ``adapter_manifest.json`` (the names and the protocol are
+  ``kiln.adapters``') -- built in one hidden staging directory of the registry and made visible by one rename
+  (``kiln.adapters.staged_adapter``): the receipt is computed from
   the staged files, written, then the manifest binds the files and the receipt's digest, all inside the staging
   directory. Before the rename nothing of this run is visible at ``<registry>/<adapter>``; after it the adapter is
   complete. An earlier attempt's receipt there is superseded in that same rename;
@@ -33,15 +34,21 @@ from pathlib import Path
 from typing import Any
 
 from kiln import contracts
-from kiln._fs import file_mode, publish_dir, superseded_entries
-from kiln.adapters import require_adapter_name
+from kiln._fs import file_mode
+from kiln.adapters import (
+    BINDINGS,
+    MANIFEST_FILE,
+    RECEIPT_FILE,
+    SERVING_FILES,
+    WEIGHTS_FILE,
+    holds_attempt_record_only,
+    require_adapter_name,
+    staged_adapter,
+)
 from kiln.digests import file_sha256, prefixed
 from kiln.errors import STORAGE_ERRNOS, ConflictError, StorageFailureError, storage_condition
 
-ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
-RECEIPT = "train_receipt.json"
-MANIFEST = "adapter_manifest.json"
-SUPERSEDED = (RECEIPT,)  # what an earlier attempt that published no weights leaves at the adapter's name
+RECEIPT = RECEIPT_FILE  # kiln.trainers' name for it
 
 __all__ = [
     "PublishedAdapter",
@@ -77,15 +84,15 @@ def check_target(registry: Path, name: str) -> Path:
     target = registry / require_adapter_name(name)
     if target.is_symlink() or (target.exists() and not target.is_dir()):
         raise ConflictError(f"{target} exists and is not an adapter directory", code="adapter_exists")
-    if not target.exists() or superseded_entries(target, SUPERSEDED) is not None:
+    if not target.exists() or holds_attempt_record_only(target):
         return target
-    if any((target / f).exists() for f in ADAPTER_FILES):
+    if any((target / f).exists() for f in SERVING_FILES):
         raise ConflictError(
             f"adapter {name!r} already exists in {registry}", code="adapter_exists", hint=_delete_hint(registry, name)
         )
-    others = sorted(e for e in os.listdir(target) if e not in SUPERSEDED and not e.startswith("."))
+    others = sorted(e for e in os.listdir(target) if e != RECEIPT_FILE and not e.startswith("."))
     raise ConflictError(
-        f"{target} holds {', '.join(others)}, which is not an earlier attempt's {RECEIPT}; "
+        f"{target} holds {', '.join(others)}, which is not an earlier attempt's {RECEIPT_FILE}; "
         "publishing an adapter there would replace it",
         code="adapter_exists",
         hint=_delete_hint(registry, name) + f", or move those files out of {target}",
@@ -123,7 +130,7 @@ def _save_adapter_files(peft_model: Any, directory: Path, doing: str, where: lis
     """The two PEFT files of the adapter, with the mode ``open()`` would give them."""
     from safetensors import SafetensorError
 
-    where.append(directory / ADAPTER_FILES[1])
+    where.append(directory / WEIGHTS_FILE)
     try:
         peft_model.save_pretrained(directory, safe_serialization=True)
     except SafetensorError as exc:  # the library writes the weights itself; its I/O errors carry no errno
@@ -132,9 +139,9 @@ def _save_adapter_files(peft_model: Any, directory: Path, doing: str, where: lis
             raise
         raise failure from exc
     for extra in directory.iterdir():  # peft adds a model card; the adapter is exactly its two files
-        if extra.name not in ADAPTER_FILES:
+        if extra.name not in SERVING_FILES:
             extra.unlink()
-    for file_name in ADAPTER_FILES:  # safetensors writes 0600: give the files the mode open() would
+    for file_name in SERVING_FILES:  # safetensors writes 0600: give the files the mode open() would
         os.chmod(directory / file_name, file_mode())
 
 
@@ -149,24 +156,24 @@ def publish_trained_adapter(
     with _storage(doing, where):
         registry.mkdir(parents=True, exist_ok=True)
     check_target(registry, name)  # nothing appeared at the name since admission that this would replace
-    with _storage(doing, where), publish_dir(target, supersede=SUPERSEDED) as staging:
+    with _storage(doing, where), staged_adapter(registry, name) as staging:
         where.append(staging)
         _save_adapter_files(peft_model, staging, doing, where)
         body = receipt(staging)
         body["adapters"]["output"]["path"] = str(target)  # hashed from the staged files, published at the target
-        where.append(staging / RECEIPT)
-        contracts.write("TrainReceipt", staging / RECEIPT, body)
-        where.append(staging / MANIFEST)
+        where.append(staging / RECEIPT_FILE)
+        contracts.write("TrainReceipt", staging / RECEIPT_FILE, body)
+        where.append(staging / MANIFEST_FILE)
         bind_adapter_manifest(staging, body)
         where.append(target)  # what remains: fsync the staged tree, the rename, fsync the registry
-    return PublishedAdapter(target, target / RECEIPT, target / MANIFEST, body)
+    return PublishedAdapter(target, target / RECEIPT_FILE, target / MANIFEST_FILE, body)
 
 
 def publish_receipt(registry: Path, name: str, receipt: dict[str, Any]) -> Path:
     """Write the receipt of an attempt without weights to ``<registry>/<name>/train_receipt.json`` (crash-atomic;
     it replaces an earlier attempt's receipt). A directory holding serving files is never written into."""
     target = registry / name
-    if os.path.lexists(target) and superseded_entries(target, SUPERSEDED) is None:
+    if os.path.lexists(target) and not holds_attempt_record_only(target):
         raise ConflictError(
             f"{target} holds an adapter (or files other than a receipt); the receipt of this run "
             f"({receipt['status']}{': ' + receipt['failure_reason'] if receipt.get('failure_reason') else ''}) "
@@ -177,7 +184,7 @@ def publish_receipt(registry: Path, name: str, receipt: dict[str, Any]) -> Path:
     created = not os.path.lexists(target)
     target.mkdir(parents=True, exist_ok=True)
     try:
-        return contracts.write("TrainReceipt", target / RECEIPT, receipt)
+        return contracts.write("TrainReceipt", target / RECEIPT_FILE, receipt)
     except BaseException:
         if created:  # a refused receipt leaves no empty directory at the adapter's name
             with contextlib.suppress(OSError):
@@ -187,7 +194,7 @@ def publish_receipt(registry: Path, name: str, receipt: dict[str, Any]) -> Path:
 
 def adapter_file_receipt(adapter_dir: Path | None) -> dict[str, Any]:
     """``{path, adapter_model_sha256, adapter_model_bytes}`` of ``adapter_model.safetensors``."""
-    weights = adapter_dir / "adapter_model.safetensors" if adapter_dir else None
+    weights = adapter_dir / WEIGHTS_FILE if adapter_dir else None
     if weights is None or not weights.is_file():
         return {
             "path": str(adapter_dir) if adapter_dir else None,
@@ -203,28 +210,19 @@ def bind_adapter_manifest(adapter_dir: Path, receipt: dict[str, Any]) -> Path:
     binds them, with the lineage its receipt records; returns the manifest's path."""
     if receipt["status"] != "success":
         raise ValueError("an adapter manifest is written only for a successful run")
-    digests = {}
-    for file_name in (*ADAPTER_FILES, RECEIPT):
-        digests[file_name] = prefixed(file_sha256(adapter_dir / file_name)[0])
     runtime = receipt["runtime"]
     manifest = {
         "schema_version": 1,
         "manifest_type": "kiln_adapter_manifest",
         "adapter_name": receipt["adapter_name"],
-        "safetensors_hash": digests["adapter_model.safetensors"],
-        "config_hash": digests["adapter_config.json"],
-        "receipt_hash": digests[RECEIPT],
+        **{binding.field: _digest(adapter_dir / binding.file_name) for binding in BINDINGS},
         "parent_adapter": receipt["config"].get("base_adapter"),
         "model_config_hash": receipt["model"]["config_hash"],
         "kiln_commit": receipt["kiln"]["git_commit"],
         "training_data_hash": receipt["training_data"]["sha256"],
         "training_data_source": receipt["training_data"]["source"],
         "training_data_path": receipt["training_data"]["path"],
-        "files": {
-            "adapter_model": "adapter_model.safetensors",
-            "adapter_config": "adapter_config.json",
-            "train_receipt": RECEIPT,
-        },
+        "files": {binding.role: binding.file_name for binding in BINDINGS},
     }
     template = receipt["tokenizer"].get("training_chat_template_hash")
     if template:
@@ -237,4 +235,8 @@ def bind_adapter_manifest(adapter_dir: Path, receipt: dict[str, Any]) -> Path:
         manifest["training_precision"] = runtime["training_precision"]
     if runtime.get("data_parallel"):
         manifest["data_parallel"] = runtime["data_parallel"]
-    return contracts.write("AdapterManifest", adapter_dir / MANIFEST, manifest)
+    return contracts.write("AdapterManifest", adapter_dir / MANIFEST_FILE, manifest)
+
+
+def _digest(path: Path) -> str:
+    return prefixed(file_sha256(path)[0])

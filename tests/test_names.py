@@ -168,8 +168,12 @@ def test_the_adapters_package_exports_its_public_names():
     import kiln.publish
 
     assert sorted(kiln.adapters.__all__) == [
-        "adapter_entry", "delete_adapter", "list_adapters", "read_canary_status", "require_adapter_name",
-        "restore_adapter", "verify_adapter",
+        "AdapterDirectory", "AdapterFiles", "BINDINGS", "Binding", "CANARY_FILE", "CONFIG_FILE", "LoraConfig",
+        "LoraConfigProblem",
+        "MANIFEST_FILE", "RECEIPT_FILE", "SERVING_FILES", "WEIGHTS_FILE", "adapter_directory", "adapter_entry",
+        "base_adapter_dir", "content_revision", "delete_adapter", "demote", "holds_attempt_record_only",
+        "list_adapters", "parse_lora_config", "read_canary_status", "require_adapter_name", "restore_adapter",
+        "staged_adapter", "verify_adapter",
     ]  # fmt: skip
     assert sorted(kiln.publish.__all__) == [
         "PublishedAdapter", "adapter_file_receipt", "bind_adapter_manifest", "check_target", "publish_receipt",

@@ -1,110 +1,60 @@
-"""The adapter registry read and pruned locally: ``list_adapters`` and ``delete_adapter``.
-
-``require_adapter_name`` is the registry's name rule (``kiln._fs.name_problem`` for the
-``adapter`` kind) as every caller that is handed a name raises it: ``RequestError``
-``training_invalid_request`` with the reason. ``read_canary_status`` reads an adapter's
-serving-canary file, quarantining one that cannot be trusted.
+"""The adapter registry as listed: ``list_adapters`` and ``adapter_entry``.
 
 Listing reports, per child directory of the registry (hidden entries and checkpoint
 directories excluded), the facts ``GET /v1/adapters`` reports: files and sizes, the LoRA
 config (rank, alpha, targets, base model), the canary result, and the manifest parsed
 and validated -- or why it was rejected (a malformed manifest is surfaced, never hidden).
-It never rehashes files: the weights digest shown is the manifest's.
-
-Deletion removes the adapter directory and exactly the checkpoints it owns: the siblings
-whose names parse strictly as ``<name>-checkpoint-step-<8 digits>.kiln-checkpoint``
-(``kiln.checkpoints.parse_checkpoint_name``), and the hidden leftovers made from those names
-(``.<checkpoint name>.incomplete-XXXXXXXX`` of an unfinished publication,
-``.<checkpoint name>.deleting-XXXXXXXX`` of an interrupted deletion). A prefix never counts:
-``victim`` owns nothing of ``victim-checkpoint-keep``. A name with nothing of its own is
-``adapter_not_found`` and nothing is touched. A listed directory whose name the rule refuses
-today (a demoted ``<name>.failed``, say) can still be deleted by that name; it owns no
-checkpoint. Each directory is first renamed to a hidden name, then removed, so an
-interrupted deletion never leaves something that looks like a valid adapter or checkpoint.
+It never rehashes files: the weights digest shown is the manifest's. The directory itself
+-- its file names, reading, publishing, demoting and deleting an adapter -- belongs to
+``kiln.adapters._directory``.
 """
 
 from __future__ import annotations
 
 import os
-import shutil
 import stat
-import uuid
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from kiln import contracts
-from kiln._fs import fsync_dir, name_max_bytes, name_problem
 from kiln._jsonio import read_json_file
-from kiln.checkpoints import parse_checkpoint_name, parse_checkpoint_staging_name
+from kiln.adapters._directory import (
+    CANARY_FILE,
+    CONFIG_FILE,
+    MANIFEST_FILE,
+    RECEIPT_FILE,
+    WEIGHTS_FILE,
+    is_listed,
+    problem_text,
+    read_canary_status,
+)
 from kiln.digests import raw_hex
-from kiln.errors import KilnError, NotFoundError, RequestError
+from kiln.errors import KilnError
 
-CONFIG = "adapter_config.json"
-WEIGHTS = "adapter_model.safetensors"
-MANIFEST = "adapter_manifest.json"
-CANARY = "adapter_canary_status.json"
-CHECKPOINT_SUFFIX = ".kiln-checkpoint"
-
-__all__ = ["adapter_entry", "delete_adapter", "list_adapters", "read_canary_status", "require_adapter_name"]
-
-
-def require_adapter_name(name: str) -> str:
-    """``name`` when it can name an adapter in the registry, else ``RequestError`` with the reason."""
-    why = name_problem(name, kind="adapter")
-    if why is not None:
-        raise RequestError(
-            f"adapter name {name!r} is refused by the registry name rule: {why}",
-            code="training_invalid_request",
-            hint=f"an adapter name is one plain, non-blank file name of at most {name_max_bytes('adapter')} UTF-8 "
-            "bytes that no checkpoint, staging or demotion name can be mistaken for (docs/server.md, Names)",
-        )
-    return name
+__all__ = ["adapter_entry", "list_adapters"]
 
 
 def _timestamp(seconds: float) -> str:
     return datetime.fromtimestamp(seconds, UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
 
 
-def _problem_text(exc: KilnError) -> str:
-    problems = getattr(exc, "problems", None)
-    return str(problems[0]) if problems else exc.message
-
-
 def _config_facts(path: Path) -> tuple[dict[str, Any], str | None]:
     try:
         config = read_json_file(path)
     except KilnError as exc:
-        return {}, f"{CONFIG} is unreadable: {_problem_text(exc)}"
+        return {}, f"{CONFIG_FILE} is unreadable: {problem_text(exc, count=False)}"
     if not isinstance(config, dict):
-        return {}, f"{CONFIG} is not a JSON object"
+        return {}, f"{CONFIG_FILE} is not a JSON object"
     return config, None
-
-
-def read_canary_status(path: Path) -> dict[str, Any]:
-    """The canary result, or a quarantine when the file cannot be trusted (it never promotes)."""
-    try:
-        value = read_json_file(path)
-        found = contracts.problems("AdapterCanaryStatus", value)
-        why = str(found[0]) if found else None
-    except KilnError as exc:
-        value, why = None, _problem_text(exc)
-    if why is None:
-        return value
-    return {
-        "status": "quarantined",
-        "failure_reason": f"{CANARY} is invalid ({why}); an unreadable canary never promotes",
-        "warnings": [],
-        "checks": [],
-    }
 
 
 def _receipt_only(directory: Path) -> str:
     """Why a directory holds a receipt but no serving files, as its receipt tells it (read, never trusted)."""
     try:
-        receipt = read_json_file(directory / "train_receipt.json")
+        receipt = read_json_file(directory / RECEIPT_FILE)
     except KilnError:
-        return " (its train_receipt.json is unreadable)"
+        return f" (its {RECEIPT_FILE} is unreadable)"
     if not isinstance(receipt, dict):
         return ""
     source = (
@@ -127,14 +77,14 @@ def adapter_entry(directory: Path, *, loaded: bool = False) -> dict[str, Any]:
             files.append(entry.name)
             size += st.st_size
     files.sort()
-    has_config, has_weights = CONFIG in files, WEIGHTS in files
+    has_config, has_weights = CONFIG_FILE in files, WEIGHTS_FILE in files
     error = None
     if not has_config or not has_weights:
-        missing = " and ".join(f for f, ok in ((CONFIG, has_config), (WEIGHTS, has_weights)) if not ok)
-        error = f"missing {missing}" + (_receipt_only(directory) if "train_receipt.json" in files else "")
+        missing = " and ".join(f for f, ok in ((CONFIG_FILE, has_config), (WEIGHTS_FILE, has_weights)) if not ok)
+        error = f"missing {missing}" + (_receipt_only(directory) if RECEIPT_FILE in files else "")
     config: dict[str, Any] = {}
     if has_config:
-        config, config_error = _config_facts(directory / CONFIG)
+        config, config_error = _config_facts(directory / CONFIG_FILE)
         error = error or config_error
     rank = config.get("r") if isinstance(config.get("r"), int) and not isinstance(config.get("r"), bool) else None
     alpha = config.get("lora_alpha")
@@ -144,20 +94,22 @@ def adapter_entry(directory: Path, *, loaded: bool = False) -> dict[str, Any]:
     base = config.get("base_model_name_or_path")
 
     manifest = manifest_error = None
-    if MANIFEST in files:
+    if MANIFEST_FILE in files:
         try:
-            value = read_json_file(directory / MANIFEST)
+            value = read_json_file(directory / MANIFEST_FILE)
             found = contracts.problems("AdapterManifest", value)
         except KilnError as exc:
             value, found = None, [exc]
         if found:
             first = found[0]
-            manifest_error = f"{MANIFEST}: " + (_problem_text(first) if isinstance(first, KilnError) else str(first))
+            manifest_error = f"{MANIFEST_FILE}: " + (
+                problem_text(first, count=False) if isinstance(first, KilnError) else str(first)
+            )
         else:
             manifest = value
     canary: dict[str, Any] = {"status": "unknown", "failure_reason": None, "warnings": [], "checks": []}
-    if CANARY in files:
-        canary = read_canary_status(directory / CANARY)
+    if CANARY_FILE in files:
+        canary = read_canary_status(directory / CANARY_FILE)
     status = (
         "invalid"
         if error
@@ -167,7 +119,7 @@ def adapter_entry(directory: Path, *, loaded: bool = False) -> dict[str, Any]:
         if canary["status"] == "quarantined"
         else "available"
     )
-    weights_size = (directory / WEIGHTS).stat().st_size if has_weights else None
+    weights_size = (directory / WEIGHTS_FILE).stat().st_size if has_weights else None
     entry = {
         "name": directory.name,
         "has_config": has_config,
@@ -189,9 +141,9 @@ def adapter_entry(directory: Path, *, loaded: bool = False) -> dict[str, Any]:
         "canary_failure_reason": canary["failure_reason"],
         "canary_warnings": list(canary["warnings"]),
         "canary_checks": list(canary["checks"]),
-        "canary_status_path": str((directory / CANARY).resolve()) if CANARY in files else None,
+        "canary_status_path": str((directory / CANARY_FILE).resolve()) if CANARY_FILE in files else None,
         "adapter_manifest": manifest,
-        "adapter_manifest_path": str((directory / MANIFEST).resolve()) if MANIFEST in files else None,
+        "adapter_manifest_path": str((directory / MANIFEST_FILE).resolve()) if MANIFEST_FILE in files else None,
         "adapter_manifest_error": manifest_error,
         "last_load_error": None,
         "error": error,
@@ -202,16 +154,10 @@ def adapter_entry(directory: Path, *, loaded: bool = False) -> dict[str, Any]:
     return entry
 
 
-def _is_listed(entry: os.DirEntry[str]) -> bool:
-    """Whether listing shows this registry entry as an adapter directory."""
-    hidden_or_checkpoint = entry.name.startswith(".") or entry.name.endswith(CHECKPOINT_SUFFIX)
-    return not hidden_or_checkpoint and entry.is_dir(follow_symlinks=False)
-
-
 def _adapter_dirs(registry: Path) -> list[Path]:
     if not registry.is_dir():
         return []
-    return sorted((Path(entry.path) for entry in os.scandir(registry) if _is_listed(entry)), key=lambda p: p.name)
+    return sorted((Path(entry.path) for entry in os.scandir(registry) if is_listed(entry)), key=lambda p: p.name)
 
 
 def _stat_key(directory: Path) -> tuple[Any, ...] | None:
@@ -269,52 +215,3 @@ def list_adapters(
         "available": available,
         "available_adapters": available,
     }
-
-
-def _owned_by(entry_name: str, name: str) -> bool:
-    """Whether a registry entry is one of ``name``'s checkpoints or a hidden leftover made from one's name."""
-    parsed = parse_checkpoint_staging_name(entry_name) if entry_name.startswith(".") else None
-    owner = parsed[0] if parsed else (parse_checkpoint_name(entry_name) or (None,))[0]
-    return owner == name
-
-
-def _doomed(registry: Path, name: str, *, owns_checkpoints: bool) -> list[Path]:
-    """The adapter directory (when listing shows it), its checkpoints and their hidden leftovers."""
-    found = []
-    for entry in os.scandir(registry):
-        if entry.name == name:
-            if _is_listed(entry):
-                found.append(Path(entry.path))
-        elif owns_checkpoints and _owned_by(entry.name, name) and entry.is_dir(follow_symlinks=False):
-            found.append(Path(entry.path))
-    return sorted(found)
-
-
-def delete_adapter(registry: str | os.PathLike[str], name: str, *, dry_run: bool = False) -> list[Path]:
-    """Remove ``name`` and exactly the checkpoints it owns; return what was (or would be) removed.
-
-    A name the registry rule refuses is ``training_invalid_request`` unless listing shows a directory of that
-    name (which is then removed alone); a name with nothing to remove is ``adapter_not_found``.
-    """
-    root = Path(registry)
-    if name_problem(name, kind="file") is not None:  # not even one plain directory entry: never near the disk
-        require_adapter_name(name)
-    target = root / name
-    if target.is_symlink():
-        raise RequestError(
-            f"{target} is a symlink, not an adapter directory; remove it by hand", code="training_invalid_request"
-        )
-    valid = name_problem(name, kind="adapter") is None
-    doomed = _doomed(root, name, owns_checkpoints=valid) if root.is_dir() else []
-    if not valid and not doomed:
-        require_adapter_name(name)  # the rule, named
-    if not doomed:
-        raise NotFoundError(f"no adapter {name!r} (and no checkpoints of it) in {root}", code="adapter_not_found")
-    if dry_run:
-        return doomed
-    for path in doomed:
-        hidden = root / f".{path.name}.deleting-{uuid.uuid4().hex[:8]}"
-        os.rename(path, hidden)
-        fsync_dir(root)
-        shutil.rmtree(hidden)
-    return doomed

@@ -14,9 +14,10 @@
    (``replay.jsonl``, ``lineage.json``) when the receipt links one (``request_lineage``);
 4. compare every digest with the manifest: ``<label> mismatch for <source file>: expected
    <digest>, got <digest>`` (``AdapterError`` ``adapter_invalid``);
-5. validate the layout (both serving files, a LoRA config, a readable safetensors header,
-   the receipt as a successful ``TrainReceipt`` of this adapter), then fsync every file,
-   rename into place and fsync the registry (``kiln._fs.publish_dir``).
+5. validate the layout (both serving files, a LoRA config by the one parser's rules --
+   ``kiln.adapters.parse_lora_config``, as verify and the server read it --, a readable
+   safetensors header, the receipt as a successful ``TrainReceipt`` of this adapter), then
+   fsync every file, rename into place and fsync the registry (``staged_adapter``).
 
 Every failure raises before the rename and removes the hidden directory, so nothing is left
 behind and an existing target is untouched.
@@ -26,7 +27,7 @@ deleted, even if a server has it loaded or active (restore is local and never as
 server), and it cannot be recovered. To keep the window small the old target is removed
 only after every copy has been verified: it is renamed to a hidden
 ``.<name>.replaced-*`` directory, the new adapter is renamed into place, then the old one
-is deleted (``publish_dir(..., overwrite=True)``). A crash in between leaves the old
+is deleted (``staged_adapter(..., overwrite=True)``). A crash in between leaves the old
 adapter in that hidden directory, never a half-written target.
 
 When the manifest names its files by other names than the canonical ones, the restored
@@ -49,10 +50,19 @@ from pathlib import Path
 from typing import Any
 
 from kiln import contracts
-from kiln._fs import name_problem, publish_dir
+from kiln._fs import name_problem
 from kiln._jsonio import MAX_DOCUMENT_BYTES, parse_json, read_json_file
-from kiln.adapters._registry import require_adapter_name
-from kiln.artifacts.adapter_manifest import MANIFEST_FILE
+from kiln.adapters._directory import (
+    BINDINGS,
+    CONFIG_FILE,
+    MANIFEST_FILE,
+    RECEIPT_FILE,
+    WEIGHTS_FILE,
+    LoraConfigProblem,
+    parse_lora_config,
+    require_adapter_name,
+    staged_adapter,
+)
 from kiln.artifacts.lineage import LINEAGE_FILE
 from kiln.artifacts.replay_log import REPLAY_LOG
 from kiln.digests import prefixed
@@ -60,17 +70,7 @@ from kiln.errors import AdapterError, ConflictError, ContractError, InternalErro
 
 __all__ = ["restore_adapter"]
 
-CONFIG_FILE = "adapter_config.json"
-WEIGHTS_FILE = "adapter_model.safetensors"
-RECEIPT_FILE = "train_receipt.json"
 _CHUNK = 8 * 1024 * 1024
-
-# (files role, canonical name, manifest digest field -- also the receipt's verified_hashes key, as the reference has it)
-_ROLES = (
-    ("adapter_config", CONFIG_FILE, "config_hash"),
-    ("adapter_model", WEIGHTS_FILE, "safetensors_hash"),
-    ("train_receipt", RECEIPT_FILE, "receipt_hash"),
-)
 
 
 def restore_adapter(
@@ -113,17 +113,17 @@ def restore_adapter(
     }
 
     registry_dir.mkdir(parents=True, exist_ok=True)
-    with publish_dir(target, purpose="restore", overwrite=overwrite) as staging:
-        for role, canonical, field in _ROLES:
-            if role not in sources:
+    with staged_adapter(registry_dir, target_name, purpose="restore", overwrite=overwrite) as staging:
+        for binding in BINDINGS:  # the manifest digest field is also the verified_hashes key, as the reference has it
+            if binding.role not in sources:
                 continue
-            source = sources[role]
-            got = prefixed(_copy_hashing(source, staging / canonical))
-            expected = manifest[field]
+            source = sources[binding.role]
+            got = prefixed(_copy_hashing(source, staging / binding.file_name))
+            expected = manifest[binding.field]
             if got != expected:
-                raise AdapterError(f"{field} mismatch for {source}: expected {expected}, got {got}")
-            copied.append(canonical)
-            verified[field] = got
+                raise AdapterError(f"{binding.field} mismatch for {source}: expected {expected}, got {got}")
+            copied.append(binding.file_name)
+            verified[binding.field] = got
         copied.extend(_copy_lineage(source_dir, staging))
         _write_manifest_copy(staging / MANIFEST_FILE, raw, manifest)
         copied.append(MANIFEST_FILE)
@@ -156,7 +156,7 @@ def _read_manifest(path: Path) -> tuple[bytes, dict[str, Any]]:
         raise AdapterError(
             f"manifest {path} is not a valid adapter manifest: {details}",
             pointer=exc.pointer,
-            hint="restore only from an adapter_manifest.json written by Kiln for a successful run",
+            hint=f"restore only from an {MANIFEST_FILE} written by Kiln for a successful run",
         ) from exc
     return raw, manifest
 
@@ -193,14 +193,16 @@ def _refuse_existing(target: Path) -> None:
 def _sources(manifest: dict[str, Any], source_dir: Path) -> dict[str, Path]:
     """The source file of each role the manifest names; each must be a plain name beside it."""
     out: dict[str, Path] = {}
-    for role, _canonical, _field in _ROLES:
-        file_name = manifest["files"][role]
+    for binding in BINDINGS:
+        file_name = manifest["files"][binding.role]
         if file_name is None:
             continue
         why = name_problem(file_name, kind="file")  # the manifest's own rule already ran: this guards the copy
         if why is not None:
-            raise AdapterError(f"files.{role} {file_name!r} is not a plain file name beside the manifest: {why}")
-        out[role] = source_dir / file_name
+            raise AdapterError(
+                f"files.{binding.role} {file_name!r} is not a plain file name beside the manifest: {why}"
+            )
+        out[binding.role] = source_dir / file_name
     return out
 
 
@@ -226,7 +228,7 @@ def _copy_hashing(source: Path, dest: Path) -> str:
 
 
 def _write_manifest_copy(dest: Path, raw: bytes, manifest: dict[str, Any]) -> None:
-    canonical_files = {role: canonical for role, canonical, _f in _ROLES}
+    canonical_files: dict[str, str | None] = {binding.role: binding.file_name for binding in BINDINGS}
     if manifest["files"]["train_receipt"] is None:
         canonical_files["train_receipt"] = None
     if manifest["files"] == canonical_files:
@@ -254,14 +256,9 @@ def _check_config(path: Path, source: Path) -> None:
         raise AdapterError(f"adapter config {source} is not valid JSON: {exc.message}") from None
     if not isinstance(config, dict):
         raise AdapterError(f"adapter config {source} is not a JSON object")
-    r, alpha, targets = config.get("r"), config.get("lora_alpha"), config.get("target_modules")
-    if isinstance(r, bool) or not isinstance(r, int) or r <= 0:
-        raise AdapterError(f"adapter config {source}: r must be a positive integer, got {r!r}")
-    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
-        raise AdapterError(f"adapter config {source}: lora_alpha must be a number, got {alpha!r}")
-    listed = isinstance(targets, list) and targets and all(isinstance(t, str) and t for t in targets)
-    if not (listed or (isinstance(targets, str) and targets)):
-        raise AdapterError(f"adapter config {source}: target_modules must name the adapted modules, got {targets!r}")
+    parsed = parse_lora_config(config)
+    if isinstance(parsed, LoraConfigProblem):
+        raise AdapterError(f"adapter config {source}: {parsed.reason}")
 
 
 def _check_safetensors_header(path: Path, source: Path) -> None:

@@ -2,11 +2,14 @@
 
 The checks run in the order of ``OFFLINE_CHECKS`` and stop at the first failure (spec/50):
 the directory exists; it holds ``adapter_config.json`` and ``adapter_model.safetensors``;
-the config parses to an object declaring ``r``, ``lora_alpha`` and ``target_modules``; the
-weights file is readable; every tensor is a 2-D ``lora_A`` (``[r, in]``) or ``lora_B``
-(``[out, r]``) of a declared target with complete pairs (and finite values: the receipt
-cannot carry NaN); the update is measurable. Then, when ``adapter_manifest.json`` exists,
-its digests must match the files.
+the config parses to an object declaring ``r`` (with any ``rank_pattern``), ``lora_alpha`` and
+``target_modules`` by the rules of ``kiln.adapters.parse_lora_config`` -- the server reads
+adapters by the same rules, so what verify accepts the server applies --, its first problem
+failing that key's check; the weights file is readable; every tensor is a 2-D ``lora_A``
+(``[r, in]``) or ``lora_B`` (``[out, r]``) of a declared target with its module's rank and
+complete pairs (and finite values: the receipt cannot carry NaN); the update is measurable.
+Then, when ``adapter_manifest.json`` exists, its bindings must match the files
+(``manifest_problems``, the check the server's load makes on the bytes it reads).
 
 *Measurable* follows the schema's ``verify.lora-facts`` rule, stricter than "some tensor is
 non-zero": at least one tensor is non-zero **and** ``Σ‖A‖₂·‖B‖₂ > 0``. A freshly
@@ -35,7 +38,6 @@ The receipt is validated against ``AdapterVerifyReceipt`` before it is returned.
 
 from __future__ import annotations
 
-import math
 import os
 import re
 from pathlib import Path
@@ -44,15 +46,23 @@ from typing import Any
 from kiln import contracts
 from kiln._fs import name_problem
 from kiln._jsonio import read_json_file
+from kiln.adapters._directory import (
+    CONFIG_FILE,
+    MANIFEST_FILE,
+    WEIGHTS_FILE,
+    LoraConfig,
+    LoraConfigProblem,
+    lora_facts,
+    manifest_problems,
+    parse_lora_config,
+    problem_text,
+)
 from kiln.artifacts.adapter_bodies import MANIFEST_CHECK, OFFLINE_CHECKS, SERVER_CHECKS
-from kiln.artifacts.lineage import binding_problems
+from kiln.artifacts.adapter_manifest import load_adapter_manifest
 from kiln.config import configured_registry
 from kiln.digests import file_sha256, prefixed
 from kiln.errors import ContractError, InternalError, KilnError, RequestError
 
-CONFIG = "adapter_config.json"
-WEIGHTS = "adapter_model.safetensors"
-MANIFEST = "adapter_manifest.json"
 DEFAULT_PROMPT = "Say hello in one short sentence."
 SERVER_MAX_TOKENS = 32
 SERVER_TIMEOUT_S = 300.0
@@ -128,12 +138,6 @@ def _listed(problems: list[str]) -> str:
     return head + (f"; and {len(problems) - _MAX_LISTED} more" if len(problems) > _MAX_LISTED else "")
 
 
-def _problem_text(exc: KilnError) -> str:
-    if isinstance(exc, ContractError):
-        return str(exc.problems[0]) + (f" (and {len(exc.problems) - 1} more)" if len(exc.problems) > 1 else "")
-    return exc.message
-
-
 def _hash_files(path: Path) -> list[dict[str, Any]]:
     """Digest and size of each regular file (by portable name) in the adapter directory."""
     out = []
@@ -156,48 +160,39 @@ def _offline(receipt: dict[str, Any], path: Path) -> bool:
     record(receipt, exists, True, f"found {path}")
     receipt["files"] = _hash_files(path)
 
-    missing = [f for f in (CONFIG, WEIGHTS) if not (path / f).is_file()]
+    missing = [f for f in (CONFIG_FILE, WEIGHTS_FILE) if not (path / f).is_file()]
     if missing:
         return record(receipt, layout, False, "missing " + " and ".join(missing))
-    record(receipt, layout, True, f"{CONFIG} and {WEIGHTS} present")
+    record(receipt, layout, True, f"{CONFIG_FILE} and {WEIGHTS_FILE} present")
 
     try:
-        config = read_json_file(path / CONFIG)
+        config = read_json_file(path / CONFIG_FILE)
     except KilnError as exc:
-        return record(receipt, config_json, False, f"{CONFIG} does not parse: {_problem_text(exc)}")
+        return record(receipt, config_json, False, f"{CONFIG_FILE} does not parse: {problem_text(exc)}")
     if not isinstance(config, dict):
-        return record(receipt, config_json, False, f"{CONFIG} is a JSON {type(config).__name__}, not an object")
-    record(receipt, config_json, True, f"{CONFIG} parses")
+        return record(receipt, config_json, False, f"{CONFIG_FILE} is a JSON {type(config).__name__}, not an object")
+    record(receipt, config_json, True, f"{CONFIG_FILE} parses")
 
-    lora = _lora_facts(config)
+    lora = lora_facts(config)
     receipt["lora"] = lora
-    rank = config.get("r")
-    if lora["rank"] is None:
-        why = "is missing" if "r" not in config else f"is {rank!r}, not a positive integer"
-        return record(receipt, rank_c, False, f"r {why}")
-    patterns, why = _rank_pattern(config.get("rank_pattern"))
-    if why:
-        return record(receipt, rank_c, False, why)
-    record(receipt, rank_c, True, f"r = {rank}" + (f" (rank_pattern: {len(patterns)} overrides)" if patterns else ""))
-
-    if lora["alpha"] is None:
-        alpha = config.get("lora_alpha")
-        why = "is missing" if "lora_alpha" not in config else f"is {alpha!r}, not a finite number"
-        return record(receipt, alpha_c, False, f"lora_alpha {why}")
+    parsed = parse_lora_config(config)  # its first problem fails the check of its key; the checks before it pass
+    if isinstance(parsed, LoraConfigProblem) and parsed.key == "r":
+        return record(receipt, rank_c, False, parsed.reason)
+    record(receipt, rank_c, True, f"r = {config['r']}" + _overrides(config.get("rank_pattern")))
+    if isinstance(parsed, LoraConfigProblem) and parsed.key == "lora_alpha":
+        return record(receipt, alpha_c, False, parsed.reason)
     record(receipt, alpha_c, True, f"lora_alpha = {lora['alpha']:g}")
-
-    matcher, why = _target_matcher(config.get("target_modules"))
-    if matcher is None:
-        return record(receipt, targets_c, False, why)
+    if isinstance(parsed, LoraConfigProblem):
+        return record(receipt, targets_c, False, parsed.reason)
     record(receipt, targets_c, True, ", ".join(lora["target_modules"]))
 
-    tensors, why = _read_tensors(path / WEIGHTS)
+    tensors, why = _read_tensors(path / WEIGHTS_FILE)
     if tensors is None:
         return record(receipt, readable, False, why)
     lora["tensor_count"] = len(tensors)
     record(receipt, readable, True, f"{len(tensors)} tensors")
 
-    pairs, problems = _consistency(tensors, lora["rank"], patterns, matcher)
+    pairs, problems = _consistency(tensors, parsed)
     if problems:
         return record(receipt, consistency, False, _listed(problems))
     layers = {layer for layer, _ in pairs}
@@ -219,67 +214,8 @@ def _offline(receipt: dict[str, Any], path: Path) -> bool:
     return record(receipt, measurable, True, f"{nonzero} of {len(tensors)} tensors non-zero; Σ‖A‖₂·‖B‖₂ = {bound:.6g}")
 
 
-def _finite_float(value: Any) -> float | None:
-    """``value`` as a finite float, or None (booleans, huge integers and non-numbers included)."""
-    if not isinstance(value, int | float) or isinstance(value, bool):
-        return None
-    try:
-        number = float(value)
-    except OverflowError:
-        return None
-    return number if math.isfinite(number) else None
-
-
-def _lora_facts(config: dict[str, Any]) -> dict[str, Any]:
-    rank = config.get("r")
-    rank = rank if isinstance(rank, int) and not isinstance(rank, bool) and 0 < rank < 2**63 else None
-    alpha = _finite_float(config.get("lora_alpha"))
-    targets = config.get("target_modules")
-    if isinstance(targets, str):
-        targets = [targets] if targets else []
-    elif isinstance(targets, list):
-        targets = sorted({t for t in targets if isinstance(t, str) and t})
-    else:
-        targets = []
-    base = config.get("base_model_name_or_path")
-    return {
-        "rank": rank,
-        "alpha": alpha,
-        "alpha_over_rank": alpha / rank if rank is not None and alpha is not None else None,
-        "target_modules": targets,
-        "base_model_name_or_path": base if isinstance(base, str) and base else None,
-        "tensor_count": None,
-    }
-
-
-def _rank_pattern(value: Any) -> tuple[dict[str, int], str | None]:
-    """PEFT's per-module rank overrides (``{}`` when absent)."""
-    if value in (None, {}):
-        return {}, None
-    if not isinstance(value, dict):
-        return {}, f"rank_pattern is {type(value).__name__}, not an object"
-    for key, rank in value.items():
-        if not (isinstance(rank, int) and not isinstance(rank, bool) and rank > 0):
-            return {}, f"rank_pattern[{key!r}] is {rank!r}, not a positive integer"
-    return value, None
-
-
-def _target_matcher(value: Any) -> tuple[Any, str]:
-    """A predicate on module paths following PEFT's matching, or (None, why not)."""
-    if isinstance(value, str) and value:
-        if value == "all-linear":
-            return (lambda _path: True), ""
-        try:
-            pattern = re.compile(value)
-        except re.error as exc:
-            return None, f"target_modules {value!r} is not a valid regular expression: {exc}"
-        return (lambda path: pattern.fullmatch(path) is not None), ""
-    if isinstance(value, list) and value and all(isinstance(t, str) and t for t in value):
-        names = tuple(value)
-        return (lambda path: any(path == t or path.endswith("." + t) for t in names)), ""
-    if value is None:
-        return None, "target_modules is missing"
-    return None, f"target_modules is {value!r}, not a non-empty list of module names or a regular expression"
+def _overrides(rank_pattern: object) -> str:
+    return f" (rank_pattern: {len(rank_pattern)} overrides)" if isinstance(rank_pattern, dict) and rank_pattern else ""
 
 
 def _read_tensors(weights: Path) -> tuple[dict[str, dict[str, Any]] | None, str]:
@@ -303,15 +239,8 @@ def _read_tensors(weights: Path) -> tuple[dict[str, dict[str, Any]] | None, str]
                     "norm": float(values.norm()) if finite else 0.0,
                 }
     except (SafetensorError, OSError) as exc:
-        return None, f"{WEIGHTS} is not readable: {exc}"
+        return None, f"{WEIGHTS_FILE} is not readable: {exc}"
     return out, ""
-
-
-def _rank_for(module_path: str, rank: int, patterns: dict[str, int]) -> int:
-    for key, value in patterns.items():
-        if re.fullmatch(rf"(.*\.)?({key})", module_path):
-            return value
-    return rank
 
 
 def _layer_of(module_path: str) -> str:
@@ -321,9 +250,7 @@ def _layer_of(module_path: str) -> str:
     return ".".join(parts[: numeric[-1] + 1]) if numeric else ".".join(parts[:-1])
 
 
-def _consistency(
-    tensors: dict[str, dict[str, Any]], rank: int, patterns: dict[str, int], matcher: Any
-) -> tuple[list[tuple[str, str]], list[str]]:
+def _consistency(tensors: dict[str, dict[str, Any]], config: LoraConfig) -> tuple[list[tuple[str, str]], list[str]]:
     """Complete (layer, module path) pairs, and every problem found."""
     problems: list[str] = []
     halves: dict[str, dict[str, str]] = {}
@@ -334,14 +261,14 @@ def _consistency(
             continue
         path = match["path"].removeprefix(_PEFT_PREFIX)
         which = match["ab"] or match["eab"]
-        if not matcher(path):
+        if not config.targets(path):
             problems.append(f"{key} belongs to {path!r}, which is not a declared target module")
             continue
         shape = info["shape"]
         if len(shape) != 2:
             problems.append(f"{key} has shape {list(shape)}, not 2-D")
             continue
-        expected = _rank_for(path, rank, patterns)
+        expected = config.rank_for(path)
         if which == "A" and shape[0] != expected:
             problems.append(f"{key} has shape {list(shape)}: A is [r, in] and r = {expected}")
         if which == "B" and shape[1] != expected:
@@ -383,49 +310,27 @@ def _summary(tensors: dict[str, dict[str, Any]], pairs: list[tuple[str, str]], l
 
 
 def _manifest(receipt: dict[str, Any], path: Path) -> bool:
-    """``manifest_hashes`` when ``adapter_manifest.json`` exists (True when there is none)."""
-    manifest_path = path / MANIFEST
+    """``manifest_hashes`` when the manifest exists (True when there is none)."""
+    manifest_path = path / MANIFEST_FILE
     if not manifest_path.exists():
         return True
     try:
-        manifest = read_json_file(manifest_path)
+        value = read_json_file(manifest_path)
     except KilnError as exc:
-        return _record(receipt, MANIFEST_CHECK, False, f"{MANIFEST} is unreadable: {_problem_text(exc)}")
-    found = contracts.problems("AdapterManifest", manifest)
-    if found:
-        return _record(receipt, MANIFEST_CHECK, False, f"{MANIFEST} is invalid: {_listed([str(p) for p in found])}")
+        return _record(receipt, MANIFEST_CHECK, False, f"{MANIFEST_FILE} is unreadable: {problem_text(exc)}")
+    try:
+        manifest = load_adapter_manifest(value)
+    except ContractError as exc:
+        found = [str(p) for p in exc.problems]
+        return _record(receipt, MANIFEST_CHECK, False, f"{MANIFEST_FILE} is invalid: {_listed(found)}")
     digests = {f["name"]: f["sha256"] for f in receipt["files"]}
-    problems, matched = [], []
-    for field, role, expected_name in (
-        ("safetensors_hash", "adapter_model", WEIGHTS),
-        ("config_hash", "adapter_config", CONFIG),
-        ("receipt_hash", "train_receipt", None),
-    ):
-        file_name, recorded = manifest["files"][role], manifest[field]
-        if file_name is None:
-            continue
-        if expected_name is not None and file_name != expected_name:
-            problems.append(f"files.{role} is {file_name!r}, not {expected_name!r}: the manifest does not bind it")
-            continue
-        actual = digests.get(file_name)
-        if actual is None and (path / file_name).is_file():
-            actual = prefixed(file_sha256(path / file_name)[0])
-        if actual is None:
-            problems.append(f"{field}: {file_name} is missing")
-        elif actual != recorded:
-            problems.append(f"{field} is {recorded} but {file_name} hashes to {actual}")
-        else:
-            matched.append(field)
-    receipt_name = manifest["files"]["train_receipt"]
-    if "receipt_hash" in matched:  # the bound receipt's request_lineage binds replay.jsonl and lineage.json
-        try:
-            bound = read_json_file(path / receipt_name)
-        except KilnError as exc:
-            bound, problems = None, [*problems, f"{receipt_name} is unreadable: {_problem_text(exc)}"]
-        lineage_problems = binding_problems(path, bound)
-        problems.extend(lineage_problems)
-        if isinstance(bound, dict) and bound.get("request_lineage") is not None and not lineage_problems:
-            matched.append("request_lineage")
+
+    def digest_of(file_name: str) -> str | None:
+        if file_name not in digests and (path / file_name).is_file():
+            digests[file_name] = prefixed(file_sha256(path / file_name)[0])
+        return digests.get(file_name)
+
+    problems, matched = manifest_problems(manifest, path, digest_of, lambda name: read_json_file(path / name))
     if problems:
         return _record(receipt, MANIFEST_CHECK, False, _listed(problems))
     names = ", ".join(matched[:-1]) + f" and {matched[-1]}" if len(matched) > 1 else matched[0]
@@ -475,11 +380,11 @@ def _load_result(answer: dict[str, Any], name: str, local: dict[str, str]) -> tu
     weights = answer["kiln"]
     if weights["adapter"] != name:
         return False, f"asked for adapter {name!r}, the server generated with {weights['adapter']!r}"
-    served, mine = weights["adapter_manifest_sha256"], local.get(MANIFEST)
+    served, mine = weights["adapter_manifest_sha256"], local.get(MANIFEST_FILE)
     if mine is not None and served != mine:
-        return False, f"the server loaded an {MANIFEST} hashing to {served}, the local one hashes to {mine}"
+        return False, f"the server loaded an {MANIFEST_FILE} hashing to {served}, the local one hashes to {mine}"
     tokens = answer["usage"]["completion_tokens"]
-    return True, f"the server applied {name} to a completion ({tokens} tokens; {MANIFEST} {served})"
+    return True, f"the server applied {name} to a completion ({tokens} tokens; {MANIFEST_FILE} {served})"
 
 
 def _listed_result(listing: dict[str, Any], name: str, local: dict[str, str]) -> tuple[bool, str]:
@@ -488,7 +393,7 @@ def _listed_result(listing: dict[str, Any], name: str, local: dict[str, str]) ->
         return False, f"GET /v1/adapters does not list {name!r} (registry {listing['adapter_dir']})"
     manifest = entry["adapter_manifest"]
     if manifest is None:
-        why = entry["adapter_manifest_error"] or f"it has no {MANIFEST}"
+        why = entry["adapter_manifest_error"] or f"it has no {MANIFEST_FILE}"
         return False, f"the server lists {name} without a valid manifest: {why}"
     problems = []
     for field, role in (

@@ -8,6 +8,7 @@ from __future__ import annotations
 from kiln import _rules
 from kiln.artifacts import (
     adapter_bodies,
+    adapter_files,
     adapter_manifest,
     base_weights,
     checkpoint_manifest,
@@ -28,6 +29,7 @@ _rules.mark_complete()
 
 __all__ = [
     "adapter_bodies",
+    "adapter_files",
     "adapter_manifest",
     "base_weights",
     "checkpoint_manifest",

@@ -25,6 +25,7 @@ from typing import Any
 
 from kiln import _documents
 from kiln._rules import ptr, semantic_rule
+from kiln.artifacts.adapter_files import CONFIG_FILE, MANIFEST_FILE, RECEIPT_FILE, WEIGHTS_FILE
 from kiln.artifacts.receipt import alpha_over_rank_matches
 from kiln.errors import Problem
 
@@ -34,8 +35,7 @@ LISTING = "AdaptersResponse"
 RESTORE = "AdapterRestoreReceipt"
 VERIFY = "AdapterVerifyReceipt"
 
-RESTORE_REQUIRED_FILES = ("adapter_config.json", "adapter_model.safetensors", "adapter_manifest.json")
-RESTORE_RECEIPT_FILE = "train_receipt.json"
+RESTORE_REQUIRED_FILES = (CONFIG_FILE, WEIGHTS_FILE, MANIFEST_FILE)
 OFFLINE_CHECKS = (
     "directory_exists",
     "layout",
@@ -241,12 +241,12 @@ def _restore_files(doc: dict[str, Any], at: str) -> Iterable[Problem]:
         if name not in copied:
             yield Problem("inconsistent_fields", ptr(at, "copied_files"), f"copied_files lacks {name!r}")
     verified = "receipt_hash" in doc["verified_hashes"]
-    if (RESTORE_RECEIPT_FILE in copied) != verified:
-        state = "lists" if RESTORE_RECEIPT_FILE in copied else "does not list"
+    if (RECEIPT_FILE in copied) != verified:
+        state = "lists" if RECEIPT_FILE in copied else "does not list"
         yield Problem(
             "inconsistent_fields",
             ptr(at, "copied_files"),
-            f"copied_files {state} {RESTORE_RECEIPT_FILE!r} but verified_hashes "
+            f"copied_files {state} {RECEIPT_FILE!r} but verified_hashes "
             f"{'has' if verified else 'has no'} receipt_hash: the receipt is copied exactly when it is verified",
         )
 

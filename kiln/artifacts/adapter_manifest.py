@@ -25,10 +25,10 @@ from typing import Any
 from kiln import _documents
 from kiln._fs import name_problem
 from kiln._rules import ptr, semantic_rule
+from kiln.artifacts.adapter_files import MANIFEST_FILE
 from kiln.errors import Problem
 
 DOC = "AdapterManifest"
-MANIFEST_FILE = "adapter_manifest.json"
 FILE_ROLES = ("adapter_model", "adapter_config", "train_receipt")
 
 __all__ = ["MANIFEST_FILE", "load_adapter_manifest", "write_adapter_manifest"]

@@ -35,14 +35,13 @@ from typing import Any
 from kiln import _documents
 from kiln._jsonio import read_json_file
 from kiln._rules import ptr, semantic_rule
+from kiln.artifacts.adapter_files import MANIFEST_FILE, WEIGHTS_FILE
 from kiln.artifacts.replay_log import REPLAY_LOG, LogLine, load_replay_log, requests_of, verify_replay_log
 from kiln.digests import REPLAY_HASH_ALGORITHM, file_sha256, json_sha256, prefixed, replay_hash
 from kiln.errors import ContractError, IntegrityError, Problem
 
 DOC = "RequestLineage"
 LINEAGE_FILE = "lineage.json"
-WEIGHTS = "adapter_model.safetensors"
-MANIFEST = "adapter_manifest.json"
 
 __all__ = [
     "LINEAGE_FILE",
@@ -222,11 +221,11 @@ def _check_parent(directory: Path, lineage: dict[str, Any], verified: dict[str, 
         return
     where = str(directory / LINEAGE_FILE)
     parent_dir = directory.parent / parent["adapter_name"]
-    weights = parent_dir / WEIGHTS
+    weights = parent_dir / WEIGHTS_FILE
     actual = _digest(weights) if weights.is_file() else None
     if actual != parent["adapter_model_sha256"]:
         raise _fail("digest_mismatch", where,
-                    f"parent {parent['adapter_name']!r}: {WEIGHTS} "
+                    f"parent {parent['adapter_name']!r}: {WEIGHTS_FILE} "
                     f"{'is missing' if actual is None else 'hashes to ' + actual} but this lineage records "
                     f"{parent['adapter_model_sha256']}", "/parent/adapter_model_sha256")  # fmt: skip
     above = verified.get(os.path.realpath(parent_dir))
@@ -240,10 +239,12 @@ def _check_parent(directory: Path, lineage: dict[str, Any], verified: dict[str, 
 
 def _check_binding(directory: Path, lineage: dict[str, Any]) -> None:
     """The manifest binds the receipt (by ``receipt_hash``), the receipt links both files and this replay hash."""
-    path = directory / MANIFEST
+    path = directory / MANIFEST_FILE
     if not path.exists():
         raise _fail(
-            "inconsistent_fields", str(path), f"{MANIFEST} is missing: nothing binds {REPLAY_LOG} and {LINEAGE_FILE}"
+            "inconsistent_fields",
+            str(path),
+            f"{MANIFEST_FILE} is missing: nothing binds {REPLAY_LOG} and {LINEAGE_FILE}",
         )
     manifest = read_json_file(path)
     _documents.load("AdapterManifest", manifest, document=str(path))
@@ -251,10 +252,10 @@ def _check_binding(directory: Path, lineage: dict[str, Any]) -> None:
     receipt_path = directory / name if name else None
     if receipt_path is None or not receipt_path.is_file():
         raise _fail(
-            "inconsistent_fields", str(path), f"{MANIFEST} binds no train receipt, which links the request lineage"
+            "inconsistent_fields", str(path), f"{MANIFEST_FILE} binds no train receipt, which links the request lineage"
         )
     if _digest(receipt_path) != manifest["receipt_hash"]:
-        raise _fail("digest_mismatch", str(receipt_path), f"{name} hashes to {_digest(receipt_path)} but {MANIFEST} "
+        raise _fail("digest_mismatch", str(receipt_path), f"{name} hashes to {_digest(receipt_path)} but {MANIFEST_FILE} "
                     f"records {manifest['receipt_hash']}")  # fmt: skip
     receipt = read_json_file(receipt_path)
     link = receipt.get("request_lineage") if isinstance(receipt, dict) else None
@@ -278,7 +279,7 @@ def verify_lineage(leaf: str | os.PathLike[str]) -> list[VerifiedAdapter]:
     for directory, lineage in _ancestry(Path(leaf)):
         log_path = directory / REPLAY_LOG
         lines = load_replay_log(log_path)
-        published = (directory / WEIGHTS).exists()
+        published = (directory / WEIGHTS_FILE).exists()
         requests = requests_of(lines)
         _check_requests(log_path, requests, lineage)  # first: the hashed records name an edit most precisely
         order = verify_replay_log(lines, published=published, source=str(log_path))

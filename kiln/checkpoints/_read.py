@@ -20,6 +20,7 @@ from typing import Any, NoReturn
 
 from kiln import _documents
 from kiln._jsonio import MAX_DOCUMENT_BYTES, parse_json
+from kiln.artifacts.adapter_files import SERVING_FILES
 from kiln.artifacts.checkpoint_manifest import DOC, INCOMPLETE_SENTINEL, MANIFEST_FILE
 from kiln.artifacts.loop_state import LOOP_STATE_TYPES
 from kiln.checkpoints._names import checkpoint_name, parse_checkpoint_name
@@ -27,7 +28,6 @@ from kiln.errors import CheckpointError, ContractError, Problem
 
 MAX_FILES = 64
 MAX_ENTRIES = 256  # directory entries walked before giving up (bounds inspect on a hostile tree)
-PEFT_FILES = ("adapter_config.json", "adapter_model.safetensors")
 SUMMARY = "TrainingCheckpointSummary"
 _CHUNK = 1 << 20
 
@@ -86,7 +86,7 @@ def _check_root(path: Path) -> os.stat_result:
     if not stat.S_ISDIR(st.st_mode):
         _fail("not_a_directory", f"{path} is not a directory")
     if parse_checkpoint_name(path.name) is None:
-        if all((path / f).exists() for f in PEFT_FILES):
+        if all((path / f).exists() for f in SERVING_FILES):
             _fail(
                 "non_canonical_name",
                 f"{path} is a PEFT adapter directory, not an exact-resume checkpoint: it is not resumable "
@@ -107,7 +107,7 @@ def _read_manifest_bytes(path: Path) -> bytes:
     try:
         st = os.lstat(target)
     except FileNotFoundError:
-        peft = all((path / f).exists() for f in PEFT_FILES)
+        peft = all((path / f).exists() for f in SERVING_FILES)
         _fail(
             "missing_manifest",
             f"{path} has no {MANIFEST_FILE}: "

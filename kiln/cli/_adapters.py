@@ -23,8 +23,8 @@ def add_adapters_parser(sub: Any) -> None:
     ad = sub.add_parser(
         "adapters",
         help="list, load, unload, delete, restore and verify adapters",
-        description="Adapters are directories of the adapter registry: adapter_config.json and "
-        "adapter_model.safetensors, with train_receipt.json and adapter_manifest.json when Kiln trained them. "
+        description="Adapters are directories of the adapter registry: a PEFT config and weights file, with a "
+        "train receipt and an adapter manifest binding them when Kiln trained them (docs/adapters.md). "
         "list, load, unload and delete talk to the server (--url); --local lists or deletes in the registry "
         "on this machine.",
     )
@@ -55,12 +55,12 @@ def add_adapters_parser(sub: Any) -> None:
     p = verbs.add_parser(
         "restore",
         help="copy an adapter into the registry from its manifest, verifying every hash",
-        description="Read and validate MANIFEST (adapter_manifest.json), copy the files it names from beside it "
+        description="Read and validate MANIFEST (an adapter manifest), copy the files it names from beside it "
         "into a hidden temporary directory of the registry, hash the copies against the manifest, check the "
         "layout and rename into place. Prints the JSON restore receipt. Nothing is left behind on failure. "
         "Restore never contacts a server and does not prove the destination has the recorded base weights.",
     )
-    p.add_argument("manifest", help="path of the adapter_manifest.json to restore from")
+    p.add_argument("manifest", help="path of the adapter manifest to restore from")
     p.add_argument("--adapter-dir", help="destination registry (default: $KILN_HOME/adapters)")
     p.add_argument("--name", help="destination adapter name (default: the manifest's adapter_name)")
     p.add_argument(

@@ -249,6 +249,7 @@ def _admit(args: argparse.Namespace, kind: str, path: Path) -> tuple[Any, dict[s
 def _result_of(outcome: dict[str, Any], target: Path) -> Any:
     """The ``TrainResult`` a worker's outcome line describes (its receipt read from where the run wrote it)."""
     from kiln._jsonio import read_json_file
+    from kiln.adapters import MANIFEST_FILE, RECEIPT_FILE
     from kiln.trainers import TrainResult
 
     receipt_path = Path(outcome["receipt_path"]) if outcome.get("receipt_path") else None
@@ -258,8 +259,8 @@ def _result_of(outcome: dict[str, Any], target: Path) -> Any:
     return TrainResult(
         "success" if outcome["state"] == "completed" else "failed",
         adapter or target,
-        receipt_path or target / "train_receipt.json",
-        adapter / "adapter_manifest.json" if adapter is not None else None,
+        receipt_path or target / RECEIPT_FILE,
+        adapter / MANIFEST_FILE if adapter is not None else None,
         read_json_file(receipt_path) if receipt_path is not None else _no_receipt(outcome),
         losses=[float(x) for x in outcome.get("losses", [])],
         checkpoints=checkpoints,

@@ -35,8 +35,8 @@ def add_train_parser(sub: Any) -> None:
         description="Train a LoRA adapter on conversations ({'messages': [...]} per JSONL line, or a JSON array). "
         "By default the job is submitted to the server: a .jsonl file is sent as its absolute dataset_path (the "
         "server reads it, so it must see the same file system), any other file as inline examples. "
-        "With --local the job runs in this process and writes the adapter, train_receipt.json and "
-        "adapter_manifest.json into the adapter registry.",
+        "With --local the job runs in this process and writes the adapter, its train receipt and its manifest "
+        "into the adapter registry.",
     )
     p.add_argument(
         "-f", "--file", required=True, help="a .jsonl file (sent as dataset_path) or a JSON array of examples"

@@ -42,7 +42,6 @@ from kiln.errors import (
     ContractError,
     InternalError,
     KilnError,
-    NotFoundError,
     Problem,
     RequestError,
 )
@@ -571,6 +570,7 @@ def _sse(pulled: Any) -> Any:
 
 def detail(server: Server, job_id: str) -> dict[str, Any]:
     """``TrainingJobDetail``: the status plus loss curve, receipt, replay request and checkpoint."""
+    from kiln.adapters import RECEIPT_FILE, AdapterDirectory
     from kiln.checkpoints import latest_checkpoint
     from kiln.errors import CheckpointError
 
@@ -581,18 +581,17 @@ def detail(server: Server, job_id: str) -> dict[str, Any]:
         try:
             receipt = json.loads(Path(job.receipt_path).read_text(encoding="utf-8"))
         except (OSError, ValueError) as exc:
-            metadata_error = f"train_receipt.json unreadable: {exc}"
+            metadata_error = f"{RECEIPT_FILE} unreadable: {exc}"
     checkpoint, checkpoint_error = None, None
     try:
         checkpoint = latest_checkpoint(server.registry, job.adapter_name)
     except (CheckpointError, OSError) as exc:
         checkpoint_error = str(exc)
-    adapter_dir = server.registry / job.adapter_name
+    adapter_dir = AdapterDirectory(server.registry / job.adapter_name)
     out.update(
         {
             "epoch": job.epoch,
-            "adapter_path": job.adapter_path
-            or (str(adapter_dir) if (adapter_dir / "adapter_config.json").is_file() else None),
+            "adapter_path": job.adapter_path or (str(adapter_dir.path) if adapter_dir.config_path.is_file() else None),
             "auto_load": job.auto_load,
             "linked_eval_job_ids": list(job.linked_eval_job_ids),
             "loss_history": list(job.loss_history),
@@ -618,18 +617,12 @@ def interrupted_reason(registry: Path, job: Any) -> str:
 
 
 def adapter_receipt(server: Server, name: str) -> dict[str, Any]:
-    from kiln.adapters import require_adapter_name as _safe_name
+    """``GET /v1/adapters/{name}/receipt``: a name the registry rule refuses is ``training_invalid_request``, no
+    adapter ``adapter_not_found``, no receipt ``not_found``."""
+    from kiln.adapters import adapter_directory, require_adapter_name
 
-    _safe_name(name)
-    directory = server.registry / name
-    if not directory.is_dir():
-        raise NotFoundError(f"no adapter {name!r} in {server.registry}", code="adapter_not_found")
-    path = directory / "train_receipt.json"
-    if not path.is_file():
-        raise NotFoundError(f"adapter {name!r} has no train_receipt.json (not trained by Kiln?)", code="not_found")
-    from kiln.artifacts.receipt import load_train_receipt
-
-    return load_train_receipt(path).model_dump(mode="json", exclude_unset=True, by_alias=True)
+    receipt = adapter_directory(server.registry, require_adapter_name(name)).read_receipt()
+    return receipt.model_dump(mode="json", exclude_unset=True, by_alias=True)
 
 
 def _memory() -> dict[str, Any]:

@@ -13,22 +13,22 @@ successful run the worker evaluates the baseline (the adapter that was active wh
 started, else the base model) and the candidate on the same suite — two linked ``eval``
 jobs — and applies ``paired_wilson_v1`` (``kiln.evals.gate_verdict``): ``promoted``
 activates the candidate (after its serving canary), ``kept`` leaves it inactive because
-``auto_load`` is false, ``demoted`` renames it ``<name>.failed``, ``regression``,
-``inconclusive`` and ``error`` leave it trained but inactive. The previous adapter stays
-active in every case but ``promoted``; the training job itself is ``completed`` either way.
+``auto_load`` is false, ``demoted`` renames it ``<name>.failed`` (``kiln.adapters.demote``:
+crash-safe, ``<name>.failed-<n>`` when taken), ``regression``, ``inconclusive`` and ``error``
+leave it trained but inactive. The previous adapter stays active in every case but
+``promoted``; the training job itself is ``completed`` either way.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import threading
-from pathlib import Path
 from typing import Any
 
 from kiln import contracts
+from kiln.adapters import adapter_directory, demote
 from kiln.artifacts.evals import canonical_data_scope
-from kiln.errors import ConflictError, ContractError, NotFoundError, RequestError
+from kiln.errors import ConflictError, ContractError, RequestError
 from kiln.server._openai import chat_completion
 
 log = logging.getLogger("kiln.server.evals")
@@ -86,12 +86,9 @@ def without_gate(body: dict[str, Any]) -> dict[str, Any]:
 # ----------------------------------------------------------------------------- targets and generation
 
 
-def _file_digest(path: Path) -> str:
-    return "sha256:" + hashlib.sha256(path.read_bytes()).hexdigest()
-
-
 def target(engine: Any, adapter: str | None) -> dict[str, Any]:
-    """``EvalTarget`` of the base model or a registry adapter (its manifest must exist)."""
+    """``EvalTarget`` of the base model or a registry adapter (named by the registry rule; its manifest must
+    exist)."""
     if adapter is None:
         return {
             "kind": "base",
@@ -99,13 +96,10 @@ def target(engine: Any, adapter: str | None) -> dict[str, Any]:
             "adapter_manifest_sha256": None,
             "base_model_sha256": engine.base_sha256,
         }
-    manifest = engine.registry / adapter / "adapter_manifest.json"
-    if not manifest.is_file():
-        raise NotFoundError(f"no adapter {adapter!r} with a manifest in {engine.registry}", code="adapter_not_found")
     return {
         "kind": "adapter",
         "adapter": adapter,
-        "adapter_manifest_sha256": _file_digest(manifest),
+        "adapter_manifest_sha256": adapter_directory(engine.registry, adapter).manifest_sha256(),
         "base_model_sha256": engine.base_sha256,
     }
 
@@ -280,12 +274,6 @@ def _act(engine: Any, name: str, verdict: dict[str, Any]) -> dict[str, Any]:
         active = engine.generator.active()
         if active is not None and active["name"] == name:
             engine.generator.unload()
-        source = engine.registry / name
-        failed = engine.registry / f"{name}.failed"
-        n = 2
-        while failed.exists():
-            failed = engine.registry / f"{name}.failed-{n}"
-            n += 1
-        source.rename(failed)
+        failed = demote(engine.registry, name)
         verdict = {**verdict, "reason": f"{verdict['reason']}; renamed to {failed.name}"}
     return verdict

@@ -19,21 +19,26 @@ Locking
     cannot block other requests.
 
 Adapters
-    ``load(name)`` reads ``<registry>/<name>/`` once into memory and checks, in order: the
-    directory exists (``adapter_not_found``); ``adapter_manifest.json`` loads strictly,
-    binds ``adapter_model.safetensors`` and ``adapter_config.json``, and every file digest
-    it records (weights, config, train receipt) matches the bytes read
-    (``manifest.file-hashes``) -- or, for a plain PEFT directory (no manifest and no
-    ``train_receipt.json``: spec/50's legacy adapter), there is nothing to bind and these
-    checks are skipped, while a directory holding a Kiln receipt but no manifest is refused
-    (Kiln binds every adapter it publishes); the config is a plain LoRA config; every tensor is a
-    complete ``lora_A``/``lora_B`` pair of a declared target ``nn.Linear`` of the served
-    model (or a GPT-2 ``Conv1D``, with ``fan_in_fan_out`` as peft writes it) with matching shapes; the canary has not quarantined it
-    (``adapter_canary_status.json``, read as ``kiln adapters list`` reads it: an invalid
-    file counts as quarantined) unless ``allow_quarantined``. Every refusal is
-    ``adapter_invalid`` and leaves the served adapter unchanged.
+    ``load(name)`` reads the registry adapter once into memory through the registry module
+    (``kiln.adapters``: ``adapter_directory(registry, name).read()``): a name the registry rule
+    refuses -- a demoted ``<name>.failed``, a checkpoint, a hidden staging directory -- or no
+    directory is ``adapter_not_found``; the manifest loads strictly and binds exactly the bytes
+    read (weights, config, train receipt, and the request lineage the receipt links) -- or, for
+    a plain PEFT directory (no manifest and no ``train_receipt.json``: spec/50's legacy
+    adapter), there is nothing to bind, while a directory holding a Kiln receipt but no
+    manifest is refused (Kiln binds every adapter it publishes); the config is a LoRA config by
+    the rules ``kiln adapters verify`` applies (``parse_lora_config``: ``all-linear``, a target
+    regular expression, ``rank_pattern``). Then: the config is a plain LoRA config this engine
+    applies (no DoRA, bias, ``alpha_pattern``, ...); every tensor is a complete
+    ``lora_A``/``lora_B`` pair of a declared target ``nn.Linear`` of the served model (or a
+    GPT-2 ``Conv1D``, with ``fan_in_fan_out`` as peft writes it; never the output layer under
+    ``all-linear``, which peft leaves out) with its module's rank and matching shapes, scaled
+    as peft scales it; the canary has not quarantined it (``adapter_canary_status.json``,
+    read as ``kiln adapters list`` reads it: an invalid file counts as quarantined) unless
+    ``allow_quarantined``. Every refusal is ``adapter_invalid`` and leaves the served adapter
+    unchanged.
 
-``content_revision``
+``content_revision`` (``kiln.adapters.content_revision``)
     The revision of an adapter's serving files, a raw SHA-256 (64 lowercase hex)::
 
         sha256(canonical_json({"adapter_config_sha256": <hex of adapter_config.json bytes>,
@@ -68,7 +73,6 @@ Canary
 
 from __future__ import annotations
 
-import hashlib
 import inspect
 import itertools
 import re
@@ -82,14 +86,9 @@ from pathlib import Path
 from typing import Any
 
 from kiln import contracts
-from kiln._jsonio import MAX_DOCUMENT_BYTES, canonical_json, parse_json
-from kiln.adapters import read_canary_status as _read_canary
-from kiln.artifacts.adapter_bodies import write_adapter_canary_status
-from kiln.artifacts.adapter_manifest import MANIFEST_FILE, load_adapter_manifest
-from kiln.artifacts.lineage import binding_problems
+from kiln.adapters import CANARY_FILE, CONFIG_FILE, WEIGHTS_FILE, AdapterFiles, adapter_directory, content_revision
 from kiln.data import match_skeleton, template_errors
-from kiln.digests import prefixed
-from kiln.errors import AdapterError, ContractError, InternalError, KilnError, NotFoundError, Problem
+from kiln.errors import AdapterError, ContractError, InternalError, KilnError, Problem
 from kiln.model import max_positions as _max_positions
 from kiln.model import pick_token as _pick
 from kiln.model import special_tokens as _special_tokens
@@ -97,11 +96,6 @@ from kiln.model import stop_token_ids as _stop_ids
 
 __all__ = ["CANARY_FILE", "Generator", "Outcome", "Piece", "Plan", "TokenScore", "checked", "content_revision"]
 
-CONFIG_FILE = "adapter_config.json"
-WEIGHTS_FILE = "adapter_model.safetensors"
-CANARY_FILE = "adapter_canary_status.json"
-RECEIPT_FILE = "train_receipt.json"
-CHECKPOINT_SUFFIX = ".kiln-checkpoint"
 REQUEST = "ChatCompletionRequest"
 
 CANARY_MESSAGES = ({"role": "user", "content": "Say hello in one short sentence."},)
@@ -124,15 +118,6 @@ UNSUPPORTED_CONFIG = (
     "use_bdlora",
 )
 _KEY = re.compile(r"^base_model\.model\.(?P<path>.+)\.lora_(?P<ab>[AB])\.weight$")
-
-
-def content_revision(config_bytes: bytes, weights_bytes: bytes) -> str:
-    """The raw SHA-256 revision of an adapter's config and weights (see the module docstring)."""
-    record = {
-        "adapter_config_sha256": hashlib.sha256(config_bytes).hexdigest(),
-        "adapter_model_sha256": hashlib.sha256(weights_bytes).hexdigest(),
-    }
-    return hashlib.sha256(canonical_json(record)).hexdigest()
 
 
 @dataclass(frozen=True)
@@ -303,7 +288,7 @@ class Generator:
             "warnings": warnings,
             "checks": checks,
         }
-        write_adapter_canary_status(self._registry / name / CANARY_FILE, status)
+        adapter_directory(self._registry, name).write_canary_status(status)
         return status
 
     def _finite_logits_failure(self, adapter: _Adapter, prompt: list[int]) -> str | None:
@@ -497,129 +482,42 @@ class Generator:
 
     def _read_adapter(self, name: str, *, allow_quarantined: bool = False) -> _Adapter:
         """Read, verify and materialise a registry adapter (see the module docstring for the order)."""
-        directory = self._registry / name
-        unsafe = not name or name.startswith(".") or "/" in name or "\\" in name or ".." in name
-        if unsafe or name.endswith(CHECKPOINT_SUFFIX) or directory.is_symlink() or not directory.is_dir():
-            raise NotFoundError(
-                f"no adapter {name!r} in the registry {self._registry}",
-                code="adapter_not_found",
-                hint="GET /v1/adapters lists the installed adapters",
+        directory = adapter_directory(self._registry, name)  # adapter_not_found
+        files = directory.read()  # adapter_invalid: the manifest against the bytes read, the LoRA config
+        canary = directory.canary_status()
+        if not allow_quarantined and canary is not None and canary["status"] == "quarantined":
+            raise AdapterError(
+                f"adapter {name!r} is quarantined by its serving canary: {canary['failure_reason']}",
+                hint="load it explicitly with allow_quarantined: true to serve it anyway",
             )
-        manifest_bytes = self._manifest_bytes(directory)
-        config_bytes = _read_file(directory, CONFIG_FILE, MAX_DOCUMENT_BYTES)
-        weights_bytes = _read_file(directory, WEIGHTS_FILE, None)
-        if manifest_bytes is not None:
-            self._check_manifest(name, directory, manifest_bytes, config_bytes, weights_bytes)
-        if not allow_quarantined and (directory / CANARY_FILE).exists():
-            canary = _read_canary(directory / CANARY_FILE)
-            if canary["status"] == "quarantined":
-                raise AdapterError(
-                    f"adapter {name!r} is quarantined by its serving canary: {canary['failure_reason']}",
-                    hint="load it explicitly with allow_quarantined: true to serve it anyway",
-                )
-        layers = self._lora_layers(name, config_bytes, weights_bytes)
         return _Adapter(
             name=name,
-            content_revision=content_revision(config_bytes, weights_bytes),
-            manifest_sha256=None if manifest_bytes is None else prefixed(hashlib.sha256(manifest_bytes).hexdigest()),
-            weights_sha256=prefixed(hashlib.sha256(weights_bytes).hexdigest()),
-            layers=layers,
+            content_revision=files.content_revision,
+            manifest_sha256=files.manifest_sha256,
+            weights_sha256=files.weights_sha256,
+            layers=self._lora_layers(files),
         )
 
-    @staticmethod
-    def _manifest_bytes(directory: Path) -> bytes | None:
-        """The manifest as read; None for a plain PEFT directory (neither a manifest nor a Kiln receipt)."""
-        manifest, receipt = directory / MANIFEST_FILE, directory / RECEIPT_FILE
-        if manifest.exists() or manifest.is_symlink():
-            return _read_file(directory, MANIFEST_FILE, MAX_DOCUMENT_BYTES)
-        if receipt.exists() or receipt.is_symlink():
-            raise AdapterError(
-                f"adapter {directory.name!r}: {MANIFEST_FILE} is missing, but {RECEIPT_FILE} is here: Kiln binds "
-                "every adapter it publishes with a manifest, so this one is unfinished or was altered",
-                hint="retrain it, or restore it from a copy that has its manifest (kiln adapters restore)",
-            )
-        return None
-
-    @staticmethod
-    def _check_manifest(
-        name: str, directory: Path, manifest_bytes: bytes, config_bytes: bytes, weights_bytes: bytes
-    ) -> None:
-        """The manifest loads strictly, names the canonical serving files and every digest it records matches."""
-        try:
-            load_adapter_manifest(manifest_bytes)  # strict: schema, semantic rules, embedded records
-        except KilnError as exc:
-            raise AdapterError(f"adapter {name!r}: {MANIFEST_FILE} is invalid: {exc.message}") from None
-        manifest = parse_json(manifest_bytes, source=MANIFEST_FILE)
-        files = manifest["files"]
-        for role, expected in (("adapter_model", WEIGHTS_FILE), ("adapter_config", CONFIG_FILE)):
-            if files[role] != expected:
-                raise AdapterError(
-                    f"adapter {name!r}: {MANIFEST_FILE} files.{role} is {files[role]!r}, not {expected!r}"
-                )
-        bound = [
-            (WEIGHTS_FILE, weights_bytes, manifest["safetensors_hash"]),
-            (CONFIG_FILE, config_bytes, manifest["config_hash"]),
-        ]
-        if files["train_receipt"] is not None:
-            receipt = _read_file(directory, files["train_receipt"], MAX_DOCUMENT_BYTES)
-            bound.append((files["train_receipt"], receipt, manifest["receipt_hash"]))
-        for file_name, data, recorded in bound:  # manifest.file-hashes
-            actual = prefixed(hashlib.sha256(data).hexdigest())
-            if actual != recorded:
-                raise AdapterError(
-                    f"adapter {name!r}: {file_name} hashes to {actual} but {MANIFEST_FILE} records {recorded}",
-                    hint="the files changed after publication; restore the adapter or retrain it",
-                )
-        receipt_value = parse_json(bound[2][1], source=files["train_receipt"]) if len(bound) > 2 else None
-        for problem in binding_problems(directory, receipt_value):  # the request lineage the bound receipt links
-            raise AdapterError(
-                f"adapter {name!r}: {MANIFEST_FILE} {problem}",
-                hint="the files changed after publication; restore the adapter or retrain it",
-            )
-
-    def _lora_layers(self, name: str, config_bytes: bytes, weights_bytes: bytes) -> tuple[_Lora, ...]:
+    def _lora_layers(self, files: AdapterFiles) -> tuple[_Lora, ...]:
         import torch
         from safetensors import SafetensorError
         from safetensors.torch import load as load_tensors
         from transformers.pytorch_utils import Conv1D
 
         def invalid(why: str) -> AdapterError:
-            return AdapterError(f"adapter {name!r}: {why}")
+            return AdapterError(f"adapter {files.name!r}: {why}")
 
-        try:
-            config = parse_json(config_bytes, source=CONFIG_FILE)
-        except KilnError as exc:
-            raise invalid(f"{CONFIG_FILE} does not parse: {exc.message}") from None
-        if not isinstance(config, dict):
-            raise invalid(f"{CONFIG_FILE} is not a JSON object")
-        if config.get("peft_type", "LORA") != "LORA":
-            raise invalid(f"{CONFIG_FILE} peft_type is {config.get('peft_type')!r}; only LORA adapters are served")
+        config = files.config
+        if config.peft_type != "LORA":
+            raise invalid(f"{CONFIG_FILE} peft_type is {config.peft_type!r}; only LORA adapters are served")
         # fan_in_fan_out is how peft adapts GPT-2's Conv1D (its weight is stored transposed); it changes only how
         # a merge would lay out the delta, so it is accepted exactly when every adapted module is a Conv1D
-        transposed = bool(config.get("fan_in_fan_out"))
-        used = [key for key in UNSUPPORTED_CONFIG if config.get(key) and key != "fan_in_fan_out"]
+        transposed = "fan_in_fan_out" in config.enabled
+        used = [key for key in UNSUPPORTED_CONFIG if key in config.enabled and key != "fan_in_fan_out"]
         if used:
             raise invalid(f"{CONFIG_FILE} uses {', '.join(used)}, which the Kiln server does not apply")
-        rank, alpha = config.get("r"), config.get("lora_alpha")
-        if not (isinstance(rank, int) and not isinstance(rank, bool) and rank > 0):
-            raise invalid(f"{CONFIG_FILE} r is {rank!r}, not a positive integer")
-        if not (
-            isinstance(alpha, int | float)
-            and not isinstance(alpha, bool)
-            and alpha == alpha
-            and abs(alpha) != float("inf")
-        ):
-            raise invalid(f"{CONFIG_FILE} lora_alpha is {alpha!r}, not a finite number")
-        rank_pattern = config.get("rank_pattern") or {}
-        targets = config.get("target_modules")
-        if isinstance(targets, str):
-            targeted = lambda path: re.fullmatch(targets, path) is not None  # noqa: E731 - PEFT's regex form
-        elif isinstance(targets, list) and targets and all(isinstance(t, str) for t in targets):
-            targeted = lambda path: any(path == t or path.endswith("." + t) for t in targets)  # noqa: E731
-        else:
-            raise invalid(f"{CONFIG_FILE} target_modules is {targets!r}, not a list of module names")
         try:
-            tensors = load_tensors(weights_bytes)
+            tensors = load_tensors(files.weights_bytes)
         except (SafetensorError, ValueError, RuntimeError) as exc:
             raise invalid(f"{WEIGHTS_FILE} is not a readable safetensors file: {exc}") from None
         pairs: dict[str, dict[str, Any]] = {}
@@ -630,12 +528,15 @@ class Generator:
             pairs.setdefault(match["path"], {})[match["ab"]] = tensor
         if not pairs:
             raise invalid(f"{WEIGHTS_FILE} holds no tensors")
+        output_layer = self._model.get_output_embeddings() if config.all_linear else None
         layers = []
         for path, pair in sorted(pairs.items()):
             if set(pair) != {"A", "B"}:
                 raise invalid(f"{WEIGHTS_FILE} has lora_{next(iter(pair))} of {path} without its partner")
-            if not targeted(path):
-                raise invalid(f"{WEIGHTS_FILE} adapts {path}, which is not among target_modules {targets!r}")
+            if not config.targets(path):
+                raise invalid(
+                    f"{WEIGHTS_FILE} adapts {path}, which is not among target_modules {config.target_modules!r}"
+                )
             try:
                 module = self._model.get_submodule(path)
             except AttributeError:
@@ -645,6 +546,8 @@ class Generator:
             conv = isinstance(module, Conv1D)
             if not isinstance(module, torch.nn.Linear) and not conv:
                 raise invalid(f"{path} is a {type(module).__name__}, not a linear layer")
+            if output_layer is not None and module is output_layer:
+                raise invalid(f"{WEIGHTS_FILE} adapts the output layer {path}, which all-linear leaves out (as peft)")
             if conv != transposed:
                 raise invalid(
                     f"{path} is a {type(module).__name__} but {CONFIG_FILE} has fan_in_fan_out {transposed}: peft "
@@ -660,10 +563,11 @@ class Generator:
                 raise invalid(
                     f"{path}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} do not fit a {in_features}->{out_features} linear layer"
                 )
-            if not rank_pattern and r != rank:
-                raise invalid(f"{path}: LoRA rank {r} differs from r = {rank} in {CONFIG_FILE}")
-            scale = float(alpha) / (r**0.5 if config.get("use_rslora") else r)
-            layers.append(_Lora(module, a.float().to(self._device), b.float().to(self._device), scale))
+            rank = config.rank_for(path)
+            if r != rank:
+                given = f"r = {rank}" if rank == config.rank else f"rank_pattern's {rank} for it"
+                raise invalid(f"{path}: LoRA rank {r} differs from {given} in {CONFIG_FILE}")
+            layers.append(_Lora(module, a.float().to(self._device), b.float().to(self._device), config.scale(r)))
         return tuple(layers)
 
 
@@ -712,20 +616,6 @@ def _until_stop(ids: list[int], stop_ids: frozenset[int]) -> list[int]:
         if token in stop_ids:
             return ids[:i]
     return ids
-
-
-def _read_file(directory: Path, file_name: str, limit: int | None) -> bytes:
-    path = directory / file_name
-    if path.is_symlink() or not path.is_file():
-        raise AdapterError(f"adapter {directory.name!r}: {file_name} is missing (or not a regular file) in {directory}")
-    try:
-        with open(path, "rb") as fh:
-            data = fh.read() if limit is None else fh.read(limit + 1)
-    except OSError as exc:
-        raise AdapterError(f"adapter {directory.name!r}: cannot read {file_name}: {exc.strerror or exc}") from None
-    if limit is not None and len(data) > limit:
-        raise AdapterError(f"adapter {directory.name!r}: {file_name} is larger than {limit} bytes")
-    return data
 
 
 def checked(doc_type: str, value: dict[str, Any]) -> dict[str, Any]:

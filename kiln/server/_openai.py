@@ -533,7 +533,9 @@ def _completion_stream(
 
 
 def model_list(server: Any) -> dict[str, Any]:
-    """``ModelList``: the base model's card, then every loadable registry adapter's, by name."""
+    """``ModelList``: the base model's card, then every loadable registry adapter's, by name (a listed directory
+    whose name the registry rule refuses, such as a demoted ``<name>.failed``, is never loaded)."""
+    from kiln._fs import name_problem
     from kiln.adapters import list_adapters
 
     base = server.teacher_protocol.card()
@@ -541,7 +543,8 @@ def model_list(server: Any) -> dict[str, Any]:
     with server.adapter_lock:
         listing = list_adapters(server.registry, loaded=server.generator.active(), cache=server.adapter_cache)
     for entry in sorted(listing["available"], key=lambda e: e["name"]):
-        if entry["status"] in ("available", "loaded") and entry["name"] != base["id"]:
+        loadable = entry["status"] in ("available", "loaded") and name_problem(entry["name"], kind="adapter") is None
+        if loadable and entry["name"] != base["id"]:
             path = server.registry / entry["name"]
             try:
                 created = int(path.stat().st_mtime)

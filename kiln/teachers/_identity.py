@@ -27,6 +27,7 @@ from typing import Any
 
 from kiln import __version__, contracts
 from kiln._jsonio import canonical_json, read_json_file
+from kiln.adapters import AdapterDirectory
 from kiln.digests import file_sha256, raw_hex
 from kiln.errors import KilnError, RequestError
 
@@ -51,8 +52,6 @@ INFERENCE_CONFIG = {
     "top_k_order": "descending log-probability, ties by ascending token id (stable sort)",
     "positions": "causal: position p is scored by the logits at p - 1",
 }
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
-ADAPTER_CONFIG = "adapter_config.json"
 
 
 def _refuse(message: str, hint: str | None = None) -> RequestError:
@@ -104,10 +103,11 @@ def adapter_identity(adapter_dir: Path) -> dict[str, str]:
     """``TeacherAdapterIdentityV1`` of an adapter directory (raw digests of its two serving files)."""
     if not adapter_dir.is_dir():
         raise _refuse(f"adapter directory {adapter_dir} does not exist", hint="`kiln adapters list` shows the registry")
+    adapter = AdapterDirectory(adapter_dir)
     return {
-        "name": adapter_dir.name,
-        "weights_sha256": _raw_file_sha256(adapter_dir / ADAPTER_WEIGHTS, "adapter weights"),
-        "config_sha256": _raw_file_sha256(adapter_dir / ADAPTER_CONFIG, "adapter config"),
+        "name": adapter.name,
+        "weights_sha256": _raw_file_sha256(adapter.weights_path, "adapter weights"),
+        "config_sha256": _raw_file_sha256(adapter.config_path, "adapter config"),
     }
 
 

@@ -22,8 +22,9 @@ from typing import Any, Protocol
 
 from kiln import contracts
 from kiln._jsonio import parse_json
+from kiln.adapters import CONFIG_FILE, WEIGHTS_FILE
 from kiln.errors import ConflictError, InternalError, KilnError, RequestError
-from kiln.teachers._identity import ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_identity, auth_headers, base_url
+from kiln.teachers._identity import adapter_identity, auth_headers, base_url
 
 __all__ = [
     "LocalScorer",
@@ -146,7 +147,7 @@ class LocalScorer:
             if found != identity["adapter"]:
                 raise ConflictError(
                     f"teacher {pinned.alias!r}: adapter {directory} no longer matches the pinned identity "
-                    f"({ADAPTER_WEIGHTS} / {ADAPTER_CONFIG} digests or name changed)",
+                    f"({WEIGHTS_FILE} / {CONFIG_FILE} digests or name changed)",
                     code="teacher_identity_mismatch",
                 )
             import warnings

@@ -1,9 +1,10 @@
 """Warm start: a new run's LoRA tensors copied from an existing PEFT adapter (``config.base_adapter``).
 
 Weights only -- no optimizer state, no data cursor (that is what a checkpoint is for). The base adapter is a registry
-name or an absolute path; it must hold ``adapter_model.safetensors`` with a tensor of the same shape for every LoRA
-parameter of the new adapter (same rank and target modules), else the run fails ``base_adapter_missing`` (no weights
-file), ``adapter_load_failed`` (a weights file that is not readable safetensors) or ``shape_mismatch``.
+name or an absolute path (``kiln.adapters.base_adapter_dir``, re-exported here for the trainers); it must hold
+``adapter_model.safetensors`` with a tensor of the same shape for every LoRA parameter of the new adapter (same rank
+and target modules), else the run fails ``base_adapter_missing`` (no weights file), ``adapter_load_failed`` (a
+weights file that is not readable safetensors) or ``shape_mismatch``.
 """
 
 from __future__ import annotations
@@ -11,15 +12,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from kiln.adapters import WEIGHTS_FILE, AdapterDirectory, base_adapter_dir
 from kiln.errors import AdapterLoadError, BaseAdapterMissingError, ShapeMismatchError
 
 __all__ = ["base_adapter_dir", "warm_start"]
-
-
-def base_adapter_dir(registry: Path, base_adapter: str) -> Path:
-    """A registry name or an absolute path of a PEFT adapter directory."""
-    path = Path(base_adapter)
-    return path if path.is_absolute() else registry / base_adapter
 
 
 def warm_start(params: dict[str, Any], base_dir: Path) -> None:
@@ -28,9 +24,9 @@ def warm_start(params: dict[str, Any], base_dir: Path) -> None:
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    weights = base_dir / "adapter_model.safetensors"
+    weights = AdapterDirectory(base_dir).weights_path
     if not weights.is_file():
-        raise BaseAdapterMissingError(f"base adapter {base_dir} has no adapter_model.safetensors")
+        raise BaseAdapterMissingError(f"base adapter {base_dir} has no {WEIGHTS_FILE}")
     try:
         saved = load_file(weights)
     except SafetensorError as exc:
