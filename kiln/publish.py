@@ -48,8 +48,6 @@ from kiln.adapters import (
 from kiln.digests import file_sha256, prefixed
 from kiln.errors import STORAGE_ERRNOS, ConflictError, StorageFailureError, storage_condition
 
-RECEIPT = RECEIPT_FILE  # kiln.trainers' name for it
-
 __all__ = [
     "PublishedAdapter",
     "adapter_file_receipt",

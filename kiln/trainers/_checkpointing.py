@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from kiln import contracts
 from kiln._jsonio import JsonObject
+from kiln.adapters import AdapterDirectory, base_adapter_dir
 from kiln.artifacts.loop_state import loop_state_file_name
 from kiln.checkpoints import LoadedCheckpoint, PublishedCheckpoint, checkpoint_id, publish_checkpoint
 from kiln.digests import file_sha256, prefixed
@@ -27,7 +28,6 @@ from kiln.training import (
     EffectiveConfig,
     adapter_tensors,
     auxiliary_identity,
-    base_adapter_dir,
     encode_tensors,
     optimizer_tensors,
     planning_identity,
@@ -205,7 +205,7 @@ def base_adapter_block(job: Job) -> JsonObject | None:
     name = job.config.base_adapter
     if not name:
         return None
-    path = base_adapter_dir(job.registry, name) / "adapter_model.safetensors"
+    path = AdapterDirectory(base_adapter_dir(job.registry, name)).weights_path
     if not path.is_file():
         raise RequestError(
             f"base_adapter {name!r}: {path} does not exist",

@@ -30,16 +30,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kiln._jsonio import JsonObject
+from kiln.adapters import RECEIPT_FILE, base_adapter_dir
 from kiln.checkpoints import PublishedCheckpoint, checkpoint_name, list_checkpoints
 from kiln.errors import CancelledError, NonFiniteLossError, RegistryError, StorageFailureError, storage_condition
-from kiln.publish import RECEIPT, publish_receipt, publish_trained_adapter
+from kiln.publish import publish_receipt, publish_trained_adapter
 from kiln.trainers._admission import AdmittedJob
 from kiln.trainers._lineage import close_request, open_request, published, stage_lineage
 from kiln.training import (
     EffectiveConfig,
     StepSync,
     attach_lora,
-    base_adapter_dir,
     classify_failure,
     lora_parameters,
     warm_start,
@@ -132,7 +132,7 @@ def guarded(run: Run) -> TrainResult:
         if job.data_parallel.publishes:
             receipt_path = _write_failed_receipt(job, receipt, failure)
         else:  # rank 0 writes the run's receipt; this rank's failure ends the group, which rank 0 reports
-            receipt_path = job.registry / job.adapter_name / RECEIPT
+            receipt_path = job.registry / job.adapter_name / RECEIPT_FILE
         if isinstance(exc, KeyboardInterrupt):
             raise
         return TrainResult(
@@ -160,7 +160,7 @@ def _write_failed_receipt(job: Job, receipt: JsonObject, failure: Failure) -> Pa
     try:
         return publish_receipt(job.registry, job.adapter_name, receipt)
     except OSError as exc:
-        where = exc.filename if exc.filename is not None else target / RECEIPT  # a refused write names no file
+        where = exc.filename if exc.filename is not None else target / RECEIPT_FILE  # a refused write names no file
         condition = storage_condition(exc.errno) if exc.errno is not None else str(exc)
         raise RegistryError(
             f"the run of adapter {job.adapter_name!r} failed ({failure[0]}: {failure[1]}), and its failed receipt "
@@ -192,7 +192,7 @@ def publish_adapter(
     if not job.data_parallel.publishes:
         target = job.registry / job.adapter_name
         return TrainResult(
-            "success", target, target / RECEIPT, None, {}, losses=losses, checkpoints=checkpoints,
+            "success", target, target / RECEIPT_FILE, None, {}, losses=losses, checkpoints=checkpoints,
             final_state=final_state,
         )  # fmt: skip
 

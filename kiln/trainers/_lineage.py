@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kiln._jsonio import JsonObject
+from kiln.adapters import AdapterDirectory, base_adapter_dir
 from kiln.artifacts.lineage import LINEAGE_FILE, build_lineage, lineage_link, load_lineage, write_lineage
 from kiln.artifacts.replay_log import (
     REPLAY_LOG,
@@ -38,7 +39,7 @@ from kiln.artifacts.replay_log import (
 )
 from kiln.digests import file_sha256, prefixed
 from kiln.errors import StorageFailureError
-from kiln.training import EffectiveConfig, base_adapter_dir
+from kiln.training import EffectiveConfig
 
 if TYPE_CHECKING:
     from kiln.trainers._admission import AdmittedJob
@@ -88,7 +89,7 @@ def _parent(job: Job) -> JsonObject | None:
     lineage = directory / LINEAGE_FILE
     return {
         "adapter_name": Path(directory).name,
-        "adapter_model_sha256": prefixed(file_sha256(directory / "adapter_model.safetensors")[0]),
+        "adapter_model_sha256": prefixed(file_sha256(AdapterDirectory(directory).weights_path)[0]),
         "replay_hash": load_lineage(lineage).replay_hash if lineage.is_file() else None,
     }
 

@@ -7,8 +7,9 @@ from __future__ import annotations
 from typing import Any
 
 from kiln._jsonio import JsonObject
+from kiln.adapters import base_adapter_dir
 from kiln.trainers._admission import AdmittedJob
-from kiln.training import Echo, EffectiveConfig, base_adapter_dir, receipt_base
+from kiln.training import Echo, EffectiveConfig, receipt_base
 from kiln.training.echo import EchoAccumulator
 
 __all__ = ["data_block", "echo_block", "envelope", "token_counts_block"]

@@ -20,9 +20,9 @@ import os
 from pathlib import Path
 
 from kiln._fs import name_problem, unsafe_path_problem, within_roots
+from kiln.adapters import WEIGHTS_FILE, AdapterDirectory, base_adapter_dir
 from kiln.errors import AccessError, ContractError, Problem, RequestError
 from kiln.trainers._admission import TrainingContext
-from kiln.training import base_adapter_dir
 
 __all__ = ["check_sources"]
 
@@ -67,11 +67,10 @@ def _check_base_adapter(base: str, registry: Path, *, restricted: bool) -> None:
                 pointer="/config/base_adapter",
                 hint="name an adapter that `GET /v1/adapters` lists",
             )
-    weights = base_adapter_dir(registry, base) / "adapter_model.safetensors"
+    weights = AdapterDirectory(base_adapter_dir(registry, base)).weights_path
     if not weights.is_file():
         raise RequestError(
-            f"base_adapter {base!r} has no adapter_model.safetensors"
-            + ("" if restricted else f" ({weights} does not exist)"),
+            f"base_adapter {base!r} has no {WEIGHTS_FILE}" + ("" if restricted else f" ({weights} does not exist)"),
             code="training_invalid_request",
             pointer="/config/base_adapter",
             hint="name an existing adapter (`kiln adapters list`), or omit base_adapter to start from fresh LoRA "

@@ -44,7 +44,7 @@ from kiln.training._state import (
     restore_adapter,
     restore_optimizer,
 )
-from kiln.training._warm_start import base_adapter_dir, warm_start
+from kiln.training._warm_start import warm_start
 
 __all__ = [
     "ADAPTER_FILE",
@@ -70,7 +70,6 @@ __all__ = [
     "attach_lora",
     "auxiliary_identity",
     "backend_for",
-    "base_adapter_dir",
     "check_run_bounds",
     "classify_failure",
     "common_members",

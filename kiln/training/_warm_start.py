@@ -1,7 +1,7 @@
 """Warm start: a new run's LoRA tensors copied from an existing PEFT adapter (``config.base_adapter``).
 
 Weights only -- no optimizer state, no data cursor (that is what a checkpoint is for). The base adapter is a registry
-name or an absolute path (``kiln.adapters.base_adapter_dir``, re-exported here for the trainers); it must hold
+name or an absolute path (``kiln.adapters.base_adapter_dir``); it must hold
 ``adapter_model.safetensors`` with a tensor of the same shape for every LoRA parameter of the new adapter (same rank
 and target modules), else the run fails ``base_adapter_missing`` (no weights file), ``adapter_load_failed`` (a
 weights file that is not readable safetensors) or ``shape_mismatch``.
@@ -12,10 +12,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from kiln.adapters import WEIGHTS_FILE, AdapterDirectory, base_adapter_dir
+from kiln.adapters import WEIGHTS_FILE, AdapterDirectory
 from kiln.errors import AdapterLoadError, BaseAdapterMissingError, ShapeMismatchError
 
-__all__ = ["base_adapter_dir", "warm_start"]
+__all__ = ["warm_start"]
 
 
 def warm_start(params: dict[str, Any], base_dir: Path) -> None:
