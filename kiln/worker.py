@@ -1,10 +1,11 @@
 """A training job in a process of its own: ``python -m kiln.worker SPEC``.
 
-The server admits a job, then launches this entry point with a spec file (``kiln.worker-spec.v1``): the job's
-kind, adapter name and replay request, the fingerprint it was admitted with, and the training context (registry,
-base model, teachers, checkpoint interval, data roots). The worker loads the base model itself, re-admits the
-request (the dequeue revalidation: a changed input fails the job before anything trains), trains through
-``kiln.trainers.TRAINERS`` and publishes, exactly as the server's thread did.
+The server admits a job, then launches this entry point with a spec file (``kiln.worker-spec.v1``,
+``kiln.artifacts.worker_spec``): the job's kind, adapter name and replay request, the fingerprint it was admitted
+with, and the training context (registry, base model, teachers, checkpoint interval, data roots). The worker loads
+the spec strictly (a malformed one is refused before anything else, naming the pointer), loads the base model
+itself, re-admits the request (the dequeue revalidation: a changed input fails the job before anything trains),
+trains through ``kiln.trainers.TRAINERS`` and publishes, exactly as the server's thread did.
 
 The channel back is an append-only event file, one JSON object per line, written and flushed by this process
 only; the server reads it and never writes it:
@@ -41,9 +42,17 @@ import threading
 import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-SPEC_SCHEMA = "kiln.worker-spec.v1"
+from kiln._jsonio import JsonObject
+from kiln.artifacts.worker_spec import WorkerSpec, load_worker_spec
+
+if TYPE_CHECKING:
+    from kiln_contracts.models.kiln_control_plane_v1_schema import WorkerLaunch
+
+    from kiln.trainers import TrainingContext
+    from kiln.training import DataParallel
+
 PR_SET_PDEATHSIG = 1  # prctl(2)
 FINGERPRINT_LABELS = {
     "data_sha256": "the training data",
@@ -60,7 +69,6 @@ SHUTDOWN_TIMEOUT_S = 600  # how long torchrun waits for cancelled ranks to publi
 __all__ = [
     "FINGERPRINT_LABELS",
     "SHUTDOWN_TIMEOUT_S",
-    "SPEC_SCHEMA",
     "EventReader",
     "EventWriter",
     "changed",
@@ -76,7 +84,7 @@ __all__ = [
 ]
 
 
-def changed(before: dict[str, Any], now: dict[str, Any]) -> list[str]:
+def changed(before: JsonObject, now: JsonObject) -> list[str]:
     """What differs between the fingerprint a job was admitted with and the one its re-admission gives."""
     return [
         f"{label} ({before.get(key)} → {now.get(key)})"
@@ -139,7 +147,10 @@ def follow(
     (the cooperative cancel; ``torchrun`` hands it to every rank). Returns the ended process and the outcome line
     (None when it left none). ``new_session``: the worker in a session of its own, which an interrupt of the caller
     (``KeyboardInterrupt``) kills whole before re-raising."""
-    reader = EventReader(Path(json.loads(spec_path.read_text(encoding="utf-8"))["events"]))
+    events = load_worker_spec(spec_path).events
+    if events is None:
+        raise ValueError(f"{spec_path} names no event file: a worker process reports through one")
+    reader = EventReader(Path(events.root))
     outcome: dict[str, Any] | None = None
 
     def drain() -> None:
@@ -190,51 +201,51 @@ def revalidation_failed(differences: list[str]) -> str:
     )
 
 
-def launch_ranks(spec: dict[str, Any]) -> int:
-    """How many ranks a spec's ``launch`` asks for in all (``nproc_per_node x nnodes``; 1 without a launch)."""
-    launch = spec.get("launch") or {}
-    return int(launch.get("nproc_per_node", 1)) * int(launch.get("nnodes", 1))
+def launch_ranks(spec: WorkerSpec) -> int:
+    """How many ranks a spec's ``launch`` asks for in all (``nproc_per_node x nnodes``)."""
+    return spec.launch.nproc_per_node * (spec.launch.nnodes or 1)
 
 
-def torchrun_argv(spec_path: str, launch: dict[str, Any]) -> list[str]:
+def torchrun_argv(spec_path: str, launch: WorkerLaunch) -> list[str]:
     """The ``torchrun`` command that runs this entry point once per rank for ``launch``: one node stands alone
     (a rendezvous on a free local port); several meet at ``rdzv_endpoint`` (c10d) under ``rdzv_id``."""
-    argv = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={int(launch['nproc_per_node'])}"]
-    nnodes = int(launch.get("nnodes", 1))
-    if nnodes == 1 and not launch.get("rdzv_endpoint"):
+    argv = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={launch.nproc_per_node}"]
+    nnodes = launch.nnodes or 1
+    endpoint = None if launch.rdzv_endpoint is None else launch.rdzv_endpoint.root
+    if nnodes == 1 and not endpoint:
         argv.append("--standalone")
     else:
         argv += [
             f"--nnodes={nnodes}",
-            f"--node-rank={int(launch.get('node_rank', 0))}",
+            f"--node-rank={launch.node_rank or 0}",
             "--rdzv-backend=c10d",
-            f"--rdzv-endpoint={launch['rdzv_endpoint']}",
-            f"--rdzv-id={launch.get('rdzv_id') or 'kiln'}",
+            f"--rdzv-endpoint={endpoint}",
+            f"--rdzv-id={launch.rdzv_id.root if launch.rdzv_id is not None else 'kiln'}",
         ]
     argv += ["--max-restarts=0", f"--shutdown-timeout={SHUTDOWN_TIMEOUT_S}", "-m", "kiln.worker", spec_path]
     return argv
 
 
-def spec_context(spec: dict[str, Any], data_parallel: Any = None) -> Any:
+def spec_context(spec: WorkerSpec, data_parallel: DataParallel | None = None) -> TrainingContext:
     """The ``TrainingContext`` a spec describes, its base model loaded from disk (``data_parallel``: the group this
     process trains in)."""
     from kiln.model import load_base_model
     from kiln.trainers import TrainingContext
     from kiln.training import DataParallel
 
-    ctx = spec["context"]
+    ctx = spec.context
     return TrainingContext(
-        registry=Path(ctx["registry"]),
-        loaded=load_base_model(Path(ctx["model_path"]), is_default=bool(ctx["model_is_default"])),
-        teachers_root=Path(ctx["teachers_root"]) if ctx.get("teachers_root") else None,
-        checkpoint_interval=ctx.get("checkpoint_interval"),
-        data_roots=tuple(Path(p) for p in ctx["data_roots"]) if ctx.get("data_roots") is not None else None,
+        registry=Path(ctx.registry),
+        loaded=load_base_model(Path(ctx.model_path), is_default=ctx.model_is_default),
+        teachers_root=None if ctx.teachers_root is None else Path(ctx.teachers_root.root),
+        checkpoint_interval=None if ctx.checkpoint_interval is None else ctx.checkpoint_interval.root,
+        data_roots=None if ctx.data_roots is None else tuple(Path(p.root) for p in ctx.data_roots),
         data_parallel=data_parallel or DataParallel(),
     )
 
 
 def run_spec(
-    spec: dict[str, Any],
+    spec: WorkerSpec,
     emit: Callable[..., None],
     cancel: threading.Event,
     *,
@@ -252,14 +263,14 @@ def run_spec(
     from kiln.errors import KilnError
     from kiln.trainers import TRAINERS
 
-    if spec.get("schema") != SPEC_SCHEMA:
-        raise ValueError(f"not a {SPEC_SCHEMA} spec: schema {spec.get('schema')!r}")
     try:
         context = spec_context(spec, data_parallel) if context is None else context
-        trainer = TRAINERS[spec["kind"]]
+        trainer = TRAINERS[spec.kind.value]
+        request = spec.request.model_dump(mode="json", by_alias=True)
         with admission_lock if admission_lock is not None else contextlib.nullcontext():
-            admitted = trainer.admit(spec["request"], adapter_name=spec["adapter_name"], context=context)
-        differences = changed(spec["fingerprint"], admitted.fingerprint())
+            admitted = trainer.admit(request, adapter_name=spec.adapter_name, context=context)
+        fingerprint = spec.fingerprint.model_dump(mode="json", by_alias=True, exclude_unset=True)
+        differences = changed(fingerprint, admitted.fingerprint())
         if differences:
             return _failed(revalidation_failed(differences))
         if private_weights is not None and not admitted.dry_run:
@@ -340,17 +351,24 @@ def main(argv: list[str] | None = None) -> int:
     if len(args) != 1:
         print("usage: python -m kiln.worker SPEC.json", file=sys.stderr)
         return 2
-    spec = json.loads(Path(args[0]).read_text(encoding="utf-8"))
+    from kiln.errors import KilnError
+
+    try:
+        spec = load_worker_spec(args[0])
+    except KilnError as exc:  # before anything else: a malformed spec says where, in worker.log
+        print(f"error: {args[0]} is not a valid worker spec: {exc}", file=sys.stderr)
+        return 2
     under_torchrun = "TORCHELASTIC_RUN_ID" in os.environ
     if launch_ranks(spec) > 1 and not under_torchrun:
-        die_with_parent(spec.get("server_pid"))  # inherited by torchrun through the exec below
-        argv = torchrun_argv(str(Path(args[0]).resolve()), spec["launch"])
+        die_with_parent(spec.server_pid)  # inherited by torchrun through the exec below
+        argv = torchrun_argv(str(Path(args[0]).resolve()), spec.launch)
         sys.stdout.flush()
         os.execv(argv[0], argv)  # noqa: S606 - the argv is ours: this interpreter running torchrun
-    die_with_parent(os.getppid() if under_torchrun else spec.get("server_pid"))
+    die_with_parent(os.getppid() if under_torchrun else spec.server_pid)
     from kiln.training import DataParallel
 
-    group = DataParallel.from_environment(threads=(spec.get("launch") or {}).get("threads_per_rank"))
+    threads = spec.launch.threads_per_rank
+    group = DataParallel.from_environment(threads=None if threads is None else threads.root)
     cancel = threading.Event()
 
     def on_signal(_signum: int, _frame: Any) -> None:
@@ -358,7 +376,10 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    events = EventWriter(Path(spec["events"])) if group.publishes else None  # rank 0 speaks for the group
+    if spec.events is None:
+        print(f"error: {args[0]} names no event file: a worker process reports through one", file=sys.stderr)
+        return 2
+    events = EventWriter(Path(spec.events.root)) if group.publishes else None  # rank 0 speaks for the group
     try:
         outcome = run_spec(spec, events.send if events else _silent, cancel, data_parallel=group)
     except Exception as exc:  # noqa: BLE001 - an outcome line even for a bug, so the job says what happened

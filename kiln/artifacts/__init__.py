@@ -23,6 +23,7 @@ from kiln.artifacts import (
     server_bodies,
     sft_ingestion,
     teachers,
+    worker_spec,
 )
 
 _rules.mark_complete()
@@ -44,4 +45,5 @@ __all__ = [
     "server_bodies",
     "sft_ingestion",
     "teachers",
+    "worker_spec",
 ]

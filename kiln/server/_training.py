@@ -1,14 +1,15 @@
-"""Training requests over HTTP: admission before queueing, revalidation and the run.
+"""The training job type on the server: admission before queueing, then the run (revalidation, training,
+activation).
 
-Admission (``admit``) runs in the request thread and does everything that can fail
-before any model work: the request schema, the features Kiln does not execute, the
-dataset path, the trainer's own admission (config rules, effective seed, data ingestion,
-full checkpoint load and compatibility when resuming, loss route) and a memory estimate.
-Only the replay request (every default resolved, seed and learning rate filled in) and a
-fingerprint of what was admitted are kept; the worker admits the replay request again at
-dequeue and refuses to train when the fingerprint changed (data bytes, checkpoint,
-seed, loss route, teacher), naming what changed. Every kind goes through the same path:
-``kiln.trainers.TRAINERS[kind]`` admits and runs it.
+Admission (``admit``) runs in the request thread and does everything that can fail before any model work: the
+request parsed into its kind's model at the door, what it may read, the ``post_eval`` gate, the trainer's own
+admission (config rules, effective seed, data ingestion, full checkpoint load and compatibility when resuming, loss
+route) and a memory estimate. Only the replay request (every default resolved, seed and learning rate filled in)
+and a fingerprint of what was admitted are kept; the worker admits the replay request again at dequeue and refuses
+to train when the fingerprint changed (data bytes, checkpoint, seed, loss route, teacher), naming what changed. Every
+kind goes through the same path: ``kiln.trainers.TRAINERS[kind]`` admits and runs it. After a successful run the
+gate (``kiln.server._evals.run_gate``) or ``auto_load`` decides what is served; the queue (``kiln.server._jobs``)
+calls ``run`` for every training kind, and ``kiln.server._evals.run_job`` for evaluation jobs.
 """
 
 from __future__ import annotations
@@ -24,12 +25,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kiln import contracts
-from kiln.errors import CapacityError, ConflictError, ContractError, RequestError
+from kiln._jsonio import JsonObject
+from kiln.artifacts.worker_spec import WorkerSpec, build_worker_spec
+from kiln.errors import CapacityError, ConflictError
 from kiln.server._jobs import Job, Outcome
-from kiln.trainers import TRAINERS, TrainingContext
-from kiln.trainers._sources import check_sources
-from kiln.worker import SPEC_SCHEMA, run_spec
+from kiln.trainers import TRAINERS, TrainingContext, request_json
+from kiln.worker import run_spec
 
 log = logging.getLogger("kiln.server.training")
 
@@ -85,31 +86,6 @@ class Engine:
         )
 
 
-def check_request(kind: str, body: Any) -> None:
-    """The request schema, every problem reported with its JSON pointer."""
-    request_type = TRAINERS[kind].request_type
-    found = contracts.problems(request_type, body)
-    if found:
-        raise ContractError(found, document=request_type)
-
-
-def _check_source(kind: str, body: dict[str, Any], context: TrainingContext) -> None:
-    """No named datasets; what the request may read (``kiln.trainers._sources``: ``dataset_path`` inside the data
-    roots, ``base_adapter`` in the registry), before anything else reads a file it names."""
-    if body.get("dataset") is not None or "dataset_split" in body:
-        raise RequestError(
-            "named datasets (dataset, dataset_split) are not supported: Kiln has no dataset registry",
-            code="training_backend_unsupported",
-            hint="send the rows inline as examples, or upload a JSONL file (POST /v1/datasets) and send its "
-            "dataset_path",
-        )
-    base = (body.get("config") or {}).get("base_adapter")
-    try:
-        check_sources(context, dataset_path=body.get("dataset_path"), base_adapter=base)
-    except ContractError as exc:
-        raise ContractError(exc.problems, document=TRAINERS[kind].request_type) from None
-
-
 def _available_memory() -> int | None:
     try:
         with open("/proc/meminfo", encoding="ascii") as handle:
@@ -121,25 +97,29 @@ def _available_memory() -> int | None:
     return None
 
 
-def admit(engine: Engine, kind: str, body: Any, jobs: Any) -> dict[str, Any]:
+def admit(engine: Engine, kind: str, body: JsonObject, jobs: Any) -> JsonObject:
     """Admit a submission; returns the fields of the ``Job`` to queue. Raises ``KilnError``.
 
-    A ``post_eval`` gate is checked here (suite registered, held out from the training data)
-    and kept in the replay request; the trainers never see it."""
+    The body becomes its kind's request model at the door (``Trainer.parse``: schema, canonical numbers, every
+    problem with its pointer); then, cheap checks first: the queue's capacity, what the request may read
+    (``Trainer.check_door``, before anything opens a file it names), the ``post_eval`` gate (suite registered, held
+    out from the training data; kept in the replay request, never seen by the trainer), the adapter's writer, and
+    the trainer's own admission against the server's pristine base model and a memory estimate."""
     from kiln.server import _evals
 
-    check_request(kind, body)
-    jobs.check_capacity()  # cheap, before the expensive part
-    _check_source(kind, body, engine.context())  # before the suite (or anything else) reads a file it names
-    post, suite_sha256 = _evals.check_post_eval(engine, kind, body)
-    body = _evals.without_gate(body)
-    config = dict(body.get("config") or {})
-    auto_load = bool(config.pop("auto_load", True))
-    adapter = config.get("output_name") or f"{kind}-{uuid.uuid4().hex[:8]}"
-    config["output_name"] = adapter
+    trainer = TRAINERS[kind]
+    request = trainer.parse(body)
+    jobs.check_capacity()
+    context = engine.context(kind)
+    trainer.check_door(request, context)
+    post, suite_sha256 = _evals.check_post_eval(engine, kind, request_json(request))
+    config = request.config or trainer.config_model()
+    adapter = config.output_name.root if config.output_name is not None else f"{kind}-{uuid.uuid4().hex[:8]}"
     _writer_conflict(jobs, adapter)
     with engine.admission_lock:
-        admitted = TRAINERS[kind].admit({**body, "config": config}, adapter_name=adapter, context=engine.context(kind))
+        admitted = trainer.admit_request(
+            request.model_copy(update={"post_eval": None}), adapter_name=adapter, context=context
+        )
     need, have = admitted.memory_estimate(), _available_memory()
     if need is not None and have is not None and need > have:
         raise CapacityError(
@@ -147,19 +127,20 @@ def admit(engine: Engine, kind: str, body: Any, jobs: Any) -> dict[str, Any]:
             code="memory_budget_exceeded",
             hint="use shorter conversations, a smaller lora_rank, or free memory on the server",
         )
-    replay = {k: v for k, v in body.items() if k != "config"}
+    replay = {k: v for k, v in request_json(request).items() if k not in ("config", "post_eval")}
     if replay.get("dataset_path") is not None:
         replay["dataset_path"] = str(Path(replay["dataset_path"]).resolve())
-    replay["config"] = {**admitted.replay_config(config.get("resume_checkpoint")), "auto_load": auto_load}
+    resume = None if config.resume_checkpoint is None else config.resume_checkpoint.root
+    replay["config"] = {**admitted.replay_config(resume), "auto_load": config.auto_load}
     history = admitted.resumed_history()
     total = admitted.total_steps
-    fields = {
+    fields: JsonObject = {
         "job_type": kind,
         "adapter_name": adapter,
         "effective_seed": str(admitted.config.seed),
         "request": replay,
         "fingerprint": admitted.fingerprint(),
-        "auto_load": auto_load and not admitted.dry_run,
+        "auto_load": config.auto_load and not admitted.dry_run,
         "total_steps": max(1, total),
         "progress": admitted.start_step / total if total else 0.0,
         "current_loss": history[-1]["loss"] if history else None,
@@ -181,47 +162,37 @@ def _writer_conflict(jobs: Any, adapter: str) -> None:
         )
 
 
-def job_spec(
-    engine: Engine, job: Job, request: dict[str, Any], events: str | None = None, context: TrainingContext | None = None
-) -> dict[str, Any]:
-    """The ``kiln.worker-spec.v1`` that trains ``job``: its replay ``request`` and where it trains (``context``, by
-    default the engine's)."""
+def job_spec(engine: Engine, job: Job, events: Path | None, context: TrainingContext | None = None) -> WorkerSpec:
+    """The ``kiln.worker-spec.v1`` that trains ``job``: its replay request (the gate taken out: it is the server's)
+    and where it trains (``context``, by default the engine's)."""
     context = engine.context(job.job_type) if context is None else context
-    return {
-        "schema": SPEC_SCHEMA,
-        "kind": job.job_type,
-        "adapter_name": job.adapter_name,
-        "request": request,
-        "fingerprint": job.fingerprint,
-        "events": events,
-        "server_pid": os.getpid(),  # the worker ends when this process does
+    assert engine.model_path is not None
+    return build_worker_spec(
+        kind=job.job_type,
+        adapter_name=job.adapter_name,
+        request={k: v for k, v in job.request.items() if k != "post_eval"},
+        fingerprint=job.fingerprint,
+        events=events,
+        server_pid=os.getpid(),  # the worker ends when this process does
         # more than 1 rank: torchrun, one process per rank, each with the threads admission recorded for it
-        "launch": {"nproc_per_node": engine.ranks(job.job_type), "threads_per_rank": context.data_parallel.threads},
-        "context": {
-            "registry": str(context.registry),
-            "model_path": str(engine.model_path),
-            "model_is_default": engine.model_is_default,
-            "teachers_root": None if context.teachers_root is None else str(context.teachers_root),
-            "checkpoint_interval": context.checkpoint_interval,
-            "data_roots": None if context.data_roots is None else [str(p) for p in context.data_roots],
-        },
-    }
+        launch={"nproc_per_node": engine.ranks(job.job_type), "threads_per_rank": context.data_parallel.threads},
+        registry=context.registry,
+        model_path=engine.model_path,
+        model_is_default=engine.model_is_default,
+        teachers_root=context.teachers_root,
+        checkpoint_interval=context.checkpoint_interval,
+        data_roots=context.data_roots,
+    )
 
 
 def run(engine: Engine, job: Job, cancel: threading.Event, report: Callable[[dict[str, Any]], None]) -> Outcome:
     """Train the job -- in a worker process (``training.worker = "process"``, the default) or in this thread
     (``"thread"``); either way the same ``kiln.worker.run_spec`` revalidates it at dequeue, trains and publishes --
     then activate what it published."""
-    from kiln.server import _evals, _worker_process
+    from kiln.server import _worker_process
 
-    if job.job_type == "eval":
-        return _evals.run_job(engine, job, cancel)
     active = engine.generator.active() if engine.generator is not None else None
     job.active_before = active["name"] if active else None
-    body = without_gate(job.request)
-    config = dict(body["config"])
-    config.pop("auto_load", None)
-    request = {**body, "config": config}
     if engine.settings.training.worker == "thread":
 
         def private_weights(admitted: Any) -> None:
@@ -229,7 +200,7 @@ def run(engine: Engine, job: Job, cancel: threading.Event, report: Callable[[dic
 
         context = engine.context()
         found = run_spec(
-            job_spec(engine, job, request, context=context),
+            job_spec(engine, job, None, context=context),
             lambda event: _worker_process.forward(event, report),
             cancel,
             context=context,
@@ -237,17 +208,12 @@ def run(engine: Engine, job: Job, cancel: threading.Event, report: Callable[[dic
             private_weights=private_weights,
         )
     else:
-        found = _worker_process.launch(engine, job, job_spec, request, cancel, report)
+        found = _worker_process.launch(engine, job, job_spec(engine, job, _worker_process.events_file(engine, job)),
+                                       cancel, report)  # fmt: skip
     outcome = Outcome(found["state"], found["error"], found["receipt_path"], found["adapter_path"])
     if outcome.state == "completed" and found["activate"]:
         _activate(engine, job, cancel)
     return outcome
-
-
-def without_gate(body: dict[str, Any]) -> dict[str, Any]:
-    from kiln.server._evals import without_gate as strip
-
-    return strip(body)
 
 
 def _activate(engine: Engine, job: Job, cancel: threading.Event) -> None:

@@ -16,18 +16,35 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from kiln_contracts.models.kiln_control_plane_v1_schema import GrpoRequest, OpdRequest, SftRequest
+from kiln_contracts.models.kiln_control_plane_v1_schema import (
+    GrpoConfig,
+    GrpoRequest,
+    OpdConfig,
+    OpdRequest,
+    SftConfig,
+    SftRequest,
+)
 from pydantic import BaseModel
 
 from kiln._jsonio import JsonObject
+from kiln.errors import ContractError, RequestError
 from kiln.trainers import grpo, opd, sft
 from kiln.trainers._admission import AdmittedJob, TrainingContext
 from kiln.trainers._kit import FinalState, TrainResult
-from kiln.trainers._requests import parse_request
+from kiln.trainers._requests import parse_request, request_json
 from kiln.trainers._sources import check_sources
 from kiln.training import EffectiveConfig
 
-__all__ = ["TRAINERS", "AdmittedJob", "FinalState", "TrainResult", "Trainer", "TrainingContext", "TrainingRequest"]
+__all__ = [
+    "TRAINERS",
+    "AdmittedJob",
+    "FinalState",
+    "TrainResult",
+    "Trainer",
+    "TrainingContext",
+    "TrainingRequest",
+    "request_json",
+]
 
 TrainingRequest = SftRequest | GrpoRequest | OpdRequest
 Admitted = AdmittedJob[EffectiveConfig]
@@ -39,6 +56,7 @@ class Trainer:
 
     kind: str  # a TrainingJobType value
     request_model: type[BaseModel]  # the generated model of its HTTP request body
+    config_model: type[BaseModel]  # the generated model of that body's config
     admit_request: Callable[..., Admitted]  # (typed request, *, adapter_name, context) -> admitted job
     run: Callable[..., TrainResult]  # (job, *, progress=None, cancel=None, on_checkpoint=None) -> result
     data_parallel: bool = False  # whether it trains over several ranks (kiln.training.DataParallel)
@@ -52,18 +70,33 @@ class Trainer:
         """The request as its generated model: the door (``kiln.trainers._requests.parse_request``)."""
         return parse_request(self.request_model, body)
 
-    def admit(self, request: JsonObject | BaseModel, *, adapter_name: str, context: TrainingContext) -> Admitted:
-        """Admit ``request`` (JSON or already parsed): what it may read (``kiln.trainers._sources``), then the kind's
-        own rules; raises ``KilnError``."""
-        typed = self.parse(request)
-        config = typed.config
+    def check_door(self, request: Any, context: TrainingContext) -> None:
+        """What ``request`` may read, checked before anything opens a file it names: no named dataset (Kiln has no
+        dataset registry), a ``dataset_path`` inside the caller's data roots, a ``base_adapter`` of its registry
+        (``kiln.trainers._sources``)."""
+        if getattr(request, "dataset", None) is not None or "dataset_split" in request.model_fields_set:
+            raise RequestError(
+                "named datasets (dataset, dataset_split) are not supported: Kiln has no dataset registry",
+                code="training_backend_unsupported",
+                hint="send the rows inline, or upload a JSONL file (POST /v1/datasets) and send its dataset_path",
+            )
+        config = request.config
         base = None if config is None or config.base_adapter is None else config.base_adapter.root
-        check_sources(context, dataset_path=typed.dataset_path, base_adapter=base)
+        try:
+            check_sources(context, dataset_path=request.dataset_path, base_adapter=base)
+        except ContractError as exc:
+            raise ContractError(exc.problems, document=self.request_type) from None
+
+    def admit(self, request: JsonObject | BaseModel, *, adapter_name: str, context: TrainingContext) -> Admitted:
+        """Admit ``request`` (JSON or already parsed): the door, what it may read, then the kind's own rules; raises
+        ``KilnError``."""
+        typed = self.parse(request)
+        self.check_door(typed, context)
         return self.admit_request(typed, adapter_name=adapter_name, context=context)
 
 
 TRAINERS: dict[str, Trainer] = {
-    "sft": Trainer("sft", SftRequest, sft.admit_request, sft.run_sft, data_parallel=True),
-    "grpo": Trainer("grpo", GrpoRequest, grpo.admit_request, grpo.run_grpo),
-    "opd": Trainer("opd", OpdRequest, opd.admit_request, opd.run_opd),
+    "sft": Trainer("sft", SftRequest, SftConfig, sft.admit_request, sft.run_sft, data_parallel=True),
+    "grpo": Trainer("grpo", GrpoRequest, GrpoConfig, grpo.admit_request, grpo.run_grpo),
+    "opd": Trainer("opd", OpdRequest, OpdConfig, opd.admit_request, opd.run_opd),
 }

@@ -20,7 +20,7 @@ from kiln import contracts
 from kiln._jsonio import JsonObject
 from kiln.errors import ContractError, RequestError
 
-__all__ = ["json_rows", "parse_config", "parse_request", "refuse_gate"]
+__all__ = ["json_rows", "parse_config", "parse_request", "refuse_gate", "request_json"]
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -47,6 +47,12 @@ def parse_config(model: type[M], config: JsonObject | M | None, label: str) -> M
         ) from None
     assert isinstance(loaded, model)
     return loaded
+
+
+def request_json(request: BaseModel) -> JsonObject:
+    """A parsed request as JSON again: the members it was sent with, numbers canonical."""
+    body: JsonObject = request.model_dump(mode="json", by_alias=True, exclude_unset=True)
+    return body
 
 
 def json_rows(rows: Sequence[BaseModel] | None) -> list[JsonObject] | None:

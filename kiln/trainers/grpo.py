@@ -302,12 +302,8 @@ def _reference(config: GrpoConfig) -> KlReference:
 
 
 def check_request(request: GrpoRequest) -> None:
-    """The request-level refusals of spec/40 that need no data or model (the schema has been checked at the door)."""
-    if request.dataset is not None or "dataset_split" in request.model_fields_set:
-        raise RequestError(
-            "named datasets (dataset, dataset_split) are not supported: Kiln has no dataset registry",
-            code="training_backend_unsupported",
-        )
+    """The request-level refusals of spec/40 that need no data or model (the schema and what the request may read
+    have been checked at the door: ``kiln.trainers.Trainer.check_door``)."""
     refuse_gate(request.post_eval)
     sources = [key for key in ("groups", "agentic_groups") if key in request.model_fields_set]
     if len(sources) > 1:

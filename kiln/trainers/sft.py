@@ -75,7 +75,7 @@ from kiln.trainers._kit import (
     publish_adapter,
 )
 from kiln.trainers._receipts import data_block, envelope, token_counts_block
-from kiln.trainers._requests import json_rows, parse_config, parse_request
+from kiln.trainers._requests import json_rows, parse_config, parse_request, refuse_gate
 from kiln.trainers._resume import claim_target, load_resume, resume_metadata
 from kiln.training import (
     LORA_INIT_ALGORITHM,
@@ -278,6 +278,7 @@ def admit_request(request: SftRequest, *, adapter_name: str, context: TrainingCo
     from kiln.data import ingest_sft
     from kiln.kernels import choose_loss_route
 
+    refuse_gate(request.post_eval)
     config = request.config or SftConfig()
     registry = context.registry
     point = resume_metadata(registry, adapter_name, _resume_value(config), _seed_value(config), KIND)
