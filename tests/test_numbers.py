@@ -184,3 +184,37 @@ def test_a_stored_suite_file_that_is_not_canonical_is_refused(tmp_path):
         registry.get("spelt")
     assert (info.value.code, info.value.pointer) == ("digest_mismatch", "/suite_sha256")
     assert "not the canonical JSON" in info.value.message
+
+
+def test_a_gate_verdict_records_an_integer_floor_as_the_number_it_is():
+    from kiln.evals import gate_verdict
+
+    verdict = gate_verdict(
+        post_eval={"suite": "spelt", "data_scope": "held_out", "min_accuracy": 1, "include_baseline": True},
+        suite_entry={"name": "spelt", "suite_sha256": "sha256:" + "1" * 64},
+        candidate=None,
+        baseline=None,
+        candidate_job_id=None,
+        baseline_job_id=None,
+        auto_load=True,
+        error="evaluation failed",
+    )
+    assert (verdict["min_accuracy"], type(verdict["min_accuracy"])) == (1.0, float)
+
+
+def test_generation_requests_take_integral_floats_where_the_schema_says_integer(http):
+    model = http.get("/v1/models").json()["data"][0]["id"]
+    spelt = {"max_tokens": 2.0, "n": 1.0, "seed": 3.0, "temperature": 0, "top_p": 1}
+    chat = http.post(
+        "/v1/chat/completions", json={"model": model, "messages": [{"role": "user", "content": "Hi"}], **spelt}
+    )
+    assert chat.status_code == 200, chat.text
+    assert chat.json() == http.post(
+        "/v1/chat/completions",
+        json={"model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "seed": 3},
+    ).json() | {"id": chat.json()["id"], "created": chat.json()["created"]}
+    completion = http.post(
+        "/v1/completions", json={"model": model, "prompt": [1.0, 5.0, 7.0], "logprobs": 1.0, **spelt}
+    )
+    assert completion.status_code == 200, completion.text
+    assert len(completion.json()["choices"][0]["logprobs"]["tokens"]) == 2
