@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+from pathlib import Path
 
 import pytest
 from _server import wait_for
@@ -218,3 +219,19 @@ def test_generation_requests_take_integral_floats_where_the_schema_says_integer(
     )
     assert completion.status_code == 200, completion.text
     assert len(completion.json()["choices"][0]["logprobs"]["tokens"]) == 2
+
+
+def test_a_request_log_line_spelling_an_integer_as_a_float_is_not_canonical(tmp_path):
+    from kiln._jsonio import canonical_json
+    from kiln.artifacts.replay_log import load_replay_log, load_replay_record
+
+    cases = json.loads((Path(__file__).parent.parent / "conformance" / "cases" / "examples.json").read_text("utf-8"))
+    record = next(c["instance"] for c in cases if c["type"] == "ReplayRequestRecord")
+    spelt = {**record, "seed": 7.0, "schema_version": 1.0}
+    assert canonical_json(load_replay_record(spelt)) == canonical_json(record)
+    log = tmp_path / "replay.jsonl"
+    log.write_bytes(canonical_json(record) + b"\n")
+    assert [line.record for line in load_replay_log(log)] == [record]
+    log.write_bytes(canonical_json(spelt) + b"\n")
+    with pytest.raises(ContractError, match="not the canonical JSON of its record"):
+        load_replay_log(log)

@@ -170,7 +170,7 @@ class SuiteRegistry:
                 [Problem("inconsistent_fields", "/name", f"the entry of {name!r} names suite {value['name']!r}")],
                 document=str(path),
             )
-        return value
+        return contracts.canonical(ENTRY, value)
 
     def list(self) -> list[dict[str, Any]]:
         """Every ``EvalSuiteEntry``, sorted by name (each entry loaded strictly)."""
