@@ -21,7 +21,7 @@ value given is never modified and an already canonical document comes back as th
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cache
 from typing import Any
@@ -36,17 +36,25 @@ Canon = Callable[[Any], Any]
 Key = str | int
 
 
+@dataclass(frozen=True)
+class _Node:
+    """A compiled position: ``canon`` rewrites a value; only values of a type in ``touches`` can change."""
+
+    canon: Canon
+    touches: frozenset[type]
+
+
 def canonical(name: str, value: Any, *, reader: bool = False, document: str | None = None) -> Any:
     """``value`` as a ``name`` document with every number in its canonical form.
 
     Raises ``ContractError`` (``out_of_range``, one problem per position) where an int at a number position is
     beyond the float range, the one number that has no canonical form.
     """
-    canon = _compiler(reader).definition(name)
-    if canon is None:
+    node = _compiler(reader).definition(name)
+    if node is None or type(value) not in node.touches:
         return value
     try:
-        return canon(value)
+        return node.canon(value)
     except _Unrepresentable as exc:
         raise ContractError(exc.problems(), document=document) from None
 
@@ -79,54 +87,45 @@ class _Unrepresentable(Exception):  # noqa: N818 -- internal signal, turned into
         ]
 
 
-# --- leaves -----------------------------------------------------------------------------
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+# --- leaves (values are JSON data: dict, list, str, int, float, bool, None) ----------------
 
 
 def _to_int(value: Any) -> Any:
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    return value
+    return int(value) if value.is_integer() else value  # only floats reach it (``touches``)
 
 
 def _to_float(value: Any) -> Any:
-    if isinstance(value, int) and not isinstance(value, bool):
-        try:
-            return float(value)
-        except OverflowError:
-            raise _Unrepresentable(value) from None
-    return value
+    try:
+        return float(value)  # only ints reach it (``touches``)
+    except OverflowError:
+        raise _Unrepresentable(value) from None
 
 
-def _same_number(a: float, b: float) -> bool:
-    return type(a) is type(b) and str(a) == str(b)
+_INTEGER = _Node(_to_int, frozenset({float}))
+_NUMBER = _Node(_to_float, frozenset({int}))
 
 
-def _members(members: tuple[float, ...]) -> Canon:
+def _members(members: tuple[float, ...]) -> _Node:
     def canon(value: Any) -> Any:
-        if _is_number(value):
-            for member in members:
-                if value == member:
-                    return value if _same_number(value, member) else member
+        for member in members:
+            if value == member:
+                return value if type(value) is type(member) and str(value) == str(member) else member
         return value
 
-    return canon
+    return _Node(canon, frozenset({int, float}))
 
 
 # --- containers -------------------------------------------------------------------------
 
 
-def _rewrite(container: Any, pairs: Iterable[tuple[Key, Canon]]) -> Any:
-    """``container`` with ``fn`` applied at each ``key``; copied only where a value changes."""
+def _rewrite(container: Any, pairs: list[tuple[Key, Canon]]) -> Any:
+    """``container`` with ``canon`` applied at each ``key``; copied only where a value changes."""
     out: Any = None
     bad: _Unrepresentable | None = None
-    for key, fn in pairs:
+    for key, canon in pairs:
         old = container[key]
         try:
-            new = fn(old)
+            new = canon(old)
         except _Unrepresentable as exc:
             bad = exc.under(key, bad)
             continue
@@ -139,34 +138,37 @@ def _rewrite(container: Any, pairs: Iterable[tuple[Key, Canon]]) -> Any:
     return container if out is None else out
 
 
-def _object(properties: tuple[tuple[str, Canon], ...], extra: Canon | None, known: frozenset[str]) -> Canon:
+def _object(properties: tuple[tuple[str, _Node], ...], extra: _Node | None, known: frozenset[str]) -> _Node:
+    checks = tuple((key, n.canon, n.touches) for key, n in properties)  # an absent key reads None: never touched
+
     def canon(value: Any) -> Any:
-        if not isinstance(value, dict):
-            return value
-        pairs: list[tuple[Key, Canon]] = [(key, fn) for key, fn in properties if key in value]
+        pairs = [(key, fn) for key, fn, touches in checks if type(value.get(key)) in touches]
         if extra is not None:
-            pairs.extend((key, extra) for key in value if key not in known)
-        return _rewrite(value, pairs)
+            fn, touches = extra.canon, extra.touches
+            pairs.extend((key, fn) for key, v in value.items() if type(v) in touches and key not in known)
+        return _rewrite(value, pairs) if pairs else value
 
-    return canon
+    return _Node(canon, frozenset({dict}))
 
 
-def _array(item: Canon) -> Canon:
+def _array(item: _Node) -> _Node:
+    fn, touches = item.canon, item.touches
+
     def canon(value: Any) -> Any:
-        if not isinstance(value, list):
-            return value
-        return _rewrite(value, ((index, item) for index in range(len(value))))
+        pairs = [(index, fn) for index, v in enumerate(value) if type(v) in touches]
+        return _rewrite(value, pairs) if pairs else value
 
-    return canon
+    return _Node(canon, frozenset({list}))
 
 
-def _chain(steps: tuple[Canon, ...]) -> Canon:
+def _chain(steps: tuple[_Node, ...]) -> _Node:
     def canon(value: Any) -> Any:
         for step in steps:
-            value = step(value)
+            if type(value) in step.touches:
+                value = step.canon(value)
         return value
 
-    return canon
+    return _Node(canon, frozenset().union(*(step.touches for step in steps)))
 
 
 _JSON_TYPES = {
@@ -180,17 +182,13 @@ _JSON_TYPES = {
 }
 
 
-def _json_type(value: Any) -> str:
-    return next((_JSON_TYPES[t] for t in type(value).__mro__ if t in _JSON_TYPES), "other")
-
-
 @dataclass
 class _Branch:
-    """One branch of a union: the JSON types it can admit (None: any), its canonicalizer, its validator."""
+    """One branch of a union: the JSON types it can admit (None: any), its compiled node, its validator."""
 
     schema: dict[str, Any]
     admits: frozenset[str] | None
-    canon: Canon | None
+    node: _Node | None
     reader: bool
     _validator: Any = field(default=None, repr=False)
 
@@ -200,19 +198,30 @@ class _Branch:
         return bool(self._validator.is_valid(value))
 
 
-def _union(branches: tuple[_Branch, ...]) -> Canon:
+def _first_valid(branches: tuple[_Branch, ...]) -> Canon:
     def canon(value: Any) -> Any:
-        kind = _json_type(value)
-        candidates = [b for b in branches if b.admits is None or kind in b.admits]
-        if len(candidates) == 1:  # the only branch that can validate it
-            chosen: _Branch | None = candidates[0]
-        else:
-            chosen = next((b for b in candidates if b.valid(value)), None)
-        if chosen is None or chosen.canon is None:
+        chosen = next((b for b in branches if b.valid(value)), None)
+        if chosen is None or chosen.node is None or type(value) not in chosen.node.touches:
             return value
-        return chosen.canon(value)
+        return chosen.node.canon(value)
 
     return canon
+
+
+def _union(branches: tuple[_Branch, ...]) -> _Node:
+    """The first branch that validates decides; decided once per JSON type where only one branch can admit it."""
+    plan: dict[type, Canon | None] = {}
+    for python_type, kind in _JSON_TYPES.items():
+        candidates = tuple(b for b in branches if b.admits is None or kind in b.admits)
+        if not any(b.node is not None and python_type in b.node.touches for b in candidates):
+            continue  # no branch can change a value of this type
+        plan[python_type] = candidates[0].node.canon if len(candidates) == 1 else _first_valid(candidates)
+
+    def canon(value: Any) -> Any:
+        step = plan.get(type(value))
+        return value if step is None else step(value)
+
+    return _Node(canon, frozenset(plan))
 
 
 # --- the compiler -----------------------------------------------------------------------
@@ -227,19 +236,19 @@ class _Compiler:
     def __init__(self, reader: bool):
         self.reader = reader
         self.defs: dict[str, Any] = kiln_contracts.load_bundle(reader)["$defs"]
-        self.compiled: dict[str, Canon | None] = {}
+        self.compiled: dict[str, _Node | None] = {}
         self.admitted: dict[str, frozenset[str] | None] = {}
 
-    def definition(self, name: str) -> Canon | None:
+    def definition(self, name: str) -> _Node | None:
         if name not in self.compiled:
             self.compiled[name] = self.node(self.defs[name])
         return self.compiled[name]
 
-    def node(self, schema: Any) -> Canon | None:
-        """The canonicalizer of a schema node, or None when nothing below it is numeric."""
+    def node(self, schema: Any) -> _Node | None:
+        """The compiled node of a schema position, or None when nothing below it is numeric."""
         if not isinstance(schema, dict):
             return None
-        steps: list[Canon | None] = []
+        steps: list[_Node | None] = []
         ref = schema.get("$ref")
         if isinstance(ref, str):
             steps.append(self.definition(ref.rsplit("/", 1)[1]))
@@ -250,11 +259,11 @@ class _Compiler:
         types = schema.get("type")
         types = {types} if isinstance(types, str) else set(types or ())
         if "number" in types:
-            steps.append(_to_float)
+            steps.append(_NUMBER)
         elif "integer" in types:
-            steps.append(_to_int)
+            steps.append(_INTEGER)
         members = [*schema.get("enum", ()), *([schema["const"]] if "const" in schema else [])]
-        numeric = tuple(m for m in members if _is_number(m))
+        numeric = tuple(m for m in members if type(m) in (int, float))
         if numeric:
             steps.append(_members(numeric))
         steps.append(self.object(schema))
@@ -267,18 +276,18 @@ class _Compiler:
             return None
         return present[0] if len(present) == 1 else _chain(present)
 
-    def object(self, schema: dict[str, Any]) -> Canon | None:
+    def object(self, schema: dict[str, Any]) -> _Node | None:
         properties = schema.get("properties", {})
-        compiled = tuple((key, fn) for key, sub in properties.items() if (fn := self.node(sub)) is not None)
+        compiled = tuple((key, n) for key, sub in properties.items() if (n := self.node(sub)) is not None)
         extra_schema = schema.get("additionalProperties")
         extra = self.node(extra_schema) if isinstance(extra_schema, dict) else None
         if not compiled and extra is None:
             return None
         return _object(compiled, extra, frozenset(properties))
 
-    def union(self, schemas: list[Any]) -> Canon | None:
+    def union(self, schemas: list[Any]) -> _Node | None:
         branches = tuple(_Branch(s, self.admits(s), self.node(s), self.reader) for s in schemas)
-        if all(b.canon is None for b in branches):
+        if all(b.node is None for b in branches):
             return None
         return _union(branches)
 
@@ -304,9 +313,9 @@ class _Compiler:
             listed = [types] if isinstance(types, str) else types
             narrow(frozenset(_JSON_TYPE_OF_SCHEMA_TYPE.get(t, t) for t in listed))
         if "const" in schema:
-            narrow(frozenset({_json_type(schema["const"])}))
+            narrow(frozenset({_JSON_TYPES.get(type(schema["const"]), "other")}))
         if "enum" in schema:
-            narrow(frozenset(_json_type(m) for m in schema["enum"]))
+            narrow(frozenset(_JSON_TYPES.get(type(m), "other") for m in schema["enum"]))
         for key in ("anyOf", "oneOf"):
             if key in schema:
                 each = [self.admits(s) for s in schema[key]]
