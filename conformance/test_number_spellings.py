@@ -17,7 +17,7 @@ canonicalizer under test. Then:
   when the respelling kept every value, it renders to the same bytes as the instance as generated.
 
 Derandomized like every property here (``conformance/_hypothesis_profiles.py``); ``KILN_NUMBER_EXAMPLES`` sets
-the instances per entry point (default 12, five times that under the ``explore`` profile).
+the instances per entry point (default 8, five times that under the ``explore`` profile).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from kiln._jsonio import canonical_json
 from kiln.errors import ContractError
 
 EXPLORING = os.environ.get("KILN_HYPOTHESIS_PROFILE") == "explore"
-EXAMPLES = int(os.environ.get("KILN_NUMBER_EXAMPLES", "60" if EXPLORING else "12"))
+EXAMPLES = int(os.environ.get("KILN_NUMBER_EXAMPLES", "40" if EXPLORING else "8"))
 LARGE = tuple(s * n for n in (2**53 + 1, 2**63, 2**64, 2**70, 2**1024) for s in (1, -1))
 RESPELLINGS: tuple[str | int, ...] = ("float", "int", "negative zero", *LARGE)  # an int: that large integer
 ENTRYPOINTS = sorted(kiln_contracts.ENTRYPOINTS)
