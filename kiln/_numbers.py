@@ -83,8 +83,8 @@ class _Unrepresentable(Exception):  # noqa: N818 -- internal signal, turned into
             Problem(
                 "out_of_range",
                 ptr("", *reversed(path)),
-                f"an integer of {len(str(abs(value)))} digits is beyond the range of a number (a 64-bit float, "
-                "about 1.8e308)",
+                f"an integer of {len(str(abs(value)))} digits is too large for a number (a 64-bit float holds "
+                "at most about 1.8e308)",
             )
             for path, value in self.found
         ]
