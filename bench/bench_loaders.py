@@ -1,11 +1,11 @@
-"""Strict-load throughput of a realistic train receipt and adapter manifest.
+"""Strict-load throughput of a realistic train receipt, adapter manifest and checkpoint manifest.
 
     python bench/bench_loaders.py [--seconds 2]
 
 Compares, side by side in one process on one core, the validator choices for the schema
 layer (pure-Python jsonschema, fastjsonschema's generated code, compiled jsonschema-rs)
 and Kiln's whole strict load (strict JSON parse + jsonschema-rs + semantic rules with
-recomputed digests + typed pydantic model). Numbers go to bench/README.md.
+recomputed digests + canonical numbers + typed pydantic model). Numbers go to bench/README.md.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def main() -> None:
     examples = json.loads(CASES.read_text(encoding="utf-8"))
     print(f"python {platform.python_version()}, {platform.machine()}, one core")
     print(f"{'document':16} {'route':44} {'loads/s':>10}")
-    for doc_type in ("TrainReceipt", "AdapterManifest"):
+    for doc_type in ("TrainReceipt", "AdapterManifest", "TrainingCheckpointManifest"):
         instance = next(c["instance"] for c in examples if c["type"] == doc_type)
         raw = json.dumps(instance).encode()
         schema = _contract.entry_schema(doc_type, reader=doc_type == "TrainReceipt")

@@ -19,62 +19,21 @@ from __future__ import annotations
 
 import json
 import os
-import warnings
 
 import kiln_contracts
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from conformance._strategies import instances
 from conformance.make_cases import mutations
-from kiln import _contract, contracts
+from kiln import contracts
 from kiln.errors import ContractError
-
-with warnings.catch_warnings():
-    warnings.simplefilter("ignore")
-    import hypothesis_jsonschema._from_schema as _hjs
-    from hypothesis_jsonschema import from_schema
-
-
-def _memoize_subschema_strategies() -> None:
-    """Build each sub-schema's strategy once instead of on every draw.
-
-    hypothesis-jsonschema 0.23.1 re-canonicalises an object's property sub-schemas every
-    time it draws a value for them, which makes large documents (receipts, registry
-    listings) 2-10x slower to generate than they need to be. The sub-schema dicts live as
-    long as the parent strategy, so a cache keyed by their identity (holding a reference,
-    so the identity cannot be reused) returns the same strategy the library would build.
-    """
-    original = getattr(_hjs, "__from_schema", None)
-    if original is None or getattr(original, "_kiln_memoized", False):
-        return
-    cache: dict[tuple[int, int, int], tuple[object, object]] = {}
-
-    def memoized(schema, *, alphabet, custom_formats):
-        key = (id(schema), id(alphabet), id(custom_formats))
-        hit = cache.get(key)
-        if hit is not None and hit[0] is schema:
-            return hit[1]
-        strategy = original(schema, alphabet=alphabet, custom_formats=custom_formats)
-        cache[key] = (schema, strategy)
-        return strategy
-
-    memoized._kiln_memoized = True
-    setattr(_hjs, "__from_schema", memoized)
-
-
-_memoize_subschema_strategies()
 
 EXPLORING = os.environ.get("KILN_HYPOTHESIS_PROFILE") == "explore"
 EXAMPLES = int(os.environ.get("KILN_CONFORMANCE_EXAMPLES", "1000" if EXPLORING else "200"))
 SEMANTIC_CODES = {"inconsistent_fields", "digest_mismatch", "unsafe_path"}
 ENTRYPOINTS = sorted(kiln_contracts.ENTRYPOINTS)
-
-
-def _strategy(name: str):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return from_schema(_contract.entry_schema(name))
 
 
 def _load_outcome(name, instance):
@@ -127,7 +86,7 @@ def test_generated_instances_round_trip_and_their_mutations_raise_declared_error
     seen = []
 
     @settings(max_examples=EXAMPLES)
-    @given(instance=_strategy(name), data=st.data())
+    @given(instance=instances(name), data=st.data())
     def check(instance, data):
         seen.append(1)
         _check_round_trip(name, instance)

@@ -12,6 +12,7 @@ Architecture map (data flows one way; lower layers never import higher ones)::
     kiln.digests                   every digest of the contract, defined once
     kiln.errors                    one exception tree with stable codes
     kiln._contract, kiln._documents  schema validation (jsonschema-rs) + semantic rules + models
+    kiln._numbers                  canonical numbers by schema position (3.0 at an integer position is 3)
         │
         ▼
     kiln.artifacts.*               one module per artifact: load_* (strict), write_* (atomic), verify_*

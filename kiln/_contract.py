@@ -69,21 +69,26 @@ def entry_schema(name: str, *, reader: bool = False) -> dict[str, Any]:
     }
 
 
-def fragment_valid(fragment: dict[str, Any], value: Any) -> bool:
-    """Whether ``value`` satisfies a schema fragment of the strict bundle (used to pick union branches)."""
-    key = json.dumps(fragment, sort_keys=True)
+def fragment_validator(fragment: dict[str, Any], *, reader: bool = False) -> Any:
+    """The compiled validator of a schema fragment of the strict (or reader) bundle, built once per fragment."""
+    key = (reader, json.dumps(fragment, sort_keys=True))
     v = _FRAGMENTS.get(key)
     if v is None:
         ref = fragment.get("$ref")
         root = ref.rsplit("/", 1)[1] if isinstance(ref, str) else None
-        defs = kiln_contracts.load_bundle()["$defs"]
+        defs = kiln_contracts.load_bundle(reader)["$defs"]
         names = reachable_definitions(root) if root else tuple(defs)
         v = jsonschema_rs.validator_for({**fragment, "$defs": {k: defs[k] for k in names}}, validate_formats=True)
         _FRAGMENTS[key] = v
-    return bool(v.is_valid(value))
+    return v
 
 
-_FRAGMENTS: dict[str, Any] = {}
+def fragment_valid(fragment: dict[str, Any], value: Any) -> bool:
+    """Whether ``value`` satisfies a schema fragment of the strict bundle (used to pick union branches)."""
+    return bool(fragment_validator(fragment).is_valid(value))
+
+
+_FRAGMENTS: dict[tuple[bool, str], Any] = {}
 
 
 @cache

@@ -1,7 +1,10 @@
 """The load / validate / write engine shared by every artifact module.
 
-load:  strict JSON -> schema (jsonschema-rs) -> semantic rules -> generated pydantic model
-write: model or dict -> strict (writer) schema -> semantic rules -> canonical JSON -> atomic rename
+load:  strict JSON -> schema (jsonschema-rs) -> canonical numbers -> semantic rules -> generated pydantic model
+write: model or dict -> canonical numbers -> strict (writer) schema -> semantic rules -> canonical JSON -> atomic rename
+
+Numbers are canonical (``kiln._numbers``) wherever a document is judged past its schema, modelled or written, so the
+problem listing, the loader and every writer agree on one value for ``3``, ``3.0`` and ``3e0``.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from typing import Any
 import kiln_contracts
 from pydantic import BaseModel, ValidationError
 
-from kiln import _contract
+from kiln import _contract, _numbers
 from kiln._fs import atomic_write_bytes
 from kiln._jsonio import canonical_json, parse_json, read_json_file
 from kiln._rules import RULES, ptr, require_complete
@@ -115,25 +118,36 @@ def semantic_problems(name: str, value: Any) -> list[Problem]:
     return problems
 
 
+def _reads_open(name: str, reader: bool | None) -> bool:
+    """Whether ``name`` is judged by its reader bundle (``reader`` None: the entry point's own policy)."""
+    return bool(_contract.entrypoint(name)["reader_open"]) if reader is None else reader
+
+
+def canonical(name: str, value: Any, *, reader: bool | None = None) -> Any:
+    """``value`` with every number in the canonical form of its schema position (``kiln._numbers``)."""
+    return _numbers.canonical(name, value, reader=_reads_open(name, reader))
+
+
 def problems_of(name: str, value: Any, *, reader: bool | None = None) -> list[Problem]:
-    """All problems of ``value`` as a ``name`` document, without raising (integrity included)."""
-    entry = _contract.entrypoint(name)
-    use_reader = entry["reader_open"] if reader is None else reader
+    """All problems of ``value`` as a ``name`` document, without raising (integrity included).
+
+    The semantic rules judge the canonical value, exactly as ``load`` does."""
+    use_reader = _reads_open(name, reader)
     problems = _contract.schema_problems(name, value, reader=use_reader)
     if problems:
         return problems
     try:
-        return semantic_problems(name, value)
-    except IntegrityError as exc:
+        return semantic_problems(name, _numbers.canonical(name, value, reader=use_reader))
+    except ContractError as exc:  # out_of_range numbers, or an integrity rule
         return exc.problems
 
 
 def load(name: str, source: Source, *, reader: bool | None = None, document: str | None = None) -> Any:
     """Strictly load a document of type ``name`` and return its generated model."""
     value, document = read_source(source, document=document)
-    entry = _contract.entrypoint(name)
-    use_reader = entry["reader_open"] if reader is None else reader
+    use_reader = _reads_open(name, reader)
     _contract.check_schema(name, value, reader=use_reader, document=document)
+    value = _numbers.canonical(name, value, reader=use_reader, document=document)
     problems = semantic_problems(name, value)
     if problems:
         raise ContractError(problems, document=document)
@@ -161,8 +175,9 @@ def to_json(value: Any) -> Any:
 
 
 def render(name: str, value: Any) -> bytes:
-    """Validate ``value`` against the strict writer contract and return its canonical bytes."""
-    data = to_json(value)
+    """Validate ``value`` against the strict writer contract and return its canonical bytes (canonical numbers
+    included)."""
+    data = _numbers.canonical(name, to_json(value))
     _contract.check_schema(name, data, reader=False)
     problems = semantic_problems(name, data)
     if problems:

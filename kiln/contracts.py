@@ -2,6 +2,7 @@
 
 ``load(type, source)``        strict loader for any document type (returns the generated model)
 ``problems(type, value)``     every problem, without raising
+``canonical(type, value)``    the value with canonical numbers: what a caller that keeps or hashes a body stores
 ``write(type, path, value)``  strict writer: validate, canonical JSON, crash-atomic
 ``validate_path(path)``       what ``kiln validate`` runs
 ``document_types()``          the loadable document types and their type tags
@@ -21,7 +22,17 @@ from kiln import _documents
 from kiln._jsonio import read_json_file
 from kiln.errors import KilnError, Problem
 
-__all__ = ["ValidationReport", "detect_type", "document_types", "load", "problems", "render", "validate_path", "write"]
+__all__ = [
+    "ValidationReport",
+    "canonical",
+    "detect_type",
+    "document_types",
+    "load",
+    "problems",
+    "render",
+    "validate_path",
+    "write",
+]
 
 load = _documents.load
 write = _documents.write
@@ -31,6 +42,15 @@ detect_type = _documents.detect_type
 
 def problems(doc_type: str, value: Any, *, reader: bool | None = None) -> list[Problem]:
     return _documents.problems_of(doc_type, value, reader=reader)
+
+
+def canonical(doc_type: str, value: Any, *, reader: bool | None = None) -> Any:
+    """``value`` with every number spelt as its schema position says (docs/contracts.md, "Numbers"): an integral
+    float at an integer position is the int, an int at a number position the float, a number equal to a ``const``
+    or ``enum`` member that member. Store or hash this, not the body as sent: ``3.0`` and ``3`` are one value.
+    ``value`` itself is never modified. Raises ``ContractError`` (``out_of_range``) where an int at a number position
+    is beyond the float range; ``problems`` reports the same."""
+    return _documents.canonical(doc_type, value, reader=reader)
 
 
 def document_types() -> dict[str, dict[str, Any]]:

@@ -577,6 +577,13 @@ def test_publication_writes_a_canonical_read_only_checkpoint_and_holds_the_lock_
     assert {rel: data for rel, (_, data) in files.items()} == loaded.blobs
 
 
+def test_a_manifest_encoded_with_integral_floats_is_published_with_canonical_numbers(trained, tmp_path):
+    manifest, files = _encoded(trained.step4)
+    manifest["progress"] = {k: float(v) if type(v) is int else v for k, v in manifest["progress"].items()}
+    published = publish_checkpoint(tmp_path / "registry", lambda: None, _publisher(manifest, files))
+    assert (published.path / MANIFEST).read_bytes() == (trained.step4 / MANIFEST).read_bytes()
+
+
 def test_publishing_an_existing_name_is_refused_and_the_published_checkpoint_is_untouched(trained, tmp_path):
     manifest, files = _encoded(trained.step4)
     registry = tmp_path / "registry"

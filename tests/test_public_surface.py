@@ -13,7 +13,8 @@ import kiln.errors
 def test_public_modules_export_exactly_their_declared_names():
     assert kiln.__all__ == ["__version__"]
     assert sorted(kiln.contracts.__all__) == [
-        "ValidationReport", "detect_type", "document_types", "load", "problems", "render", "validate_path", "write",
+        "ValidationReport", "canonical", "detect_type", "document_types", "load", "problems", "render", "validate_path",
+        "write",
     ]  # fmt: skip
     assert sorted(kiln.errors.__all__) == [
         "AccessError", "AdapterError", "AdapterLoadError", "AuthError", "BaseAdapterMissingError", "CancelledError",

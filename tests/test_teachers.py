@@ -481,6 +481,18 @@ def test_a_remote_teacher_pins_the_published_identity_and_sends_its_credential(
     assert caught.value.code == "teacher_identity_mismatch"
 
 
+def test_a_remote_identity_spelt_with_integral_floats_is_pinned_and_hashed_in_its_canonical_form(
+    registry, models_server, teacher_dir
+):
+    identity = teacher_identity_for(teacher_dir, served_model_id="teacher")
+    spelt = {**identity, **{k: float(identity[k]) for k in ("vocab_size", "max_top_k", "max_model_len")}}
+    _Models.cards = [{"id": "teacher", "teacher_identity": spelt}]
+    entry = _valid("TeacherEntry", registry.add(_remote("far", models_server)))
+    assert json.dumps(entry["spec"]["identity"], sort_keys=True) == json.dumps(identity, sort_keys=True)
+    assert entry["identity_revision"] == prefixed(teacher_identity_revision(identity))
+    reprobe(registry.get("far"))  # the same identity, whatever its spelling
+
+
 def test_stable_top_k_equals_the_first_k_of_a_full_stable_sort_ties_included():
     import torch
 

@@ -68,7 +68,7 @@ def rfc3339_problem(text: str) -> str | None:
 def alpha_over_rank_matches(alpha: float, rank: int, alpha_over_rank: float) -> bool:
     """Whether ``alpha_over_rank`` is ``alpha / rank`` within a relative 1e-6 (single-precision writers)."""
     try:
-        return math.isclose(float(alpha_over_rank), float(alpha) / float(rank), rel_tol=ALPHA_OVER_RANK_RTOL)
+        return math.isclose(alpha_over_rank, alpha / rank, rel_tol=ALPHA_OVER_RANK_RTOL)
     except (OverflowError, ZeroDivisionError):
         return False
 

@@ -102,10 +102,11 @@ def _kind_of(value: Any, document: str | None) -> str:
 
 
 def load_replay_record(source: _documents.Source, *, document: str | None = None) -> dict[str, Any]:
-    """One record, strictly (its ``record_type`` picks the schema); returned as plain JSON data."""
+    """One record, strictly (its ``record_type`` picks the schema); returned as plain JSON data, numbers canonical."""
     value, document = _documents.read_source(source, document=document)
-    _documents.load(_kind_of(value, document), value, document=document)
-    return value
+    kind = _kind_of(value, document)
+    _documents.load(kind, value, document=document)
+    return _documents.canonical(kind, value)
 
 
 def load_replay_log(path: str | os.PathLike[str]) -> list[LogLine]:
@@ -131,13 +132,12 @@ def load_replay_log(path: str | os.PathLike[str]) -> list[LogLine]:
     out = []
     for number, raw in enumerate(data.split(b"\n")[:-1], start=1):
         where = f"{p}:{number}"
-        value = parse_json(raw, source=where, limit=MAX_DOCUMENT_BYTES)
-        load_replay_record(value, document=where)
-        if canonical_json(value) != raw:
+        record = load_replay_record(parse_json(raw, source=where, limit=MAX_DOCUMENT_BYTES), document=where)
+        if canonical_json(record) != raw:  # what the writer writes: canonical JSON of canonical numbers
             raise ContractError(
                 [Problem("schema_violation", "", "the line is not the canonical JSON of its record")], document=where
             )
-        out.append(LogLine(number, value))
+        out.append(LogLine(number, record))
     return out
 
 

@@ -145,10 +145,11 @@ def _status(doc: dict[str, Any], at: str) -> Iterable[Problem]:
 
 
 def teacher_identity_revision_of(identity: Any) -> str:
-    """Raw revision (64 hex) of a ``TeacherIdentityV1`` model or dict, after strict validation."""
+    """Raw revision (64 hex) of a ``TeacherIdentityV1`` model or dict, after strict validation (of its canonical
+    form: ``"vocab_size": 32000.0`` and ``32000`` are one identity)."""
     data = _documents.to_json(identity)
     _documents.load(IDENTITY, data)
-    return teacher_identity_revision(data)
+    return teacher_identity_revision(_documents.canonical(IDENTITY, data))
 
 
 def load_teacher_identity(source: _documents.Source) -> Any:

@@ -143,6 +143,7 @@ def publish_checkpoint(
         snapshot = capture()
     t1 = time.perf_counter()
     manifest, files = encode(snapshot)
+    manifest = _documents.canonical(DOC, manifest)  # written as it is judged: numbers canonical (kiln._numbers)
     if len(files) > MAX_FILES:
         raise ValueError(f"a checkpoint holds at most {MAX_FILES} files, not {len(files)}")
     # Strict checks before the first byte is written: the manifest (digests pending) and the

@@ -226,4 +226,4 @@ def gate_verdict(
     problems = contracts.problems(VERDICT, verdict)
     if problems:
         raise ContractError(problems, document=VERDICT)
-    return verdict
+    return contracts.canonical(VERDICT, verdict)  # `min_accuracy: 1` from the request is recorded as 1.0

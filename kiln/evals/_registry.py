@@ -13,10 +13,13 @@ exists, directory fsync); the entry is written second and is the commit point: a
 file without an entry (a crash between the two) is not listed, is completed by
 registering the same content again and is cleaned up by ``remove``.
 
+A suite is stored and hashed in its canonical form, canonical numbers included
+(``kiln.contracts.canonical``): ``"max_tokens": 16.0`` and ``16`` are one suite with one digest.
 ``get`` hashes the suite file's bytes first (they are the canonical JSON ``suite_sha256``
 covers): a file whose digest no longer matches its entry is refused before it is parsed
-(``IntegrityError``, ``digest_mismatch``); then both are read strictly and the entry's other
-facts (generation digest, example count, name) are checked against the suite.
+(``IntegrityError``, ``digest_mismatch``); then both are read strictly, the file must be exactly
+the canonical JSON of the suite it holds, and the entry's other facts (generation digest,
+example count, name) are checked against the suite.
 """
 
 from __future__ import annotations
@@ -47,12 +50,13 @@ def suites_root(home: Path) -> Path:
 
 
 def suite_sha256(suite: dict[str, Any]) -> str:
-    """``sha256:`` digest of the suite's canonical JSON (spec/20)."""
-    return json_sha256(suite)
+    """``sha256:`` digest of the suite's canonical JSON (spec/20), its numbers canonical."""
+    return json_sha256(contracts.canonical(SUITE, suite))
 
 
 def generation_sha256(generation: dict[str, Any]) -> str:
-    """``sha256:`` digest of the canonical JSON of a suite's pinned generation settings."""
+    """``sha256:`` digest of the canonical JSON of a suite's pinned generation settings (as the canonical suite
+    holds them)."""
     return json_sha256(generation)
 
 
@@ -106,6 +110,7 @@ class SuiteRegistry:
         problems = contracts.problems(SUITE, suite)
         if problems:
             raise ContractError(problems, document=SUITE)
+        suite = contracts.canonical(SUITE, suite)
         name = suite["name"]
         why = name_problem(name, kind="suite")
         if why is not None:
@@ -165,7 +170,7 @@ class SuiteRegistry:
                 [Problem("inconsistent_fields", "/name", f"the entry of {name!r} names suite {value['name']!r}")],
                 document=str(path),
             )
-        return value
+        return contracts.canonical(ENTRY, value)
 
     def list(self) -> list[dict[str, Any]]:
         """Every ``EvalSuiteEntry``, sorted by name (each entry loaded strictly)."""
@@ -201,6 +206,15 @@ class SuiteRegistry:
         else:
             suite = parse_json(data, source=str(path))
             contracts.load(SUITE, suite, document=str(path))
+            if contracts.render(SUITE, suite) != data:
+                found.append(
+                    Problem(
+                        "digest_mismatch",
+                        "/suite_sha256",
+                        f"the suite file of {name!r} is not the canonical JSON of the suite it holds (its numbers "
+                        "or its layout differ from what registration writes)",
+                    )
+                )
             generation = generation_sha256(suite["generation"])
             if suite["name"] != name:
                 found.append(Problem("digest_mismatch", "/name", f"the suite file of {name!r} names {suite['name']!r}"))

@@ -16,7 +16,7 @@ from typing import Any
 from kiln import contracts
 from kiln.artifacts.evals import wilson_interval
 from kiln.errors import ContractError, IntegrityError, Problem
-from kiln.evals._registry import generation_sha256, suite_sha256
+from kiln.evals._registry import SUITE, generation_sha256, suite_sha256
 from kiln.evals._scoring import score
 
 __all__ = ["RESULT", "RESULT_SCHEMA", "EvalCancelled", "run_suite"]
@@ -68,6 +68,7 @@ def run_suite(
     ``generate(messages, suite["generation"])`` returns the output text; ``target`` is the
     ``EvalTarget`` evaluated; ``progress(done, total)`` is called after each example.
     """
+    suite = contracts.canonical(SUITE, suite)  # the registry's form: its digests, its pinned settings as ints
     _check_entry(suite, entry)
     examples = suite["examples"]
     total = len(examples)

@@ -42,10 +42,12 @@ def registry(settings: Any) -> Any:
     return SuiteRegistry(suites_root(settings.home))
 
 
-def _check(definition: str, body: Any) -> None:
+def _checked(definition: str, body: Any) -> Any:
+    """``body`` with canonical numbers, after its schema and rules; every problem raises together."""
     found = contracts.problems(definition, body)
     if found:
         raise ContractError(found, document=definition)
+    return contracts.canonical(definition, body)
 
 
 # ----------------------------------------------------------------------------- admission
@@ -58,8 +60,7 @@ def check_post_eval(engine: Any, kind: str, body: dict[str, Any]) -> tuple[dict[
     post = body.get("post_eval")
     if post is None:
         return None, None
-    post = {**POST_EVAL_DEFAULTS, **post}
-    _check("PostEval", post)
+    post = _checked("PostEval", {**POST_EVAL_DEFAULTS, **post})
     post["data_scope"] = canonical_data_scope(post["data_scope"])  # the reference's `held-out` is `held_out`
     suite, entry = registry(engine.settings).get(post["suite"])  # eval_suite_not_found
     if post["data_scope"] == "held_out":
@@ -134,7 +135,7 @@ def evaluate(engine: Any, suite_name: str, adapter: str | None, cancel: threadin
 
 def submit(server: Any, body: Any) -> dict[str, Any]:
     """``POST /v1/eval/jobs``: check the suite and the adapter now, then queue."""
-    _check("EvalRunRequest", body)
+    body = _checked("EvalRunRequest", body)
     _, entry = registry(server.settings).get(body["suite"])
     adapter = body.get("adapter")
     target(server.engine, adapter)  # adapter_not_found before queueing

@@ -56,11 +56,12 @@ REFUSED = (
 # --- admission ------------------------------------------------------------------------------
 
 
-def _admit(document: str, body: Any) -> None:
-    """Schema check; a refused OpenAI feature is named with what Kiln accepts instead."""
+def _admit(document: str, body: Any) -> dict[str, Any]:
+    """Schema check; a refused OpenAI feature is named with what Kiln accepts instead. The body with canonical
+    numbers (``"max_tokens": 16.0`` is 16, ``"temperature": 1`` is 1.0)."""
     found = contracts.problems(document, body)
     if not found:
-        return
+        return contracts.canonical(document, body)
     props = kiln_contracts.load_bundle()["$defs"][document]["properties"]
     named = []
     for problem in found:
@@ -111,10 +112,10 @@ def _choices(body: dict[str, Any]) -> tuple[int, float, float, int, list[str]]:
     stop = body.get("stop")
     stops = [stop] if isinstance(stop, str) else list(stop or [])
     return (
-        int(body.get("n") or 1),
-        float(body.get("temperature") or 0),
-        float(body.get("top_p") if body.get("top_p") is not None else 1),
-        int(body.get("seed") or 0),
+        body.get("n") or 1,
+        body.get("temperature") or 0.0,
+        1.0 if body.get("top_p") is None else body["top_p"],
+        int(body.get("seed") or 0),  # a decimal string or an integer
         stops,
     )
 
@@ -199,7 +200,7 @@ class _ChatJob:
 
 
 def _chat_job(gen: Any, body: Any) -> _ChatJob:
-    _admit(CHAT, body)
+    body = _admit(CHAT, body)
     _stream_checks(CHAT, body)
     if body.get("top_logprobs") is not None and not body.get("logprobs"):
         raise _inconsistent(CHAT, "/top_logprobs", "`top_logprobs` needs `logprobs: true`")
@@ -226,10 +227,8 @@ def _chat_job(gen: Any, body: Any) -> _ChatJob:
         )
     limit = body.get("max_completion_tokens") or body.get("max_tokens") or CHAT_MAX_TOKENS
     n, temperature, top_p, seed, stops = _choices(body)
-    plans = [
-        Plan(prompt, min(int(limit), room), temperature, top_p, (seed + i) % SEEDS, adapter, model) for i in range(n)
-    ]
-    top_k = int(body.get("top_logprobs") or 0) if body.get("logprobs") else None
+    plans = [Plan(prompt, min(limit, room), temperature, top_p, (seed + i) % SEEDS, adapter, model) for i in range(n)]
+    top_k = (body.get("top_logprobs") or 0) if body.get("logprobs") else None
     return _ChatJob(plans, stops, top_k, model, adapter)
 
 
@@ -340,20 +339,20 @@ def _prompts(gen: Any, prompt: Any) -> list[_Prompt]:
             for text in prompt
         ]
     if isinstance(prompt[0], list):
-        return [_Prompt([int(t) for t in ids], None) for ids in prompt]
-    return [_Prompt([int(t) for t in prompt], None)]  # JSON Schema counts 1.0 as an integer
+        return [_Prompt(list(ids), None) for ids in prompt]
+    return [_Prompt(list(prompt), None)]
 
 
 def _completion_job(server: Any, body: Any) -> _CompletionJob:
     gen, protocol = server.generator, server.teacher_protocol
-    _admit(COMPLETION, body)
+    body = _admit(COMPLETION, body)
     _stream_checks(COMPLETION, body)
     adapter, model = _weights(gen, body, COMPLETION)
     n, temperature, top_p, seed, stops = _choices(body)
     if body.get("best_of") is not None and body["best_of"] != n:
         raise _inconsistent(COMPLETION, "/best_of", f"`best_of` {body['best_of']} differs from `n` {n}: not supported")
     prompts = _prompts(gen, body["prompt"])
-    top_n = None if body.get("prompt_logprobs") is None else int(body["prompt_logprobs"])
+    top_n = body.get("prompt_logprobs")
     problems: list[Problem] = []
     listed = isinstance(body["prompt"], list) and isinstance(body["prompt"][0], str | list)  # several prompts
     for i, prompt in enumerate(prompts):
@@ -372,9 +371,9 @@ def _completion_job(server: Any, body: Any) -> _CompletionJob:
         top_p=top_p,
         seed=seed,
         stops=stops,
-        max_tokens=COMPLETION_MAX_TOKENS if max_tokens is None else int(max_tokens),
+        max_tokens=COMPLETION_MAX_TOKENS if max_tokens is None else max_tokens,
         top_n=top_n,
-        logprobs=None if body.get("logprobs") is None else int(body["logprobs"]),
+        logprobs=body.get("logprobs"),
         echo=bool(body.get("echo")),
         model=model,
         adapter=adapter,

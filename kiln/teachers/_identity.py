@@ -258,4 +258,4 @@ def probe_remote_identity(url: str, model_id: str, credential_id: str | None) ->
         raise _refuse(
             f"the teacher_identity of {model_id!r} at {url} names served_model_id {identity['served_model_id']!r}"
         )
-    return identity
+    return contracts.canonical("TeacherIdentityV1", identity)  # pinned and hashed: one spelling per number

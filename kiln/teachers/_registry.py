@@ -456,7 +456,7 @@ class TeacherRegistry:
         value = read_json_file(path)
         contracts.load(RECORD, value, document=str(path))
         _check_record(alias, value, str(path))
-        return value
+        return contracts.canonical(RECORD, value)
 
     def list(self) -> list[dict[str, Any]]:
         """Every ``TeacherEntry``, sorted by alias (each record loaded strictly)."""
