@@ -77,21 +77,21 @@ def test_within_roots_resolves_symlinks_and_never_matches_a_sibling_prefix(tmp_p
 def test_a_local_run_reads_any_file_but_a_restricted_one_only_inside_its_roots(tmp_path):
     data = _rows(tmp_path / "outside" / "rows.jsonl")
     registry = tmp_path / "adapters"
-    check_sources({"dataset_path": str(data)}, TrainingContext(registry=registry))  # --local: no restriction
+    check_sources(TrainingContext(registry=registry), dataset_path=str(data), base_adapter=None)  # --local: anywhere
     restricted = TrainingContext(registry=registry, data_roots=(tmp_path / "roots",))
     with pytest.raises(AccessError) as refused:
-        check_sources({"dataset_path": str(data)}, restricted)
+        check_sources(restricted, dataset_path=str(data), base_adapter=None)
     assert refused.value.code == "path_not_allowed"
     assert refused.value.pointer == "/dataset_path"
     allowed = TrainingContext(registry=registry, data_roots=(tmp_path / "outside",))
-    check_sources({"dataset_path": str(data)}, allowed)
+    check_sources(allowed, dataset_path=str(data), base_adapter=None)
 
 
 def test_a_missing_base_adapter_is_refused_at_admission_everywhere(tmp_path):
     registry = tmp_path / "adapters"
     for context in (TrainingContext(registry=registry), TrainingContext(registry=registry, data_roots=())):
         with pytest.raises(RequestError) as refused:
-            check_sources({"examples": [], "config": {"base_adapter": "nope"}}, context)
+            check_sources(context, dataset_path=None, base_adapter="nope")
         assert refused.value.code == "training_invalid_request"
         assert refused.value.pointer == "/config/base_adapter"
 

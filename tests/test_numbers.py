@@ -139,7 +139,7 @@ def http(tmp_path, tiny_model_dir, monkeypatch):
     from fastapi.testclient import TestClient
 
     from kiln.server._app import build_server, create_app
-    from kiln.server._settings import resolve_settings
+    from kiln.config import resolve_settings
 
     home = tmp_path / "home"
     monkeypatch.setenv("KILN_HOME", str(home))

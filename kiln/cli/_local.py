@@ -276,21 +276,20 @@ def _no_receipt(outcome: dict[str, Any]) -> dict[str, Any]:
     return {"failure_reason": reason, "failure_message": message or None}
 
 
-def _worker_spec(
-    args: argparse.Namespace, kind: str, admitted: tuple[Any, dict[str, Any], Any], events: Path
-) -> dict[str, Any]:
-    from kiln.worker import SPEC_SCHEMA
+def _worker_spec(args: argparse.Namespace, kind: str, admitted: tuple[Any, dict[str, Any], Any], events: Path) -> Any:
+    """The ``kiln.worker-spec.v1`` the ranks run: the admitted job's replay request, its fingerprint, the launch the
+    data-parallel flags describe."""
+    from kiln.artifacts.worker_spec import build_worker_spec
 
     job, replay, ctx = admitted
-    return {
-        "schema": SPEC_SCHEMA,
-        "kind": kind,
-        "adapter_name": args.adapter,
-        "request": replay,
-        "fingerprint": job.fingerprint(),
-        "events": str(events),
-        "server_pid": os.getpid(),  # the ranks end when this command does
-        "launch": {
+    return build_worker_spec(
+        kind=kind,
+        adapter_name=args.adapter,
+        request=replay,
+        fingerprint=job.fingerprint(),
+        events=events,
+        server_pid=os.getpid(),  # the ranks end when this command does
+        launch={
             "nproc_per_node": int(args.nproc_per_node),
             "nnodes": int(args.nnodes),
             "node_rank": int(args.node_rank),
@@ -298,15 +297,13 @@ def _worker_spec(
             "rdzv_id": args.rdzv_id,
             "threads_per_rank": job.data_parallel.threads,
         },
-        "context": {
-            "registry": str(ctx.registry),
-            "model_path": str(job.loaded.path),
-            "model_is_default": bool(job.loaded.is_default),
-            "teachers_root": None if ctx.teachers_root is None else str(ctx.teachers_root),
-            "checkpoint_interval": ctx.checkpoint_interval,
-            "data_roots": None,
-        },
-    }
+        registry=ctx.registry,
+        model_path=job.loaded.path,
+        model_is_default=bool(job.loaded.is_default),
+        teachers_root=ctx.teachers_root,
+        checkpoint_interval=ctx.checkpoint_interval,
+        data_roots=None,
+    )
 
 
 def _run_ranks(
@@ -319,12 +316,13 @@ def _run_ranks(
     """Train over several ranks: the worker (``torchrun``) in a session of its own, its events followed; returns
     rank 0's outcome line, or None when this node's ranks ended without one (rank 0 ran on another node). The
     workers' output goes to ``worker.log``, quoted when they end without an outcome."""
+    from kiln.artifacts.worker_spec import write_worker_spec
     from kiln.worker import follow
 
     with tempfile.TemporaryDirectory(prefix="kiln-ranks-") as tmp:
         directory = Path(tmp)
         spec_path, events, log_path = directory / "spec.json", directory / "events.jsonl", directory / "worker.log"
-        spec_path.write_text(json.dumps(_worker_spec(args, kind, admitted, events), indent=1), encoding="utf-8")
+        write_worker_spec(spec_path, _worker_spec(args, kind, admitted, events))
         proc, outcome = follow(
             spec_path,
             log_path,

@@ -22,8 +22,10 @@ import resource
 import sys
 import threading
 import time
+from collections.abc import Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +48,7 @@ from kiln.errors import (
     RequestError,
 )
 from kiln.server import _datasets, _evals, _openai, _training
-from kiln.server._jobs import JobManager, JobStore
+from kiln.server._jobs import Job, JobManager, JobStore, Outcome, Runner
 
 log = logging.getLogger("kiln.server")
 STATIC = Path(__file__).parent / "static"
@@ -109,6 +111,19 @@ class Server:
 # ----------------------------------------------------------------------------- building the server
 
 
+def by_job_type(runners: Mapping[str, Runner]) -> Runner:
+    """One runner from the handler of each job type (each training kind, ``eval``): the queue runs every job the same
+    way, and each type's module runs its own."""
+
+    def run(job: Job, cancel: threading.Event, report: Callable[[dict[str, Any]], None]) -> Outcome:
+        handler = runners.get(job.job_type)
+        if handler is None:
+            return Outcome("failed", f"internal_error: no handler runs jobs of type {job.job_type!r}")
+        return handler(job, cancel, report)
+
+    return run
+
+
 def _notify(settings: Settings, server_ref: list[Server]) -> Any:
     url = settings.training.webhook_url
 
@@ -139,6 +154,7 @@ def build_server(settings: Settings) -> Server:
     from kiln.model import capture_identity, load_base_model, resolve_model_path
     from kiln.server._generation import Generator
     from kiln.server._teacher_protocol import build_protocol
+    from kiln.trainers import TRAINERS
 
     path, is_default = resolve_model_path(settings=settings)
     served = load_base_model(path, is_default=is_default)
@@ -163,7 +179,12 @@ def build_server(settings: Settings) -> Server:
     jobs = JobManager(
         JobStore(settings.job_store),
         max_queued=settings.training.max_queued_jobs,
-        runner=lambda job, cancel, report: _training.run(engine, job, cancel, report),
+        runner=by_job_type(
+            {
+                **{kind: partial(_training.run, engine) for kind in TRAINERS},
+                "eval": lambda job, cancel, _report: _evals.run_job(engine, job, cancel),
+            }
+        ),
         on_terminal=_notify(settings, ref),
         interrupted=lambda job: interrupted_reason(settings.registry, job),
     )
@@ -470,7 +491,7 @@ def create_app(server: Server, *, own_lifecycle: bool = True) -> FastAPI:
             (
                 job
                 for job in server.jobs.ordered()
-                if not job.terminal and job.job_type == "opd" and job.request.get("teacher") == alias
+                if not job.terminal and job.request.get("teacher") == alias  # only a distillation names one
             ),
             None,
         )

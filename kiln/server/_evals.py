@@ -23,13 +23,13 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from kiln import contracts
 from kiln.adapters import adapter_directory, demote
 from kiln.artifacts.evals import canonical_data_scope
 from kiln.errors import ConflictError, ContractError, RequestError
-from kiln.server._openai import chat_completion
 
 log = logging.getLogger("kiln.server.evals")
 
@@ -79,11 +79,6 @@ def check_post_eval(engine: Any, kind: str, body: dict[str, Any]) -> tuple[dict[
     return post, entry["suite_sha256"]
 
 
-def without_gate(body: dict[str, Any]) -> dict[str, Any]:
-    """The request the trainer admits: the gate is the server's business."""
-    return {k: v for k, v in body.items() if k != "post_eval"}
-
-
 # ----------------------------------------------------------------------------- targets and generation
 
 
@@ -105,19 +100,15 @@ def target(engine: Any, adapter: str | None) -> dict[str, Any]:
     }
 
 
-def _generate(engine: Any, adapter: str | None) -> Any:
-    def generate(messages: list[dict[str, Any]], generation: dict[str, Any]) -> str:
-        request: dict[str, Any] = {
-            "messages": messages,
-            "max_tokens": generation["max_tokens"],
-            "temperature": 0,
-            "seed": generation["seed"],
-        }
-        if adapter is None:
-            request["base_model"] = True
-        else:
-            request["adapter"] = adapter
-        return chat_completion(engine.generator, request)["choices"][0]["message"]["content"]
+def _generate(engine: Any, adapter: str | None) -> Callable[[list[dict[str, str]], dict[str, Any]], str]:
+    """Greedy answers with the suite's pinned settings, from the serving generator (``Generator.answer``)."""
+
+    def generate(messages: list[dict[str, str]], generation: dict[str, Any]) -> str:
+        return str(
+            engine.generator.answer(
+                messages, max_tokens=generation["max_tokens"], seed=generation["seed"], adapter=adapter
+            )
+        )
 
     return generate
 

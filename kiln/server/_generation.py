@@ -94,12 +94,13 @@ from kiln.model import pick_token as _pick
 from kiln.model import special_tokens as _special_tokens
 from kiln.model import stop_token_ids as _stop_ids
 
-__all__ = ["CANARY_FILE", "Generator", "Outcome", "Piece", "Plan", "TokenScore", "checked", "content_revision"]
+__all__ = ["CANARY_FILE", "SEEDS", "Generator", "Outcome", "Piece", "Plan", "TokenScore", "checked", "content_revision"]
 
 REQUEST = "ChatCompletionRequest"
 
 CANARY_MESSAGES = ({"role": "user", "content": "Say hello in one short sentence."},)
 CANARY_MAX_TOKENS = 16
+SEEDS = 1 << 64  # a request's seed (and each further choice's) is taken modulo 2^64
 LATENCY_FACTOR = 10.0
 LATENCY_SLACK_S = 2.0
 # End-of-turn spellings of common chat templates; used only when the tokenizer has them as special tokens.
@@ -236,6 +237,30 @@ class Generator:
         """The active adapter when it is ``name``, else ``name`` read from the registry (not quarantined)."""
         current = self._active
         return current if current is not None and current.name == name else self._read_adapter(name)
+
+    # --- evaluation ---------------------------------------------------------------------
+
+    def answer(self, messages: list[dict[str, str]], *, max_tokens: int, seed: int, adapter: str | None) -> str:
+        """The greedy answer to ``messages``, exactly as a chat completion with temperature 0 gives it: the base
+        model's (``adapter`` None) or a registry adapter's, applied to this answer only (what an evaluation
+        scores; the served adapter is left as it is)."""
+        weights = None if adapter is None else self.adapter_named(adapter)
+        prompt = self._encode_prompt(messages)
+        room = self._max_positions - len(prompt)
+        if room < 1:
+            raise ContractError(
+                [
+                    Problem(
+                        "out_of_range",
+                        "/messages",
+                        f"the prompt is {len(prompt)} tokens and the model's context is {self._max_positions}: no "
+                        "room to generate; shorten the conversation",
+                    )
+                ]
+            )
+        model = weights.name if weights is not None else self._model_name
+        plan = Plan(prompt, min(max_tokens, room), 0.0, 1.0, seed % SEEDS, weights, model)
+        return "".join(piece.text for piece in self.pieces(plan, Outcome()))
 
     # --- canary -------------------------------------------------------------------------
 

@@ -38,7 +38,7 @@ import kiln_contracts
 
 from kiln import contracts
 from kiln.errors import ContractError, NotFoundError, Problem
-from kiln.server._generation import Outcome, Piece, Plan, TokenScore, checked
+from kiln.server._generation import SEEDS, Outcome, Piece, Plan, TokenScore, checked
 
 __all__ = ["chat_chunks", "chat_completion", "completion", "completion_chunks", "model_card", "model_list"]
 
@@ -46,7 +46,6 @@ CHAT = "ChatCompletionRequest"
 COMPLETION = "CompletionRequest"
 CHAT_MAX_TOKENS = 64  # default
 COMPLETION_MAX_TOKENS = 16  # default, as OpenAI and vLLM
-SEEDS = 1 << 64
 REFUSED = (
     "presence_penalty", "frequency_penalty", "logit_bias", "tools", "functions", "tool_choice", "function_call",
     "response_format", "modalities", "audio", "prediction", "suffix", "best_of",

@@ -29,7 +29,7 @@ from kiln._jsonio import JsonObject
 from kiln.artifacts.worker_spec import WorkerSpec, build_worker_spec
 from kiln.errors import CapacityError, ConflictError
 from kiln.server._jobs import Job, Outcome
-from kiln.trainers import TRAINERS, TrainingContext, request_json
+from kiln.trainers import TRAINERS, TrainingContext
 from kiln.worker import run_spec
 
 log = logging.getLogger("kiln.server.training")
@@ -112,14 +112,12 @@ def admit(engine: Engine, kind: str, body: JsonObject, jobs: Any) -> JsonObject:
     jobs.check_capacity()
     context = engine.context(kind)
     trainer.check_door(request, context)
-    post, suite_sha256 = _evals.check_post_eval(engine, kind, request_json(request))
-    config = request.config or trainer.config_model()
+    post, suite_sha256 = _evals.check_post_eval(engine, kind, request.sent)
+    config = request.model.config or trainer.config_model()
     adapter = config.output_name.root if config.output_name is not None else f"{kind}-{uuid.uuid4().hex[:8]}"
     _writer_conflict(jobs, adapter)
     with engine.admission_lock:
-        admitted = trainer.admit_request(
-            request.model_copy(update={"post_eval": None}), adapter_name=adapter, context=context
-        )
+        admitted = trainer.admit_request(request.without_gate(), adapter_name=adapter, context=context)
     need, have = admitted.memory_estimate(), _available_memory()
     if need is not None and have is not None and need > have:
         raise CapacityError(
@@ -127,7 +125,7 @@ def admit(engine: Engine, kind: str, body: JsonObject, jobs: Any) -> JsonObject:
             code="memory_budget_exceeded",
             hint="use shorter conversations, a smaller lora_rank, or free memory on the server",
         )
-    replay = {k: v for k, v in request_json(request).items() if k not in ("config", "post_eval")}
+    replay = {k: v for k, v in request.sent.items() if k not in ("config", "post_eval")}  # the data as sent
     if replay.get("dataset_path") is not None:
         replay["dataset_path"] = str(Path(replay["dataset_path"]).resolve())
     resume = None if config.resume_checkpoint is None else config.resume_checkpoint.root

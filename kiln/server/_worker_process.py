@@ -1,8 +1,8 @@
 """The server's half of a training worker: launch ``python -m kiln.worker``, read its events, cancel it, and say
 why it died when it dies.
 
-``launch(engine, job, job_spec, request, cancel, report)`` writes the job's spec into its directory
-(``<home>/server/jobs/<job_id>/``), starts the worker with the server's own interpreter, forwards each progress and
+``launch(engine, job, spec, cancel, report)`` writes the job's spec (``kiln.worker-spec.v1``) into its directory
+(``<home>/server/jobs/<job_id>/``; ``events_file`` is where its events go), starts the worker with the server's own interpreter, forwards each progress and
 checkpoint event to ``report`` as the worker appends it to ``events.jsonl``, turns ``cancel`` into one ``SIGTERM``
 (the worker's cooperative cancel), and returns the worker's outcome line. A worker that exits without one -- a
 ``SIGKILL``, the kernel's OOM killer, a segfault, a bug before the event file opened -- fails the job with a
@@ -14,19 +14,18 @@ go to ``worker.log`` beside the events.
 
 from __future__ import annotations
 
-import json
 import signal
 import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from kiln._fs import atomic_write_bytes
+from kiln.artifacts.worker_spec import WorkerSpec, write_worker_spec
 from kiln.worker import follow
 
 LOG_TAIL = 2000  # characters of worker.log a failure message quotes
 
-__all__ = ["classify_exit", "continuation", "forward", "launch", "oom_kills"]
+__all__ = ["classify_exit", "continuation", "events_file", "forward", "launch", "oom_kills"]
 
 
 def oom_kills(events_file: Path | None = None) -> int | None:
@@ -98,27 +97,32 @@ def classify_exit(returncode: int, oom_before: int | None, oom_after: int | None
     return "training_error", how
 
 
-def launch(
-    engine: Any,
-    job: Any,
-    job_spec: Callable[..., dict[str, Any]],
-    request: dict[str, Any],
-    cancel: threading.Event,
-    report: Callable[[dict[str, Any]], None],
-) -> dict[str, Any]:
-    """Train ``job`` (its replay ``request``) in a worker process; returns the worker's outcome, or the failure the
-    server classified when it left none. ``job_spec(engine, job, request, events)`` is the spec it runs."""
+def events_file(engine: Any, job: Any) -> Path:
+    """Where the worker of ``job`` appends its events: ``events.jsonl`` in the job's directory, made empty (a job runs
+    once; a stale file would replay old events)."""
     directory = engine.jobs.store.job_directory(job.job_id)
     directory.mkdir(parents=True, exist_ok=True)
     events = directory / "events.jsonl"
-    events.unlink(missing_ok=True)  # a job runs once; a stale file would replay old events
-    spec = job_spec(engine, job, request, str(events))
-    atomic_write_bytes(directory / "spec.json", json.dumps(spec, indent=1).encode("utf-8"))
+    events.unlink(missing_ok=True)
+    return events
+
+
+def launch(
+    engine: Any,
+    job: Any,
+    spec: WorkerSpec,
+    cancel: threading.Event,
+    report: Callable[[dict[str, Any]], None],
+) -> dict[str, Any]:
+    """Train ``job`` in a worker process running ``spec``; returns the worker's outcome, or the failure the server
+    classified when it left none."""
+    directory = engine.jobs.store.job_directory(job.job_id)
+    write_worker_spec(directory / "spec.json", spec)
     oom_before = oom_kills()
     proc, outcome = follow(
         directory / "spec.json", directory / "worker.log", cancel, lambda event: forward(event, report), cwd=directory
     )
-    ranks = int(spec.get("launch", {}).get("nproc_per_node", 1))
+    ranks = spec.launch.nproc_per_node * (spec.launch.nnodes or 1)
     if outcome is not None and outcome["state"] == "failed" and ranks > 1 and proc.returncode != 0:
         # rank 0 reported the group's end (a collective that broke); torchrun's status says a rank died
         category, how = classify_exit(proc.returncode, oom_before, oom_kills(), ranks=ranks)

@@ -29,9 +29,9 @@ from pydantic import BaseModel
 from kiln._jsonio import JsonObject
 from kiln.errors import ContractError, RequestError
 from kiln.trainers import grpo, opd, sft
-from kiln.trainers._admission import AdmittedJob, TrainingContext
+from kiln.trainers._admission import AdmittedJob, TrainingContext, single_process
 from kiln.trainers._kit import FinalState, TrainResult
-from kiln.trainers._requests import parse_request, request_json
+from kiln.trainers._requests import Request, parse_request
 from kiln.trainers._sources import check_sources
 from kiln.training import EffectiveConfig
 
@@ -39,14 +39,15 @@ __all__ = [
     "TRAINERS",
     "AdmittedJob",
     "FinalState",
+    "Request",
     "TrainResult",
     "Trainer",
     "TrainingContext",
     "TrainingRequest",
-    "request_json",
+    "check_sources",
 ]
 
-TrainingRequest = SftRequest | GrpoRequest | OpdRequest
+TrainingRequest = Request[SftRequest] | Request[GrpoRequest] | Request[OpdRequest]
 Admitted = AdmittedJob[EffectiveConfig]
 
 
@@ -66,14 +67,15 @@ class Trainer:
         """The schema definition of its request body."""
         return self.request_model.__name__
 
-    def parse(self, body: JsonObject | BaseModel) -> Any:
-        """The request as its generated model: the door (``kiln.trainers._requests.parse_request``)."""
+    def parse(self, body: JsonObject | Request[Any]) -> Request[Any]:
+        """The request past the door: its generated model and what was sent (``kiln.trainers._requests``)."""
         return parse_request(self.request_model, body)
 
-    def check_door(self, request: Any, context: TrainingContext) -> None:
+    def check_door(self, parsed: Request[Any], context: TrainingContext) -> None:
         """What ``request`` may read, checked before anything opens a file it names: no named dataset (Kiln has no
         dataset registry), a ``dataset_path`` inside the caller's data roots, a ``base_adapter`` of its registry
         (``kiln.trainers._sources``)."""
+        request = parsed.model
         if getattr(request, "dataset", None) is not None or "dataset_split" in request.model_fields_set:
             raise RequestError(
                 "named datasets (dataset, dataset_split) are not supported: Kiln has no dataset registry",
@@ -87,9 +89,11 @@ class Trainer:
         except ContractError as exc:
             raise ContractError(exc.problems, document=self.request_type) from None
 
-    def admit(self, request: JsonObject | BaseModel, *, adapter_name: str, context: TrainingContext) -> Admitted:
-        """Admit ``request`` (JSON or already parsed): the door, what it may read, then the kind's own rules; raises
-        ``KilnError``."""
+    def admit(self, request: JsonObject | Request[Any], *, adapter_name: str, context: TrainingContext) -> Admitted:
+        """Admit ``request`` (JSON or already parsed): a world size the kind can train at, the door, what it may read,
+        then the kind's own rules; raises ``KilnError``."""
+        if not self.data_parallel:
+            single_process(context, self.kind.upper())
         typed = self.parse(request)
         self.check_door(typed, context)
         return self.admit_request(typed, adapter_name=adapter_name, context=context)

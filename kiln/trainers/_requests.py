@@ -1,18 +1,19 @@
 """The door of every trainer: a training request or config as JSON becomes its generated model here, once.
 
 ``parse_request(model, body)`` loads a request body strictly (``kiln.contracts.load``: schema, numbers in their
-canonical type, semantic rules, the typed model); a refusal is the loader's ``ContractError`` with the pointer of
-each problem. ``json_rows`` gives a request's inline data rows back as JSON: rows are data, judged one by one by the
-ingestion's row rules (and a row policy), and their digests are taken over their JSON. ``refuse_gate``: a local run
-has no ``post_eval`` gate. ``parse_config(model, config, label)`` does the same for a bare config, refused as
-``training_invalid_request`` ("invalid SFT config: ...", pointing inside the config) -- what a caller that holds
-only a config (``admit_sft``, the effective-config tests) gets. Below the door everything is typed.
+canonical type, semantic rules, the typed model) into a ``Request``: the typed model, and the JSON as sent, from which
+the inline data rows are taken -- rows are data, judged one by one by the ingestion's row rules (and a row policy),
+and hashed as sent, as the file route hashes the file's bytes (docs/contracts.md, "Numbers"). A refusal is the
+loader's ``ContractError`` with the pointer of each problem. ``parse_config(model, config, label)`` does the same
+for a bare config, refused as ``training_invalid_request`` ("invalid SFT config: ...", pointing inside the config) --
+what a caller that holds only a config (``admit_sft``, the effective-config tests) gets. ``refuse_gate``: a local
+run has no ``post_eval`` gate. Below the door everything but the data rows is typed.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any, TypeVar
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
 
 from pydantic import BaseModel
 
@@ -20,18 +21,38 @@ from kiln import contracts
 from kiln._jsonio import JsonObject
 from kiln.errors import ContractError, RequestError
 
-__all__ = ["json_rows", "parse_config", "parse_request", "refuse_gate", "request_json"]
+__all__ = ["Request", "parse_config", "parse_request", "refuse_gate"]
 
 M = TypeVar("M", bound=BaseModel)
 
 
-def parse_request(model: type[M], body: JsonObject | M) -> M:
-    """``body`` as its request model (already one: returned as it is)."""
-    if not isinstance(body, dict):
+@dataclass(frozen=True)
+class Request(Generic[M]):
+    """A training request past the door: its generated model, and the JSON it was sent as (its data rows)."""
+
+    model: M
+    sent: JsonObject
+
+    def rows(self, member: str) -> list[JsonObject] | None:
+        """The inline data rows under ``member`` as sent (None: none sent)."""
+        found = self.sent.get(member)
+        return None if found is None else list(found)
+
+    def without_gate(self) -> Request[M]:
+        """The request without its ``post_eval`` gate (the server's business, not the trainer's)."""
+        return Request(
+            self.model.model_copy(update={"post_eval": None}),
+            {k: v for k, v in self.sent.items() if k != "post_eval"},
+        )
+
+
+def parse_request(model: type[M], body: JsonObject | Request[M]) -> Request[M]:
+    """``body`` as a request of ``model`` (already one: returned as it is)."""
+    if isinstance(body, Request):
         return body
     loaded = contracts.load(model.__name__, body, document=model.__name__)
     assert isinstance(loaded, model)
-    return loaded
+    return Request(loaded, body)
 
 
 def parse_config(model: type[M], config: JsonObject | M | None, label: str) -> M:
@@ -47,19 +68,6 @@ def parse_config(model: type[M], config: JsonObject | M | None, label: str) -> M
         ) from None
     assert isinstance(loaded, model)
     return loaded
-
-
-def request_json(request: BaseModel) -> JsonObject:
-    """A parsed request as JSON again: the members it was sent with, numbers canonical."""
-    body: JsonObject = request.model_dump(mode="json", by_alias=True, exclude_unset=True)
-    return body
-
-
-def json_rows(rows: Sequence[BaseModel] | None) -> list[JsonObject] | None:
-    """A request's inline rows (None: none sent) as the JSON they were sent as."""
-    if rows is None:
-        return None
-    return [row.model_dump(mode="json", by_alias=True, exclude_unset=True) for row in rows]
 
 
 def refuse_gate(post_eval: Any) -> None:

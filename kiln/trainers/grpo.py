@@ -94,7 +94,7 @@ from kiln.trainers._kit import (
     publish_receipt_only,
 )
 from kiln.trainers._receipts import data_block, echo_block, envelope
-from kiln.trainers._requests import json_rows, parse_request, refuse_gate
+from kiln.trainers._requests import Request, parse_request, refuse_gate
 from kiln.trainers._resume import claim_target, load_resume, resume_metadata
 from kiln.training import (
     LORA_INIT_ALGORITHM,
@@ -301,18 +301,19 @@ def _reference(config: GrpoConfig) -> KlReference:
     return KlReference(chosen.kind)
 
 
-def check_request(request: GrpoRequest) -> None:
+def check_request(request: Request[GrpoRequest]) -> None:
     """The request-level refusals of spec/40 that need no data or model (the schema and what the request may read
     have been checked at the door: ``kiln.trainers.Trainer.check_door``)."""
-    refuse_gate(request.post_eval)
-    sources = [key for key in ("groups", "agentic_groups") if key in request.model_fields_set]
+    model = request.model
+    refuse_gate(model.post_eval)
+    sources = [key for key in ("groups", "agentic_groups") if key in model.model_fields_set]
     if len(sources) > 1:
         raise RequestError("send groups or its alias agentic_groups, not both", code="training_invalid_request")
-    if request.dataset_path is not None and sources:
+    if model.dataset_path is not None and sources:
         raise RequestError("send inline groups or a dataset_path, not both", code="training_invalid_request")
-    if request.dataset_path is None and not sources:
+    if model.dataset_path is None and not sources:
         raise RequestError("a GRPO request needs groups or a dataset_path", code="training_invalid_request")
-    if request.dry_run and request.dataset_path is None:
+    if model.dry_run and model.dataset_path is None:
         raise RequestError(
             "dry_run checks a streamed file: it needs dataset_path",
             code="training_invalid_request",
@@ -366,14 +367,15 @@ class AdmittedGrpo(AdmittedJob[EffectiveGrpoConfig]):
         )
 
 
-def admit_request(request: GrpoRequest, *, adapter_name: str, context: TrainingContext) -> AdmittedGrpo:
+def admit_request(request: Request[GrpoRequest], *, adapter_name: str, context: TrainingContext) -> AdmittedGrpo:
     """A ``GrpoRequest`` admitted in ``context`` (a dry run gets no default checkpoint interval); raises
     ``KilnError`` and publishes nothing."""
     from kiln.data import check_unchanged, dataset_sha256
 
     single_process(context, "GRPO")
     check_request(request)
-    config = request.config or GrpoConfig()
+    model = request.model
+    config = model.config or GrpoConfig()
     registry = context.registry
     resume = None if config.resume_checkpoint is None else config.resume_checkpoint.root
     point = resume_metadata(registry, adapter_name, resume, None if config.seed is None else config.seed.root, KIND)
@@ -381,16 +383,16 @@ def admit_request(request: GrpoRequest, *, adapter_name: str, context: TrainingC
         config,
         adapter_name,
         seed=None if point is None else point.seed,
-        checkpoint_interval=None if request.dry_run else context.checkpoint_interval,
+        checkpoint_interval=None if model.dry_run else context.checkpoint_interval,
     )
     claim_target(registry, adapter_name, point)
     loaded = base_model(context)
-    pin = dataset_sha256(request.dataset_path) if request.dataset_path is not None else None
+    pin = dataset_sha256(model.dataset_path) if model.dataset_path is not None else None
     start = time.perf_counter()
     ingestion, refused = _ingest(request, loaded, cfg, pin)
     tokenize_ms = (time.perf_counter() - start) * 1000
-    if request.dataset_path is not None and pin is not None and refused is None:
-        check_unchanged(request.dataset_path, pin, now=ingestion.source_sha256)  # the bytes read are those pinned
+    if model.dataset_path is not None and pin is not None and refused is None:
+        check_unchanged(model.dataset_path, pin, now=ingestion.source_sha256)  # the bytes read are those pinned
     cfg = with_targets(cfg, loaded)
     job = AdmittedGrpo(
         adapter_name=adapter_name,
@@ -398,7 +400,7 @@ def admit_request(request: GrpoRequest, *, adapter_name: str, context: TrainingC
         config=cfg,
         loaded=loaded,
         run=run_identity(loaded, cfg.optimizer, context.data_parallel),
-        dry_run=bool(request.dry_run),
+        dry_run=bool(model.dry_run),
         ingestion=ingestion,
         tokenize_ms=tokenize_ms,
         refused=refused,
@@ -436,26 +438,27 @@ DRY_RUN_FAILURES: dict[str, type[TrainingFailedError]] = {
 
 
 def _ingest(
-    request: GrpoRequest, loaded: LoadedModel, cfg: EffectiveGrpoConfig, pin: str | None
+    request: Request[GrpoRequest], loaded: LoadedModel, cfg: EffectiveGrpoConfig, pin: str | None
 ) -> tuple[GrpoIngestion, TrainingFailedError | None]:
     """``(ingestion, refusal)``: the request's groups read and tokenised (``kiln.data.read_groups``), and None. Data
     refused in a dry run gives an ingestion without groups (the pinned file's path and digest) and the failure the
     dry run's receipt records; any other run's refusal raises (nothing is written for a refused request)."""
     from kiln.data import read_groups, refused_ingestion
 
+    model = request.model
     try:
         ingestion = read_groups(
             tokenizer=loaded.tokenizer,
-            groups=json_rows(request.groups),
-            agentic_groups=json_rows(request.agentic_groups),
-            dataset_path=request.dataset_path,
+            groups=request.rows("groups"),
+            agentic_groups=request.rows("agentic_groups"),
+            dataset_path=model.dataset_path,
             warning_filter=cfg.echo.warning_filter if cfg.echo else True,
             behavior_policy=cfg.behavior_policy,
         )
     except TrainingDataError as refused:
-        if not request.dry_run or pin is None or request.dataset_path is None:
+        if not model.dry_run or pin is None or model.dataset_path is None:
             raise
-        return refused_ingestion(request.dataset_path, pin), DRY_RUN_FAILURES[refused.reason](refused.message)
+        return refused_ingestion(model.dataset_path, pin), DRY_RUN_FAILURES[refused.reason](refused.message)
     return ingestion, None
 
 

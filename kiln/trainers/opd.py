@@ -104,7 +104,7 @@ from kiln.trainers._kit import (
     publish_adapter,
 )
 from kiln.trainers._receipts import data_block, echo_block, envelope, token_counts_block
-from kiln.trainers._requests import json_rows, parse_request, refuse_gate
+from kiln.trainers._requests import Request, parse_request, refuse_gate
 from kiln.trainers._resume import claim_target, load_resume, resume_metadata
 from kiln.training import (
     LORA_INIT_ALGORITHM,
@@ -267,27 +267,28 @@ def resolve_config(
     )
 
 
-def check_request(request: OpdRequest) -> str:
+def check_request(request: Request[OpdRequest]) -> str:
     """The request-level refusals of spec/40 that need no data, teacher or model (the schema has been checked at
     the door); returns the training mode."""
-    refuse_gate(request.post_eval)
-    config = request.config or OpdConfig()
+    model = request.model
+    refuse_gate(model.post_eval)
+    config = model.config or OpdConfig()
     mode = config.training_mode.value
-    if mode == "on_policy" and request.prompts is None:
+    if mode == "on_policy" and model.prompts is None:
         raise RequestError(
             "training_mode on_policy samples from inline prompts: send prompts",
             code="training_invalid_request",
             pointer="/prompts",
             hint='or set "training_mode": "off_policy" with a pre-scored dataset_path',
         )
-    if mode == "off_policy" and request.dataset_path is None:
+    if mode == "off_policy" and model.dataset_path is None:
         raise RequestError(
             "training_mode off_policy replays a pre-scored teacher file: send dataset_path",
             code="training_invalid_request",
             pointer="/dataset_path",
         )
-    if request.prompts is not None:  # bounded before the candidates (prompts x samples) are listed
-        epochs, samples, prompts = config.epochs, config.samples_per_prompt, len(request.prompts)
+    if model.prompts is not None:  # bounded before the candidates (prompts x samples) are listed
+        epochs, samples, prompts = config.epochs, config.samples_per_prompt, len(model.prompts)
         check_run_bounds(
             total_steps=epochs * prompts * samples,
             steps_rule=f"{epochs} epochs x {prompts} prompts x {samples} samples_per_prompt",
@@ -382,20 +383,22 @@ class AdmittedOpd(AdmittedJob[EffectiveOpdConfig]):
         )
 
 
-def admit_request(request: OpdRequest, *, adapter_name: str, context: TrainingContext) -> AdmittedOpd:
+def admit_request(request: Request[OpdRequest], *, adapter_name: str, context: TrainingContext) -> AdmittedOpd:
     """An ``OpdRequest`` admitted in ``context`` (its teachers registry, its default checkpoint interval); raises
     ``KilnError`` and publishes nothing."""
     from kiln.model import max_positions, special_tokens, stop_token_ids
 
     single_process(context, "OPD")
     mode = check_request(request)
-    config = request.config or OpdConfig()
+    config = request.model.config or OpdConfig()
     registry = context.registry
     resume = None if config.resume_checkpoint is None else config.resume_checkpoint.root
     point = resume_metadata(registry, adapter_name, resume, None if config.seed is None else config.seed.root, KIND)
     if context.teachers_root is None:
-        raise NotFoundError(f"teacher {request.teacher!r}: no teacher registry is configured", code="teacher_not_found")
-    teacher = pinned_teacher(request.teacher, mode, teachers_root=context.teachers_root, registry=registry)
+        raise NotFoundError(
+            f"teacher {request.model.teacher!r}: no teacher registry is configured", code="teacher_not_found"
+        )
+    teacher = pinned_teacher(request.model.teacher, mode, teachers_root=context.teachers_root, registry=registry)
     claim_target(registry, adapter_name, point)
     loaded = base_model(context)
     max_len = max_positions(loaded.model, loaded.tokenizer)
@@ -518,7 +521,7 @@ def pinned_teacher(alias: str, mode: str, *, teachers_root: Path, registry: Path
 
 
 def admitted_source(
-    mode: str, request: OpdRequest, teacher: PinnedTeacher, loaded: LoadedModel, run: RunIdentity
+    mode: str, request: Request[OpdRequest], teacher: PinnedTeacher, loaded: LoadedModel, run: RunIdentity
 ) -> Prompts | PreScored:
     """The source of ``mode`` for the student ``loaded`` (with its run identity), checked against ``teacher``: what the
     effective config needs (the teacher's top-K bound), the revisions a checkpoint binds, the candidates."""
@@ -537,10 +540,10 @@ class Prompts:
     pin = None
 
     def __init__(
-        self, request: OpdRequest, teacher: PinnedTeacher, loaded: LoadedModel, vocab: int, tokenizer: str
+        self, request: Request[OpdRequest], teacher: PinnedTeacher, loaded: LoadedModel, vocab: int, tokenizer: str
     ) -> None:
         _check_vocabulary(teacher.identity, vocab, tokenizer, teacher.alias)
-        self.prompts, self.loaded = json_rows(request.prompts) or [], loaded
+        self.prompts, self.loaded = request.rows("prompts") or [], loaded
         self.max_top_k: int = teacher.identity["max_top_k"] if teacher.identity else DEFAULT_MAX_TOP_K
         self.teacher_identity = teacher.identity
         self.identity_revision: str = teacher.identity_revision or ""  # a live teacher has both, pinned at
@@ -566,14 +569,15 @@ class PreScored:
     route = "teacher_jsonl"
 
     def __init__(
-        self, request: OpdRequest, teacher: PinnedTeacher, loaded: LoadedModel, vocab: int, tokenizer: str
+        self, request: Request[OpdRequest], teacher: PinnedTeacher, loaded: LoadedModel, vocab: int, tokenizer: str
     ) -> None:
         from kiln.data.opd import read_off_policy_file
 
-        if request.dataset_path is None:  # check_request guarantees it for off_policy
+        path = request.model.dataset_path
+        if path is None:  # check_request guarantees it for off_policy
             raise RequestError("off_policy needs dataset_path", code="training_invalid_request")
         self.source = source = read_off_policy_file(
-            loaded.tokenizer, request.dataset_path, vocab_size=vocab, tokenizer_vocab_sha256=tokenizer
+            loaded.tokenizer, path, vocab_size=vocab, tokenizer_vocab_sha256=tokenizer
         )
         manifest = source.manifest
         if manifest["fixture_id"] != teacher.model_id:

@@ -75,7 +75,7 @@ from kiln.trainers._kit import (
     publish_adapter,
 )
 from kiln.trainers._receipts import data_block, envelope, token_counts_block
-from kiln.trainers._requests import json_rows, parse_config, parse_request, refuse_gate
+from kiln.trainers._requests import Request, parse_config, parse_request, refuse_gate
 from kiln.trainers._resume import claim_target, load_resume, resume_metadata
 from kiln.training import (
     LORA_INIT_ALGORITHM,
@@ -270,7 +270,7 @@ class AdmittedSft(AdmittedJob[EffectiveSftConfig]):
         )
 
 
-def admit_request(request: SftRequest, *, adapter_name: str, context: TrainingContext) -> AdmittedSft:
+def admit_request(request: Request[SftRequest], *, adapter_name: str, context: TrainingContext) -> AdmittedSft:
     """An ``SftRequest`` (inline ``examples`` or a ``dataset_path``) admitted in ``context``; raises ``KilnError``
     and publishes nothing. A resume is fully loaded and compared with this run here."""
     import torch
@@ -278,8 +278,8 @@ def admit_request(request: SftRequest, *, adapter_name: str, context: TrainingCo
     from kiln.data import ingest_sft
     from kiln.kernels import choose_loss_route
 
-    refuse_gate(request.post_eval)
-    config = request.config or SftConfig()
+    refuse_gate(request.model.post_eval)
+    config = request.model.config or SftConfig()
     registry = context.registry
     point = resume_metadata(registry, adapter_name, _resume_value(config), _seed_value(config), KIND)
     cfg = resolve_config(
@@ -295,8 +295,8 @@ def admit_request(request: SftRequest, *, adapter_name: str, context: TrainingCo
     start = time.perf_counter()
     ingestion = ingest_sft(
         tokenizer=loaded.tokenizer,
-        examples=json_rows(request.examples),
-        dataset_path=None if request.dataset_path is None else str(Path(request.dataset_path).resolve()),
+        examples=request.rows("examples"),
+        dataset_path=None if request.model.dataset_path is None else str(Path(request.model.dataset_path).resolve()),
         invalid_row_policy=cfg.invalid_row_policy,
         max_seq_len=cfg.max_seq_len,
         overlong_row_policy=cfg.overlong_row_policy,
@@ -347,7 +347,9 @@ def admit_sft(
     data: JsonObject = {"examples": examples} if examples is not None else {}
     if dataset_path is not None:
         data["dataset_path"] = str(dataset_path)
-    request = parse_request(SftRequest, data).model_copy(update={"config": parse_config(SftConfig, config, "SFT")})
+    parsed = parse_request(SftRequest, data)
+    config_model = parse_config(SftConfig, config, "SFT")
+    request = Request(parsed.model.model_copy(update={"config": config_model}), {**parsed.sent, "config": config})
     context = TrainingContext(
         registry=registry, model_path=model_path, loaded=loaded, data_parallel=data_parallel or DataParallel()
     )
