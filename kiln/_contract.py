@@ -16,6 +16,7 @@ from typing import Any
 
 import jsonschema_rs
 import kiln_contracts
+from pydantic import BaseModel
 
 from kiln.errors import ContractError, Problem, UnknownDocumentTypeError
 
@@ -97,9 +98,10 @@ def validator(name: str, *, reader: bool = False) -> Any:
 
 
 @cache
-def model_class(name: str) -> type:
+def model_class(name: str) -> type[BaseModel]:
     module = importlib.import_module(f"kiln_contracts.models.{entrypoint(name)['module']}")
-    return getattr(module, name)
+    found: type[BaseModel] = getattr(module, name)
+    return found
 
 
 def _pointer(parts: Any) -> str:

@@ -96,11 +96,6 @@ def _has_rules_below(name: str) -> bool:
     return any(d in RULES for d in _contract.reachable_definitions(name))
 
 
-def _branch_has_rules(branch: Any) -> bool:
-    ref = branch.get("$ref") if isinstance(branch, dict) else None
-    return bool(ref) and _has_rules_below(ref.rsplit("/", 1)[1])
-
-
 def semantic_problems(name: str, value: Any) -> list[Problem]:
     """Run the semantic rules of every definition in the document; integrity failures raise at once."""
     require_complete()

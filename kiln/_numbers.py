@@ -24,7 +24,7 @@ already canonical document comes back as the very same object.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import cache
 from typing import Any
@@ -121,7 +121,7 @@ def _members(members: tuple[float, ...]) -> _Node:
 # --- containers -------------------------------------------------------------------------
 
 
-def _rewrite(container: Any, pairs: list[tuple[Key, Canon]]) -> Any:
+def _rewrite(container: Any, pairs: Sequence[tuple[Key, Canon]]) -> Any:
     """``container`` with ``canon`` applied at each ``key``; copied only where a value changes."""
     out: Any = None
     bad: _Unrepresentable | None = None
@@ -218,7 +218,8 @@ def _union(branches: tuple[_Branch, ...]) -> _Node:
         candidates = tuple(b for b in branches if b.admits is None or kind in b.admits)
         if not any(b.node is not None and python_type in b.node.touches for b in candidates):
             continue  # no branch can change a value of this type
-        plan[python_type] = candidates[0].node.canon if len(candidates) == 1 else _first_valid(candidates)
+        only = candidates[0].node if len(candidates) == 1 else None
+        plan[python_type] = only.canon if only is not None else _first_valid(candidates)
 
     def canon(value: Any) -> Any:
         step = plan.get(type(value))
@@ -322,7 +323,8 @@ class _Compiler:
         for key in ("anyOf", "oneOf"):
             if key in schema:
                 each = [self.admits(s) for s in schema[key]]
-                narrow(None if any(e is None for e in each) else frozenset().union(*each))
+                known = [e for e in each if e is not None]
+                narrow(None if len(known) < len(each) else frozenset().union(*known))
         for sub in schema.get("allOf", ()):
             narrow(self.admits(sub))
         return found

@@ -89,7 +89,7 @@ class TrainingSettings(KilnTrainingConfig, frozen=True):
     max_queued_jobs: int
     nproc_per_node: int
     worker: Worker
-    data_roots: tuple[str, ...] | None = None  # unset unless configured (the schema has no default)
+    data_roots: tuple[str, ...] | None = None  # type: ignore[assignment]  # frozen: a tuple where the file has a list
 
 
 class PathsSettings(KilnPathsConfig, frozen=True):
@@ -338,9 +338,15 @@ def resolve_settings(
     problems += [_named(problem, givers) for problem in contracts.problems("KilnConfig", values)]
     if problems:
         raise _refusal(problems)
-    sections = {section: view.model_validate(values[section]) for section, view in _SECTIONS.items()}
     used = _config_file(config_path).resolve() if from_file or config_path else None
-    return Settings(**sections, origins=origins, config_file=used)
+    return Settings(
+        server=ServerSettings.model_validate(values["server"]),
+        model=ModelSettings.model_validate(values["model"]),
+        training=TrainingSettings.model_validate(values["training"]),
+        paths=PathsSettings.model_validate(values["paths"]),
+        origins=origins,
+        config_file=used,
+    )
 
 
 def configured_registry(override: str | os.PathLike[str] | None = None) -> Path:

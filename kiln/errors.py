@@ -152,7 +152,7 @@ SCHEMA_CODES = (
 class ContractError(KilnError):
     """A document breaks its contract. ``problems`` holds every problem found."""
 
-    codes = (
+    codes: ClassVar[tuple[str, ...]] = (
         *SCHEMA_CODES,
         "digest_mismatch",
         "document_unreadable",

@@ -209,7 +209,7 @@ def bind_adapter_manifest(adapter_dir: Path, receipt: dict[str, Any]) -> Path:
     if receipt["status"] != "success":
         raise ValueError("an adapter manifest is written only for a successful run")
     runtime = receipt["runtime"]
-    manifest = {
+    manifest: dict[str, Any] = {
         "schema_version": 1,
         "manifest_type": "kiln_adapter_manifest",
         "adapter_name": receipt["adapter_name"],

@@ -137,7 +137,7 @@ def follow(
     spec_path: Path,
     log_path: Path,
     cancel: threading.Event,
-    on_event: Callable[[dict[str, Any]], None],
+    on_event: Callable[[dict[str, Any]], object],
     *,
     cwd: Path | None = None,
     new_session: bool = False,
@@ -246,7 +246,7 @@ def spec_context(spec: WorkerSpec, data_parallel: DataParallel | None = None) ->
 
 def run_spec(
     spec: WorkerSpec,
-    emit: Callable[..., None],
+    emit: Callable[..., object],
     cancel: threading.Event,
     *,
     context: Any = None,
@@ -280,7 +280,7 @@ def run_spec(
         return _failed(f"{exc.code}: {exc.message}")
 
 
-def train_admitted(trainer: Any, admitted: Any, emit: Callable[..., None], cancel: threading.Event) -> dict[str, Any]:
+def train_admitted(trainer: Any, admitted: Any, emit: Callable[..., object], cancel: threading.Event) -> dict[str, Any]:
     """Train an admitted job, its progress and checkpoints sent to ``emit`` as events; returns the outcome line.
     ``kiln train --local`` on one process calls this directly, having admitted the job itself."""
     from kiln.errors import KilnError

@@ -262,9 +262,9 @@ def parse_lora_config(config: Mapping[str, Any]) -> LoraConfig | LoraConfigProbl
             else f"is {config['r']!r}, not a positive integer"
         )
         return LoraConfigProblem("r", f"r {why}")
-    patterns, why = _rank_pattern(config.get("rank_pattern"))
-    if why is not None:
-        return LoraConfigProblem("r", why)
+    patterns, pattern_problem = _rank_pattern(config.get("rank_pattern"))
+    if pattern_problem is not None:
+        return LoraConfigProblem("r", pattern_problem)
     alpha = _finite_float(config.get("lora_alpha"))
     if alpha is None:
         why = (

@@ -30,7 +30,7 @@ from kiln.adapters._directory import (
     read_canary_status,
 )
 from kiln.digests import raw_hex
-from kiln.errors import KilnError
+from kiln.errors import KilnError, Problem
 
 __all__ = ["adapter_entry", "list_adapters"]
 
@@ -71,10 +71,10 @@ def adapter_entry(directory: Path, *, loaded: bool = False) -> dict[str, Any]:
     """One registry directory as ``AdapterDiskEntry`` (validated)."""
     files: list[str] = []
     size = 0
-    for entry in os.scandir(directory):
-        st = entry.stat(follow_symlinks=False)
+    for item in os.scandir(directory):
+        st = item.stat(follow_symlinks=False)
         if stat.S_ISREG(st.st_mode):
-            files.append(entry.name)
+            files.append(item.name)
             size += st.st_size
     files.sort()
     has_config, has_weights = CONFIG_FILE in files, WEIGHTS_FILE in files
@@ -97,7 +97,7 @@ def adapter_entry(directory: Path, *, loaded: bool = False) -> dict[str, Any]:
     if MANIFEST_FILE in files:
         try:
             value = read_json_file(directory / MANIFEST_FILE)
-            found = contracts.problems("AdapterManifest", value)
+            found: list[Problem | KilnError] = list(contracts.problems("AdapterManifest", value))
         except KilnError as exc:
             value, found = None, [exc]
         if found:
@@ -120,7 +120,7 @@ def adapter_entry(directory: Path, *, loaded: bool = False) -> dict[str, Any]:
         else "available"
     )
     weights_size = (directory / WEIGHTS_FILE).stat().st_size if has_weights else None
-    entry = {
+    entry: dict[str, Any] = {
         "name": directory.name,
         "has_config": has_config,
         "has_weights": has_weights,
@@ -148,9 +148,9 @@ def adapter_entry(directory: Path, *, loaded: bool = False) -> dict[str, Any]:
         "last_load_error": None,
         "error": error,
     }
-    found = contracts.problems("AdapterDiskEntry", entry)
-    if found:  # a fact that does not fit the schema: report the directory as invalid, never hide it
-        entry.update(status="invalid", error=f"cannot describe this directory: {found[0]}")
+    unfit = contracts.problems("AdapterDiskEntry", entry)
+    if unfit:  # a fact that does not fit the schema: report the directory as invalid, never hide it
+        entry.update(status="invalid", error=f"cannot describe this directory: {unfit[0]}")
     return entry
 
 

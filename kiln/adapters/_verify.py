@@ -292,6 +292,8 @@ def _summary(tensors: dict[str, dict[str, Any]], pairs: list[tuple[str, str]], l
     by_path: dict[str, dict[str, float]] = {}
     for key, info in tensors.items():
         match = _KEY.match(key)
+        if match is None:  # only keys the offline checks accepted reach here
+            continue
         path = match["path"].removeprefix(_PEFT_PREFIX)
         by_path.setdefault(path, {})[match["ab"] or match["eab"]] = info["norm"]
     bound = sum(by_path[path]["A"] * by_path[path]["B"] for _, path in pairs)

@@ -82,7 +82,7 @@ def build_base_weight_manifest(model_dir: str | os.PathLike[str], *, workers: in
         "schema_version": 1,
         "manifest_type": "kiln.base-weight-shards.v1",
         "aggregate_algorithm": BASE_MODEL_CONTENT_ALGORITHM,
-        "aggregate_sha256": base_model_content_aggregate((e["sha256"], e["size_bytes"]) for e in entries),
-        "total_size_bytes": sum(e["size_bytes"] for e in entries),
+        "aggregate_sha256": base_model_content_aggregate((prefixed(digest), size) for digest, size in hashed),
+        "total_size_bytes": sum(size for _, size in hashed),
         "shards": entries,
     }

@@ -341,7 +341,7 @@ def _world_size(doc: dict[str, Any]) -> int:
     planning = aux.get("training_runtime_planning_identity") if isinstance(aux, dict) else None
     plan = planning.get("data_parallel") if isinstance(planning, dict) else None
     world = plan.get("world_size") if isinstance(plan, dict) else None
-    return world if _is_int(world) and world >= 2 else 1
+    return world if isinstance(world, int) and not isinstance(world, bool) and world >= 2 else 1
 
 
 @semantic_rule(DOC, "manifest.epoch-order")

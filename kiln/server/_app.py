@@ -847,6 +847,6 @@ def serve(
         if web.started:
             print(f"Ready on http://{bind_host}:{bind_port}", flush=True)
 
-    web.startup = startup  # type: ignore[method-assign]
+    web.startup = startup
     web.run()
     return 0

@@ -283,7 +283,7 @@ class Generator:
             base_ids, base_s = self._timed_greedy(None, prompt)
             adapter_ids, adapter_s = self._timed_greedy(adapter, prompt)
             if adapter_ids is None:
-                empty = "greedy generation produced non-finite logits"
+                empty: str | None = "greedy generation produced non-finite logits"
             else:
                 adapter_text = self._decode(_until_stop(adapter_ids, self._stop_ids))
                 empty = (

@@ -161,7 +161,8 @@ class _Texts:
     """Token id → its text, decoded alone with special tokens kept (cached per request)."""
 
     def __init__(self, tokenizer: Any):
-        self._tokenizer, self._seen = tokenizer, {}
+        self._tokenizer = tokenizer
+        self._seen: dict[int, str] = {}
 
     def __call__(self, token: int) -> str:
         text = self._seen.get(token)
@@ -395,7 +396,7 @@ def _score(server: Any, job: _CompletionJob, prompt: _Prompt) -> _Scored:
     scoring = job.top_n is not None or (job.echo and job.logprobs is not None)
     rows = protocol.logprobs(prompt.ids, job.adapter) if scoring else None
     echo_tokens: list[TokenScore] = []
-    if job.echo and job.logprobs is not None:
+    if job.echo and job.logprobs is not None and rows is not None:
         top = protocol.top(rows[: len(prompt.ids) - 1], prompt.ids[1:], job.logprobs)
         echo_tokens = [TokenScore(prompt.ids[0])] + [
             TokenScore(token, logprob, alternatives)
@@ -403,9 +404,11 @@ def _score(server: Any, job: _CompletionJob, prompt: _Prompt) -> _Scored:
         ]
     echo_text = ""
     if job.echo:
-        echo_text = prompt.text
-        if echo_text is None:
-            echo_text = gen._tokenizer.decode(prompt.ids, clean_up_tokenization_spaces=False)
+        echo_text = (
+            prompt.text
+            if prompt.text is not None
+            else gen._tokenizer.decode(prompt.ids, clean_up_tokenization_spaces=False)
+        )
     return _Scored(
         prompt=prompt,
         echo_text=echo_text,
@@ -422,7 +425,7 @@ def _legacy_logprobs(texts: _Texts, tokens: list[TokenScore], offset: int) -> di
         text = texts(t.token)
         out["tokens"].append(text)
         out["token_logprobs"].append(t.logprob)
-        top = None
+        top: dict[str, float] | None = None
         if t.logprob is not None:
             top = {}
             for i, v in [*(t.top or []), (t.token, t.logprob)]:  # descending: two ids that read alike keep the likelier
@@ -453,7 +456,8 @@ def completion(server: Any, body: Any) -> dict[str, Any]:
     gen = server.generator
     job = _completion_job(server, body)
     texts = _Texts(gen._tokenizer)
-    choices, prompt_tokens, generated = [], 0, 0
+    choices: list[dict[str, Any]] = []
+    prompt_tokens = generated = 0
     for scored in (_score(server, job, prompt) for prompt in job.prompts):
         prompt_tokens += len(scored.prompt.ids)
         for choice in _choice_runs(gen, job, scored):

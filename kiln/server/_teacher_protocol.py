@@ -115,12 +115,11 @@ class TeacherProtocol:
 
         if not targets:
             return []
-        ids, values = stable_top_k(rows, k) if k else (None, None)
         own = rows.gather(1, torch.tensor(targets, dtype=torch.long).unsqueeze(1)).squeeze(1).tolist()
-        return [
-            (own[p], list(zip(ids[p].tolist(), values[p].tolist(), strict=True)) if k else [])
-            for p in range(len(targets))
-        ]
+        if not k:
+            return [(own[p], []) for p in range(len(targets))]
+        ids, values = stable_top_k(rows, k)
+        return [(own[p], list(zip(ids[p].tolist(), values[p].tolist(), strict=True))) for p in range(len(targets))]
 
     def prompt_logprobs(self, logprobs: Any, prompt: list[int], top_n: int) -> list[Any]:
         """vLLM's ``prompt_logprobs`` of ``prompt`` from its forward's log-probabilities (see the module docstring)."""

@@ -76,7 +76,7 @@ class Engine:
         in_workers = kind is not None and self.settings.training.worker == "process"
         return TrainingContext(
             data_parallel=DataParallel.planned(self.ranks(kind), threads=self.worker_threads())
-            if in_workers
+            if kind is not None and in_workers
             else DataParallel(),
             registry=self.registry,
             loaded=self.base,
@@ -113,7 +113,7 @@ def admit(engine: Engine, kind: str, body: JsonObject, jobs: Any) -> JsonObject:
     context = engine.context(kind)
     trainer.check_door(request, context)
     post, suite_sha256 = _evals.check_post_eval(engine, kind, request.sent)
-    config = request.model.config or trainer.config_model()
+    config = trainer.config_of(request)
     adapter = config.output_name.root if config.output_name is not None else f"{kind}-{uuid.uuid4().hex[:8]}"
     _writer_conflict(jobs, adapter)
     with engine.admission_lock:
@@ -190,7 +190,6 @@ def run(engine: Engine, job: Job, cancel: threading.Event, report: Callable[[dic
     from kiln.server import _worker_process
 
     active = engine.generator.active() if engine.generator is not None else None
-    job.active_before = active["name"] if active else None
     if engine.settings.training.worker == "thread":
 
         def private_weights(admitted: Any) -> None:
@@ -210,19 +209,20 @@ def run(engine: Engine, job: Job, cancel: threading.Event, report: Callable[[dic
                                        cancel, report)  # fmt: skip
     outcome = Outcome(found["state"], found["error"], found["receipt_path"], found["adapter_path"])
     if outcome.state == "completed" and found["activate"]:
-        _activate(engine, job, cancel)
+        _activate(engine, job, cancel, active["name"] if active else None)
     return outcome
 
 
-def _activate(engine: Engine, job: Job, cancel: threading.Event) -> None:
-    """After a successful run: the gate decides when the request has one, else ``auto_load``."""
+def _activate(engine: Engine, job: Job, cancel: threading.Event, active_before: str | None) -> None:
+    """After a successful run: the gate decides when the request has one (against ``active_before``, the adapter
+    served when the job started), else ``auto_load``."""
     if engine.generator is None:
         return
     if job.request.get("post_eval") is not None:
         from kiln.server._evals import run_gate
 
         try:
-            job.gate = run_gate(engine, job, cancel, getattr(job, "active_before", None))
+            job.gate = run_gate(engine, job, cancel, active_before)
         except Exception:  # the training job succeeded; a broken gate must not fail it
             log.exception("the gate of job %s failed", job.job_id)
         return

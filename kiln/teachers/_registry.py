@@ -280,6 +280,7 @@ class TeacherRegistry:
             raise _refuse(f"a pre-scored file belongs to a fixture teacher; {alias!r} is a {kind} teacher")
         if self.path(alias).exists():
             raise self._conflict(alias)
+        content_revision: str | None
         if kind == "local":
             entry, content_revision, fixture = self._local(request, student)
         elif kind == "remote":
@@ -537,14 +538,14 @@ def _check_record(alias: str, record: dict[str, Any], where: str) -> None:
             )
     else:
         fixture = record["fixture"]
-        expected = None if fixture is None else fixture["sha256"]
-        if record["content_revision"] != expected:
+        pinned: str | None = None if fixture is None else fixture["sha256"]
+        if record["content_revision"] != pinned:
             raise IntegrityError(
                 [
                     Problem(
                         "digest_mismatch",
                         "/content_revision",
-                        f"content_revision is {record['content_revision']} but the fixture file pinned gives {expected}",
+                        f"content_revision is {record['content_revision']} but the fixture file pinned gives {pinned}",
                     )
                 ],
                 document=where,

@@ -57,7 +57,7 @@ class Trainer:
 
     kind: str  # a TrainingJobType value
     request_model: type[BaseModel]  # the generated model of its HTTP request body
-    config_model: type[BaseModel]  # the generated model of that body's config
+    config_model: type[SftConfig] | type[GrpoConfig] | type[OpdConfig]  # the generated model of its config
     admit_request: Callable[..., Admitted]  # (typed request, *, adapter_name, context) -> admitted job
     run: Callable[..., TrainResult]  # (job, *, progress=None, cancel=None, on_checkpoint=None) -> result
     data_parallel: bool = False  # whether it trains over several ranks (kiln.training.DataParallel)
@@ -70,6 +70,11 @@ class Trainer:
     def parse(self, body: JsonObject | Request[Any]) -> Request[Any]:
         """The request past the door: its generated model and what was sent (``kiln.trainers._requests``)."""
         return parse_request(self.request_model, body)
+
+    def config_of(self, request: Request[Any]) -> SftConfig | GrpoConfig | OpdConfig:
+        """The request's config model (an absent config is the empty one: every schema default)."""
+        config: SftConfig | GrpoConfig | OpdConfig = request.model.config or self.config_model()
+        return config
 
     def check_door(self, parsed: Request[Any], context: TrainingContext) -> None:
         """What ``request`` may read, checked before anything opens a file it names: no named dataset (Kiln has no
