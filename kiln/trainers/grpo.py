@@ -538,7 +538,8 @@ def _as_counts(counts: FilterCounts) -> dict[str, int]:
 
 
 def _from_counts(counts: dict[str, int] | None) -> FilterCounts | None:
-    return None if counts is None else FilterCounts(counts["dynamic"], counts["variance"])
+    """The filter counts a zero-groups failure carries (None: it carries none, e.g. a file without a group)."""
+    return FilterCounts(counts["dynamic"], counts["variance"]) if counts else None
 
 
 def equal_rewards(group: GrpoGroup) -> bool:
