@@ -307,14 +307,14 @@ def test_grpo_and_opd_requests_are_built_from_the_file_and_the_flags(tmp_path):
     parser = build_parser()
     streamed = _jsonl(tmp_path / "groups.jsonl", [GRPO_REQUEST["groups"][0]])
     args = parser.parse_args(["train", "grpo", "-f", str(streamed), "--adapter", "g", "--dry-run", "--lr", "0.01"])
-    body = _valid("GrpoRequest", build_request(args, "grpo", streamed))
+    body = _valid("GrpoRequest", build_request(args, streamed))
     assert body == {"dataset_path": str(streamed.resolve()), "dry_run": True,
                     "config": {"learning_rate": 0.01, "output_name": "g"}}  # fmt: skip
 
     inline = tmp_path / "grpo.json"
     inline.write_text(json.dumps(GRPO_REQUEST), encoding="utf-8")
     args = parser.parse_args(["train", "grpo", "-f", str(inline), "--adapter", "g2", "--no-auto-load"])
-    body = _valid("GrpoRequest", build_request(args, "grpo", inline))
+    body = _valid("GrpoRequest", build_request(args, inline))
     assert body["groups"] == GRPO_REQUEST["groups"]
     assert body["config"] == {"kl_coeff": 0.1, "output_name": "g2", "auto_load": False}
 
@@ -323,7 +323,7 @@ def test_grpo_and_opd_requests_are_built_from_the_file_and_the_flags(tmp_path):
     args = parser.parse_args(
         ["train", "opd", "-f", str(prompts), "--adapter", "d", "--teacher", "big", "--epochs", "2"]
     )
-    body = _valid("OpdRequest", build_request(args, "opd", prompts))
+    body = _valid("OpdRequest", build_request(args, prompts))
     assert body == {"prompts": OPD_PROMPTS, "teacher": "big", "config": {"epochs": 2, "output_name": "d"}}
 
 

@@ -138,8 +138,8 @@ def http(tmp_path, tiny_model_dir, monkeypatch):
     """An in-process server on the tiny model whose queue runs in its own thread."""
     from fastapi.testclient import TestClient
 
-    from kiln.server._app import build_server, create_app
     from kiln.config import resolve_settings
+    from kiln.server._app import build_server, create_app
 
     home = tmp_path / "home"
     monkeypatch.setenv("KILN_HOME", str(home))

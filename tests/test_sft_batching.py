@@ -199,29 +199,27 @@ def test_the_cli_sends_the_batch_plan_and_prints_it_again_in_the_resume_command(
     import shlex
 
     from kiln.cli import build_parser
-    from kiln.cli._requests import build_request, sft_resume_command, training_config
+    from kiln.cli._requests import build_request, resume_command, training_config
 
     data = tmp_path / "rows.jsonl"
     data.write_text(json.dumps(ROWS[0]) + "\n", encoding="utf-8")
     argv = ["train", "sft", "--local", "-f", str(data), "--adapter", "bot", "--micro-batch-size", "2",
             "--gradient-accumulation-steps", "3", "--group-by-length"]  # fmt: skip
     args = build_parser().parse_args(argv)
-    config = training_config(args, "sft")
+    config = training_config(args)
     assert (config["micro_batch_size"], config["gradient_accumulation_steps"], config["group_by_length"]) == (
         2,
         3,
         True,
     )
-    assert contracts.problems("SftConfig", build_request(args, "sft", data)["config"]) == []
-    resume = shlex.split(sft_resume_command(args, "bot-checkpoint-step-00000001.kiln-checkpoint", None))
+    assert contracts.problems("SftConfig", build_request(args, data)["config"]) == []
+    resume = shlex.split(resume_command(args, "bot-checkpoint-step-00000001.kiln-checkpoint", None))
     again = build_parser().parse_args(resume[1:])
-    assert training_config(again, "sft") == {
+    assert training_config(again) == {
         **config,
         "resume_checkpoint": "bot-checkpoint-step-00000001.kiln-checkpoint",
     }
     plain = build_parser().parse_args(argv[:7])
-    assert {"micro_batch_size", "gradient_accumulation_steps", "group_by_length"}.isdisjoint(
-        training_config(plain, "sft")
-    )
+    assert {"micro_batch_size", "gradient_accumulation_steps", "group_by_length"}.isdisjoint(training_config(plain))
     grpo = build_parser().parse_args(["train", "grpo", "-f", str(data), "--adapter", "g", "--micro-batch-size", "4"])
-    assert training_config(grpo, "grpo")["micro_batch_size"] == 4
+    assert training_config(grpo)["micro_batch_size"] == 4

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from kiln.cli._client import Interrupt, body, print_json, run, server_url, url_flag
-from kiln.cli._requests import build_request, flag_argv, prepare, sft_resume_command, training_flags
+from kiln.cli._requests import build_request, prepare, resume_command
 
 TERMINAL = ("completed", "failed")
 POLL_S = 0.5  # how often --wait asks for the job detail
@@ -27,26 +27,19 @@ BAR_STEPS = 1000  # resolution of the --wait progress bar (the server reports a 
 def submit(args: argparse.Namespace, kind: str) -> int:
     """Build the request, submit it and print the job; with ``--wait`` follow it to the end."""
     if args.adapter_dir or args.model:
-        if kind == "sft":
-            message = (
-                "--adapter-dir and --model apply to --local runs; a server trains with its own model into its own "
-                "registry"
-            )
-        else:
-            message = "--model and --adapter-dir apply to --local runs"
-        print(f"error: {message}", file=sys.stderr)
+        print(
+            "error: --adapter-dir and --model apply to --local runs; a server trains with its own model into its own "
+            "registry",
+            file=sys.stderr,
+        )
         return 2
     path = Path(args.file)
-    request = prepare(path, lambda: build_request(args, kind, path))
+    request = prepare(path, lambda: build_request(args, path))
     if isinstance(request, int):
         return request
 
     def submit(client: Any) -> int:
-        method = {
-            "sft": client.submit_sft_training,
-            "grpo": client.submit_grpo_training,
-            "opd": client.submit_opd_training,
-        }[kind]
+        method = getattr(client, f"submit_{kind}_training")  # the SDK's method of the kind's route
         if request.get("dataset_path") is not None:
             request["dataset_path"] = _upload(client, args, Path(request["dataset_path"]))
         answer = body(method(request))
@@ -134,26 +127,9 @@ def _outcome(args: argparse.Namespace, detail: dict[str, Any], kind: str) -> int
     checkpoint = detail["latest_checkpoint"]
     if checkpoint is not None:
         print(_checkpoint_line(checkpoint), file=sys.stderr)
-        print(f"Resume with:\n  {_resume_command(args, kind, checkpoint['resume_checkpoint'])}", file=sys.stderr)
+        resume = resume_command(args, checkpoint["resume_checkpoint"], args.checkpoint_interval, local=False)
+        print(f"Resume with:\n  {resume}", file=sys.stderr)
     return 1
-
-
-def _resume_command(args: argparse.Namespace, kind: str, checkpoint: str) -> str:
-    """The command that continues this job on the server from ``checkpoint``: the same file and flags, no seed
-    (the checkpoint holds it)."""
-    if kind == "sft":
-        return sft_resume_command(args, checkpoint, args.checkpoint_interval, local=False)
-    argv = ["kiln", "train", kind, "-f", str(Path(args.file).resolve()), "--adapter", args.adapter]
-    flags = {
-        "--teacher": getattr(args, "teacher", None),
-        "--url": args.url,
-        **dict(training_flags(args, kind)),
-        "--checkpoint-interval": args.checkpoint_interval,
-    }
-    argv += flag_argv(flags.items())
-    if args.no_auto_load:
-        argv.append("--no-auto-load")
-    return shlex.join([*argv, "--resume-checkpoint", checkpoint])
 
 
 def _percent(progress: float) -> str:

@@ -14,7 +14,7 @@ size of ``--nproc-per-node`` x ``--nnodes``), then trained the way the server's 
 Either way the run is under SIGINT/SIGTERM cancellation -- the first signal asks for a checkpoint at the next step
 and a failed run with reason ``cancelled`` (forwarded to the ranks), a second aborts without one -- with a progress
 bar; the result is printed as lines or, with ``--json``, one summary object. What differs between kinds is only how
-a run is described (``TEXTS``).
+a run is described, which comes from the trainer registry (``Trainer.texts``).
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shlex
 import signal
 import sys
 import tempfile
@@ -32,7 +31,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from kiln.cli._requests import build_request, flag_argv, prepare, sft_resume_command, training_flags
+from kiln.cli._requests import build_request, prepare, resume_command
 
 __all__ = ["cmd_train_local", "rank_flags_problem"]
 
@@ -66,132 +65,6 @@ class _Cancellation:
     def __exit__(self, *exc: object) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
-
-
-# ----------------------------------------------------------------------------- how each kind is described
-
-
-class _Sft:
-    unit, label, what = "step", "loss", "training"
-
-    @staticmethod
-    def headline(args: argparse.Namespace, job: Any) -> str:
-        cfg = job.config
-        return (
-            f"Training SFT adapter '{args.adapter}' on {job.loaded.path.name} "
-            f"({len(job.ingestion.examples)} conversations x {cfg.epochs} epoch(s), seed {cfg.seed})"
-        )
-
-    @staticmethod
-    def success(job: Any, result: Any) -> list[str]:
-        receipt, losses = result.receipt, result.losses
-        lines = [
-            f"✓ trained {len(losses)} steps in {receipt['runtime']['wall_clock_ms'] / 1000:.1f} s, "
-            f"loss {losses[0]:.4f} -> {losses[-1]:.4f}",
-            *_where(result),
-            f"Effective seed: {job.config.seed}   Loss route: {receipt['runtime']['sft_loss_route']}",
-        ]
-        if result.checkpoints:
-            lines.append(f"Checkpoints: {len(result.checkpoints)} published (newest {result.checkpoints[-1].name})")
-        return lines
-
-    @staticmethod
-    def resume(args: argparse.Namespace, path: Path, job: Any, checkpoint: str) -> str:
-        return sft_resume_command(args, checkpoint, job.config.checkpoint_interval)
-
-    @staticmethod
-    def summary(job: Any, result: Any) -> dict[str, Any]:
-        return {}
-
-
-class _Grpo:
-    unit, label, what = "group", "loss", "training"
-
-    @staticmethod
-    def headline(args: argparse.Namespace, job: Any) -> str:
-        groups = job.ingestion.groups
-        completions = sum(len(g.completions) for g in groups)
-        return (
-            f"Training GRPO adapter '{args.adapter}' on {len(groups)} groups ({completions} completions), "
-            f"seed {job.config.seed}"
-        )
-
-    @staticmethod
-    def success(job: Any, result: Any) -> list[str]:
-        data = result.receipt["data"]
-        if job.dry_run:
-            return [
-                f"✓ dry run passed: {data['groups_read']} groups, {data['completions_read']} completions; "
-                f"{data['groups_read'] - data['groups_filtered']} would train (no forward pass ran)",
-                f"Receipt: {result.receipt_path}",
-            ]
-        seconds = result.receipt["runtime"]["wall_clock_ms"] / 1000
-        losses = f", loss {result.losses[0]:.4f} -> {result.losses[-1]:.4f}" if result.losses else ""
-        return [
-            f"✓ trained {data['groups_trained']} groups in {seconds:.1f} s{losses}",
-            *_where(result),
-            f"Effective seed: {job.config.seed}",
-        ]
-
-    @staticmethod
-    def resume(args: argparse.Namespace, path: Path, job: Any, checkpoint: str) -> str:
-        return _resume_command(args, "grpo", path, checkpoint)
-
-    @staticmethod
-    def summary(job: Any, result: Any) -> dict[str, Any]:
-        return {"dry_run": job.dry_run, "groups_trained": result.receipt["data"]["groups_trained"]}
-
-
-class _Opd:
-    unit, label, what = "candidate", "kl", "training"
-
-    @staticmethod
-    def headline(args: argparse.Namespace, job: Any) -> str:
-        cfg = job.config
-        return (
-            f"Distilling teacher '{job.teacher.alias}' into adapter '{args.adapter}': {len(job.candidates)} "
-            f"candidates x {cfg.epochs} epoch(s), top-K {cfg.top_k}, seed {cfg.seed}"
-        )
-
-    @staticmethod
-    def success(job: Any, result: Any) -> list[str]:
-        receipt = result.receipt
-        opd = receipt["opd"]
-        return [
-            f"✓ {len(result.losses)} optimizer steps over {job.total_steps} candidates in "
-            f"{receipt['runtime']['wall_clock_ms'] / 1000:.1f} s, reverse KL "
-            f"{opd['initial_opd_loss']:.4f} -> {opd['final_opd_loss']:.4f}",
-            *_where(result),
-            f"Effective seed: {job.config.seed}",
-        ]
-
-    @staticmethod
-    def resume(args: argparse.Namespace, path: Path, job: Any, checkpoint: str) -> str:
-        return _resume_command(args, "opd", path, checkpoint, teacher=args.teacher)
-
-    @staticmethod
-    def summary(job: Any, result: Any) -> dict[str, Any]:
-        return {}
-
-
-TEXTS: dict[str, Any] = {"sft": _Sft, "grpo": _Grpo, "opd": _Opd}
-
-
-def _where(result: Any) -> list[str]:
-    return [f"Adapter:  {result.adapter_dir}", f"Receipt:  {result.receipt_path}", f"Manifest: {result.manifest_path}"]
-
-
-def _resume_command(
-    args: argparse.Namespace, kind: str, path: Path, checkpoint: str, *, teacher: str | None = None
-) -> str:
-    argv = ["kiln", "train", kind, "--local", "-f", str(path), "--adapter", args.adapter]
-    if teacher is not None:
-        argv += ["--teacher", teacher]
-    argv += flag_argv((("--adapter-dir", args.adapter_dir), ("--model", args.model), *training_flags(args, kind)))
-    argv += ["--resume-checkpoint", checkpoint]
-    if args.checkpoint_interval:
-        argv += ["--checkpoint-interval", str(args.checkpoint_interval)]
-    return shlex.join(argv)
 
 
 def _failure_line(what: str, receipt: dict[str, Any]) -> str:
@@ -232,7 +105,7 @@ def _admit(args: argparse.Namespace, kind: str, path: Path) -> tuple[Any, dict[s
     from kiln.training import DataParallel
 
     settings = resolve_settings({"model.path": args.model, "model.adapter_dir": args.adapter_dir})
-    request = build_request(args, kind, path)
+    request = build_request(args, path)
     request["config"].pop("auto_load", None)  # nothing is served locally
     context = TrainingContext(
         registry=settings.registry,
@@ -348,7 +221,7 @@ def cmd_train_local(args: argparse.Namespace, kind: str) -> int:
     from kiln.worker import train_admitted
 
     path = Path(args.file)
-    text = TEXTS[kind]
+    text = TRAINERS[kind].texts
     problem = rank_flags_problem(args)
     if problem is not None:
         print(f"error: {problem}", file=sys.stderr)
@@ -362,7 +235,7 @@ def cmd_train_local(args: argparse.Namespace, kind: str) -> int:
     if not args.json and not job.dry_run:
         from tqdm import tqdm
 
-        print(text.headline(args, job))
+        print(text.headline(job))
         if ranks > 1:
             print(f"Data parallel: {ranks} ranks ({args.nnodes} node(s) x {args.nproc_per_node}), backend "
                   f"{job.data_parallel.backend}")  # fmt: skip
@@ -378,7 +251,7 @@ def cmd_train_local(args: argparse.Namespace, kind: str) -> int:
             bar.total, bar.n = event["total"], event["step"] - 1
             postfix = {"tok_s": f"{tokens[0] / max(time.perf_counter() - started, 1e-9):,.0f}"}
             if event["loss"] is not None:  # an OPD candidate with an empty rollout has none
-                postfix = {text.label: f"{event['loss']:.4f}", **postfix}
+                postfix = {text.metric: f"{event['loss']:.4f}", **postfix}
             bar.set_postfix(postfix)
             bar.update(1)
 
@@ -408,7 +281,9 @@ def cmd_train_local(args: argparse.Namespace, kind: str) -> int:
     result = _result_of(found, target)
     latest = result.latest_checkpoint
     failed = result.status != "success"
-    resume = text.resume(args, path, job, latest.name) if latest is not None and failed else None
+    resume = (
+        resume_command(args, latest.name, job.config.checkpoint_interval) if latest is not None and failed else None
+    )
     receipt = result.receipt
     if args.json:
         summary = {
@@ -426,14 +301,14 @@ def cmd_train_local(args: argparse.Namespace, kind: str) -> int:
             "resume_checkpoint": latest.name if resume is not None else None,
             "resume_command": resume,
             "world_size": ranks,
-            **text.summary(job, result),
+            **(text.summary(job, result) if text.summary is not None else {}),
         }
         print(json.dumps(summary, indent=2))
     elif not failed:
         for line in text.success(job, result):
             print(line)
     else:
-        print(_failure_line("dry run" if job.dry_run else text.what, receipt), file=sys.stderr)
+        print(_failure_line("dry run" if job.dry_run else "training", receipt), file=sys.stderr)
         print(f"Receipt: {result.receipt_path}", file=sys.stderr)
         if resume is not None:
             print(f"Checkpoint: {latest}", file=sys.stderr)

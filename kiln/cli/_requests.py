@@ -1,9 +1,10 @@
 """The training request a file and the flags describe: what ``kiln train ... --local`` and the HTTP commands share.
 
 The same flags build the same config either way (``training_config``); ``build_request`` adds the file's data and
-``--adapter`` as ``config.output_name``. ``prepare`` runs such a step on an existing file and turns a refusal into
-the CLI's error lines and exit status 2; ``sft_resume_command`` spells out the command that continues an SFT run
-from a checkpoint (``--local`` or on the server). No torch, no SDK: the JSON reader is imported on use.
+``--adapter`` as ``config.output_name``. What differs between kinds is data the kind's parser sets (``inline_key``,
+``whole_request``, ``file_config``) and the options it defines, never a branch on the kind. ``prepare`` runs such a step on an existing file and turns a refusal into
+the CLI's error lines and exit status 2; ``resume_command`` spells out the command that continues a run from a
+checkpoint (``--local`` or on the server). No torch, no SDK: the JSON reader is imported on use.
 """
 
 from __future__ import annotations
@@ -22,8 +23,7 @@ __all__ = [
     "flag_argv",
     "prepare",
     "print_refusal",
-    "read_examples",
-    "sft_resume_command",
+    "resume_command",
     "training_config",
     "training_flags",
 ]
@@ -57,60 +57,41 @@ def prepare(path: Path, step: Callable[[], Any]) -> Any:
         return 2
 
 
-def read_examples(path: Path) -> tuple[list[Any] | None, str | None]:
-    """SFT data: ``(None, absolute path)`` for a .jsonl file, else ``(examples, None)`` from a JSON array."""
+def _read_file(path: Path, inline_key: str, whole_request: bool) -> dict[str, Any]:
+    """The request a data file describes: a ``.jsonl`` file is sent as its absolute ``dataset_path``; a ``.json`` file
+    holds a bare array sent under ``inline_key``, or a request object -- taken whole when ``whole_request`` (GRPO,
+    OPD), else only its ``inline_key`` member (SFT: the file's conversations)."""
     if path.suffix == ".jsonl":
-        return None, str(path.resolve())
-    from kiln._jsonio import read_json_file
-
-    value = read_json_file(path)
-    if isinstance(value, dict) and "examples" in value:
-        value = value["examples"]
-    if not isinstance(value, list):
-        raise ValueError(f"{path} must hold a JSON array of examples (or use a .jsonl file)")
-    return value, None
-
-
-def _read_request(path: Path, list_key: str) -> dict[str, Any]:
-    """A .json file holding a request object, or a bare array sent under ``list_key``."""
+        return {"dataset_path": str(path.resolve())}
     from kiln._jsonio import read_json_file
 
     value = read_json_file(path)
     if isinstance(value, list):
-        return {list_key: value}
-    if not isinstance(value, dict):
-        raise ValueError(f"{path} must hold a JSON request object or an array of {list_key} (or use a .jsonl file)")
-    return dict(value)
+        return {inline_key: value}
+    if isinstance(value, dict) and whole_request:
+        return dict(value)
+    if isinstance(value, dict) and isinstance(value.get(inline_key), list):
+        return {inline_key: value[inline_key]}
+    what = "a JSON request object or an array" if whole_request else "a JSON array"
+    raise ValueError(f"{path} must hold {what} of {inline_key} (or use a .jsonl file)")
 
 
-def training_config(args: argparse.Namespace, kind: str) -> dict[str, Any]:
-    """The training config the flags describe: every SFT flag (with its default), only the given ones otherwise."""
+def training_config(args: argparse.Namespace) -> dict[str, Any]:
+    """The training config the flags of this command line describe: every option that has a value (an option of
+    the kind's parser with a default -- SFT's epochs, rank, alpha, row policy, optimizer -- always has one)."""
     config: dict[str, Any] = {}
-    if kind == "sft":
-        config.update(
-            epochs=args.epochs,
-            lora_rank=args.lora_rank,
-            lora_alpha=args.lora_alpha,
-            invalid_row_policy=args.invalid_row_policy,
-            optimizer={"kind": args.optimizer},
-        )
-        for key, value in (
-            ("max_seq_len", args.max_seq_len),
-            ("overlong_row_policy", args.overlong_row_policy),
-            ("group_by_length", True if args.group_by_length else None),
-        ):
-            if value is not None:
-                config[key] = value
-    else:
-        for key, value in (
-            ("epochs", getattr(args, "epochs", None)),
-            ("lora_rank", args.lora_rank),
-            ("lora_alpha", args.lora_alpha),
-        ):
-            if value is not None:
-                config[key] = value
-        if args.optimizer is not None:
-            config["optimizer"] = {"kind": args.optimizer}
+    for key, value in (
+        ("epochs", getattr(args, "epochs", None)),
+        ("lora_rank", args.lora_rank),
+        ("lora_alpha", args.lora_alpha),
+        ("invalid_row_policy", getattr(args, "invalid_row_policy", None)),
+        ("optimizer", None if args.optimizer is None else {"kind": args.optimizer}),
+        ("max_seq_len", getattr(args, "max_seq_len", None)),
+        ("overlong_row_policy", getattr(args, "overlong_row_policy", None)),
+        ("group_by_length", True if getattr(args, "group_by_length", False) else None),
+    ):
+        if value is not None:
+            config[key] = value
     schedule = {
         key: value
         for key, value in (
@@ -137,36 +118,32 @@ def training_config(args: argparse.Namespace, kind: str) -> dict[str, Any]:
     return config
 
 
-def build_request(args: argparse.Namespace, kind: str, path: Path) -> dict[str, Any]:
-    """The request body: the file's data, the flags' config, ``--adapter`` as ``config.output_name``."""
-    if kind == "sft":
-        examples, dataset_path = read_examples(path)
-        request: dict[str, Any] = {"dataset_path": dataset_path} if dataset_path else {"examples": examples}
-    elif path.suffix == ".jsonl":
-        request = {"dataset_path": str(path.resolve())}
-    else:
-        request = _read_request(path, "groups" if kind == "grpo" else "prompts")
+def build_request(args: argparse.Namespace, path: Path) -> dict[str, Any]:
+    """The request body: the file's data (as the kind's parser says to read it), the flags' config, ``--adapter`` as
+    ``config.output_name``, ``--teacher`` and ``--dry-run`` where the kind has them."""
+    request = _read_file(path, args.inline_key, args.whole_request)
     config = request.get("config") or {}
     if not isinstance(config, dict):
         raise ValueError(f"{path}: config must be a JSON object")
-    config = {**config, **training_config(args, kind), "output_name": args.adapter}
+    config = {**config, **training_config(args), "output_name": args.adapter}
     if args.no_auto_load:
         config["auto_load"] = False
+    if "dataset_path" in request:
+        config = {**args.file_config, **config}  # what a .jsonl file means for the kind (OPD: a pre-scored file)
     request["config"] = config
-    if kind == "grpo" and args.dry_run:
+    if getattr(args, "dry_run", False):
         request["dry_run"] = True
-    if kind == "opd":
+    if getattr(args, "teacher", None) is not None:
         request["teacher"] = args.teacher
-        if "dataset_path" in request:  # a .jsonl file is a pre-scored teacher file
-            config.setdefault("training_mode", "off_policy")
     return request
 
 
-def training_flags(args: argparse.Namespace, kind: str) -> list[tuple[str, Any]]:
-    """The training options of this command line as ``(flag, value)`` pairs (None: not given), for the command
-    that resumes it: every option the checkpoint's effective configuration binds must be given again."""
+def training_flags(args: argparse.Namespace) -> list[tuple[str, Any]]:
+    """The training options of this command line as ``(flag, value)`` pairs (None: not given, or not an option of the
+    kind), for the command that resumes it: every option the checkpoint's effective configuration binds must be given
+    again."""
     targets = args.lora_target_modules
-    flags = [
+    return [
         ("--epochs", getattr(args, "epochs", None)),
         ("--lr", args.lr),
         ("--optimizer", args.optimizer),
@@ -179,15 +156,11 @@ def training_flags(args: argparse.Namespace, kind: str) -> list[tuple[str, Any]]
         ("--min-lr-ratio", args.min_lr_ratio),
         ("--micro-batch-size", getattr(args, "micro_batch_size", None)),
         ("--gradient-accumulation-steps", getattr(args, "gradient_accumulation_steps", None)),
+        ("--invalid-row-policy", getattr(args, "invalid_row_policy", None)),
+        ("--max-seq-len", getattr(args, "max_seq_len", None)),
+        ("--overlong-row-policy", getattr(args, "overlong_row_policy", None)),
+        ("--group-by-length", True if getattr(args, "group_by_length", False) else None),
     ]
-    if kind == "sft":
-        flags += [
-            ("--invalid-row-policy", args.invalid_row_policy),
-            ("--max-seq-len", args.max_seq_len),
-            ("--overlong-row-policy", args.overlong_row_policy),
-            ("--group-by-length", True if args.group_by_length else None),
-        ]
-    return flags
 
 
 def flag_argv(flags: Iterable[tuple[str, Any]]) -> list[str]:
@@ -212,13 +185,17 @@ def _rank_flags(args: argparse.Namespace) -> tuple[tuple[str, Any], ...]:
     )
 
 
-def sft_resume_command(args: argparse.Namespace, checkpoint: str, interval: int | None, *, local: bool = True) -> str:
-    """The command that continues this run from ``checkpoint`` (same options, no seed: the checkpoint has it)."""
-    argv = ["kiln", "train", "sft", *(["--local"] if local else [])]
+def resume_command(args: argparse.Namespace, checkpoint: str, interval: int | None, *, local: bool = True) -> str:
+    """The command that continues this run from ``checkpoint``: the same kind, file, adapter, teacher and training
+    options, the run's checkpoint ``interval`` (the checkpoint binds it), no seed (the checkpoint has it); ``local``:
+    with the same registry, model and ranks (a checkpoint resumes only at the world size it was written at), else
+    against the same server."""
+    argv = ["kiln", "train", args.train_kind, *(["--local"] if local else [])]
     argv += ["-f", str(Path(args.file).resolve()), "--adapter", args.adapter]
     where = (("--adapter-dir", args.adapter_dir), ("--model", args.model)) if local else (("--url", args.url),)
-    argv += flag_argv((*where, *training_flags(args, "sft"), ("--checkpoint-interval", interval)))
-    if local:  # a checkpoint resumes only at the world size it was written at
+    teacher = (("--teacher", getattr(args, "teacher", None)),)
+    argv += flag_argv((*teacher, *where, *training_flags(args), ("--checkpoint-interval", interval)))
+    if local:
         argv += flag_argv(_rank_flags(args))
     if not local and args.no_auto_load:
         argv.append("--no-auto-load")

@@ -109,7 +109,8 @@ def add_train_parser(sub: Any) -> None:
         json_help="print the result as JSON: the server's TrainingResponse (the final "
         "TrainingJobDetail with --wait), or the local result with --local; no progress bar",
     )
-    p.set_defaults(func=cmd_train_sft)
+    # what a data file is for this kind (kiln.cli._requests.build_request): a .json object gives its conversations
+    p.set_defaults(func=cmd_train_sft, inline_key="examples", whole_request=False, file_config={})
 
     p = kinds.add_parser(
         "grpo",
@@ -129,7 +130,7 @@ def add_train_parser(sub: Any) -> None:
         p,
         "groups per optimizer step (per_sample: completions of a group; default 1); the loss is the step's token mean",
     )
-    p.set_defaults(func=cmd_train_grpo)
+    p.set_defaults(func=cmd_train_grpo, inline_key="groups", whole_request=True, file_config={})
 
     p = kinds.add_parser(
         "opd",
@@ -149,7 +150,10 @@ def add_train_parser(sub: Any) -> None:
         p,
         "micro-batches of candidates per optimizer step (default 1); the loss is the step's mean over action positions",
     )
-    p.set_defaults(func=cmd_train_opd)
+    # a .jsonl file is a pre-scored teacher file: off_policy unless the file's config or the flags say otherwise
+    p.set_defaults(
+        func=cmd_train_opd, inline_key="prompts", whole_request=True, file_config={"training_mode": "off_policy"}
+    )
 
     p = kinds.add_parser(
         "status",

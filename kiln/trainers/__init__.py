@@ -30,7 +30,7 @@ from kiln._jsonio import JsonObject
 from kiln.errors import ContractError, RequestError
 from kiln.trainers import grpo, opd, sft
 from kiln.trainers._admission import AdmittedJob, TrainingContext, single_process
-from kiln.trainers._kit import FinalState, TrainResult
+from kiln.trainers._kit import FinalState, RunTexts, TrainResult
 from kiln.trainers._requests import Request, parse_request
 from kiln.trainers._sources import check_sources
 from kiln.training import EffectiveConfig
@@ -60,6 +60,7 @@ class Trainer:
     config_model: type[SftConfig] | type[GrpoConfig] | type[OpdConfig]  # the generated model of its config
     admit_request: Callable[..., Admitted]  # (typed request, *, adapter_name, context) -> admitted job
     run: Callable[..., TrainResult]  # (job, *, progress=None, cancel=None, on_checkpoint=None) -> result
+    texts: RunTexts  # how the command line describes its runs
     data_parallel: bool = False  # whether it trains over several ranks (kiln.training.DataParallel)
 
     @property
@@ -105,7 +106,7 @@ class Trainer:
 
 
 TRAINERS: dict[str, Trainer] = {
-    "sft": Trainer("sft", SftRequest, SftConfig, sft.admit_request, sft.run_sft, data_parallel=True),
-    "grpo": Trainer("grpo", GrpoRequest, GrpoConfig, grpo.admit_request, grpo.run_grpo),
-    "opd": Trainer("opd", OpdRequest, OpdConfig, opd.admit_request, opd.run_opd),
+    "sft": Trainer("sft", SftRequest, SftConfig, sft.admit_request, sft.run_sft, sft.TEXTS, data_parallel=True),
+    "grpo": Trainer("grpo", GrpoRequest, GrpoConfig, grpo.admit_request, grpo.run_grpo, grpo.TEXTS),
+    "opd": Trainer("opd", OpdRequest, OpdConfig, opd.admit_request, opd.run_opd, opd.TEXTS),
 }

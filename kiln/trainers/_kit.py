@@ -15,6 +15,7 @@
   restored from a checkpoint or warm-started from ``base_adapter``, the run's request record appended to the
   adapter's request log (``kiln.trainers._lineage``; its outcome follows when the run ends); ``Policy.accumulate``
   and ``Policy.apply`` are one optimizer step with the non-finite-loss check and the phase timings;
+* ``RunTexts``: how the command line describes a kind's run (``artifact_lines``: where a run's files are);
 * ``Cadence``: when to publish a checkpoint (every ``checkpoint_interval`` steps, never at the final step -- the
   adapter is published instead) and cooperative cancellation (publish at the settled boundary unless a checkpoint
   of that step exists, then fail ``cancelled`` naming it).
@@ -56,7 +57,9 @@ __all__ = [
     "Policy",
     "Progress",
     "Run",
+    "RunTexts",
     "TrainResult",
+    "artifact_lines",
     "check_pin",
     "guarded",
     "publish_adapter",
@@ -97,6 +100,24 @@ class TrainResult:
     @property
     def latest_checkpoint(self) -> Path | None:
         return self.checkpoints[-1] if self.checkpoints else self.resumed_from
+
+
+@dataclass(frozen=True)
+class RunTexts:
+    """How the command line describes a run of a kind: its progress ``unit`` and ``metric``, the ``headline`` printed
+    before it trains, the lines after a success, and what a ``--json`` summary adds for the kind. Each takes the
+    kind's admitted job (and its ``TrainResult``)."""
+
+    unit: str
+    metric: str
+    headline: Callable[..., str]
+    success: Callable[..., list[str]]
+    summary: Callable[..., JsonObject] | None = None
+
+
+def artifact_lines(result: TrainResult) -> list[str]:
+    """Where a successful run's adapter, receipt and manifest are."""
+    return [f"Adapter:  {result.adapter_dir}", f"Receipt:  {result.receipt_path}", f"Manifest: {result.manifest_path}"]
 
 
 class Run(Protocol):

@@ -87,7 +87,9 @@ from kiln.trainers._kit import (
     OnCheckpoint,
     Policy,
     Progress,
+    RunTexts,
     TrainResult,
+    artifact_lines,
     check_pin,
     guarded,
     publish_adapter,
@@ -931,6 +933,42 @@ class GrpoRun:
 
 def _cancelled_after_group(group: int, groups: int, checkpoint: str) -> str:
     return f"cancelled after group {group} of {groups}; resume from {checkpoint}"
+
+
+# ----------------------------------------------------------------------------- how the command line describes a run
+
+
+def _headline(job: AdmittedGrpo) -> str:
+    groups = job.ingestion.groups
+    completions = sum(len(g.completions) for g in groups)
+    return (
+        f"Training GRPO adapter '{job.adapter_name}' on {len(groups)} groups ({completions} completions), "
+        f"seed {job.config.seed}"
+    )
+
+
+def _success(job: AdmittedGrpo, result: TrainResult) -> list[str]:
+    data = result.receipt["data"]
+    if job.dry_run:
+        return [
+            f"✓ dry run passed: {data['groups_read']} groups, {data['completions_read']} completions; "
+            f"{data['groups_read'] - data['groups_filtered']} would train (no forward pass ran)",
+            f"Receipt: {result.receipt_path}",
+        ]
+    seconds = result.receipt["runtime"]["wall_clock_ms"] / 1000
+    losses = f", loss {result.losses[0]:.4f} -> {result.losses[-1]:.4f}" if result.losses else ""
+    return [
+        f"✓ trained {data['groups_trained']} groups in {seconds:.1f} s{losses}",
+        *artifact_lines(result),
+        f"Effective seed: {job.config.seed}",
+    ]
+
+
+def _summary(job: AdmittedGrpo, result: TrainResult) -> JsonObject:
+    return {"dry_run": job.dry_run, "groups_trained": result.receipt["data"]["groups_trained"]}
+
+
+TEXTS = RunTexts(unit="group", metric="loss", headline=_headline, success=_success, summary=_summary)
 
 
 # ----------------------------------------------------------------------------- the loop's committed state

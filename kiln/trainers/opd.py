@@ -98,7 +98,9 @@ from kiln.trainers._kit import (
     OnCheckpoint,
     Policy,
     Progress,
+    RunTexts,
     TrainResult,
+    artifact_lines,
     check_pin,
     guarded,
     publish_adapter,
@@ -1063,6 +1065,32 @@ class OpdRun:
         )
         out["token_counts"] = token_counts_block(action=loop.action_tokens, env=loop.env_tokens)
         return out
+
+
+# ----------------------------------------------------------------------------- how the command line describes a run
+
+
+def _headline(job: AdmittedOpd) -> str:
+    cfg = job.config
+    return (
+        f"Distilling teacher '{job.teacher.alias}' into adapter '{job.adapter_name}': {len(job.candidates)} "
+        f"candidates x {cfg.epochs} epoch(s), top-K {cfg.top_k}, seed {cfg.seed}"
+    )
+
+
+def _success(job: AdmittedOpd, result: TrainResult) -> list[str]:
+    receipt = result.receipt
+    opd = receipt["opd"]
+    return [
+        f"✓ {len(result.losses)} optimizer steps over {job.total_steps} candidates in "
+        f"{receipt['runtime']['wall_clock_ms'] / 1000:.1f} s, reverse KL "
+        f"{opd['initial_opd_loss']:.4f} -> {opd['final_opd_loss']:.4f}",
+        *artifact_lines(result),
+        f"Effective seed: {job.config.seed}",
+    ]
+
+
+TEXTS = RunTexts(unit="candidate", metric="kl", headline=_headline, success=_success)
 
 
 # ----------------------------------------------------------------------------- the loop's committed state

@@ -70,7 +70,9 @@ from kiln.trainers._kit import (
     OnCheckpoint,
     Policy,
     Progress,
+    RunTexts,
     TrainResult,
+    artifact_lines,
     guarded,
     publish_adapter,
 )
@@ -621,6 +623,33 @@ def _forward(body: Any, rows: list[tuple[list[int], torch.Tensor]]) -> tuple[tor
     ids, mask = right_padded([row_ids for row_ids, _ in rows])
     hidden = body(input_ids=ids, attention_mask=mask).last_hidden_state[:, :-1]
     return hidden[mask[:, 1:].bool()], torch.cat([targets for _, targets in rows])
+
+
+# ----------------------------------------------------------------------------- how the command line describes a run
+
+
+def _headline(job: AdmittedSft) -> str:
+    cfg = job.config
+    return (
+        f"Training SFT adapter '{job.adapter_name}' on {job.loaded.path.name} "
+        f"({len(job.ingestion.examples)} conversations x {cfg.epochs} epoch(s), seed {cfg.seed})"
+    )
+
+
+def _success(job: AdmittedSft, result: TrainResult) -> list[str]:
+    receipt, losses = result.receipt, result.losses
+    lines = [
+        f"✓ trained {len(losses)} steps in {receipt['runtime']['wall_clock_ms'] / 1000:.1f} s, "
+        f"loss {losses[0]:.4f} -> {losses[-1]:.4f}",
+        *artifact_lines(result),
+        f"Effective seed: {job.config.seed}   Loss route: {receipt['runtime']['sft_loss_route']}",
+    ]
+    if result.checkpoints:
+        lines.append(f"Checkpoints: {len(result.checkpoints)} published (newest {result.checkpoints[-1].name})")
+    return lines
+
+
+TEXTS = RunTexts(unit="step", metric="loss", headline=_headline, success=_success)
 
 
 # ----------------------------------------------------------------------------- the loop's committed state
