@@ -22,7 +22,8 @@ import fastjsonschema
 import jsonschema
 import jsonschema_rs
 
-from kiln import _contract, contracts
+from kiln import contracts
+from kiln.documents import validation
 
 CASES = Path(__file__).resolve().parent.parent / "conformance" / "cases" / "examples.json"
 
@@ -49,7 +50,7 @@ def main() -> None:
     for doc_type in ("TrainReceipt", "AdapterManifest", "TrainingCheckpointManifest"):
         instance = next(c["instance"] for c in examples if c["type"] == doc_type)
         raw = json.dumps(instance).encode()
-        schema = _contract.entry_schema(doc_type, reader=doc_type == "TrainReceipt")
+        schema = validation.entry_schema(doc_type, reader=doc_type == "TrainReceipt")
         py = jsonschema.Draft202012Validator(schema, format_checker=jsonschema.FormatChecker())
         rs = jsonschema_rs.validator_for(schema, validate_formats=True)
         with warnings.catch_warnings():

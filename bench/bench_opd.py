@@ -177,7 +177,7 @@ def load_pair(student_dir: str, teacher_dir: str) -> tuple[Any, Any, Any]:
 
 
 def visiting_order(n: int) -> list[int]:
-    from kiln.epoch_order import epoch_order
+    from kiln.documents.epoch_order import epoch_order
 
     return epoch_order(SEED, 0, n)
 

@@ -499,8 +499,8 @@ def timed(fn: Any, reps: int) -> float:
 def adapters_breakdown(registry: Path, reps: int) -> list[tuple[str, float]]:
     """``list_adapters`` on the registry, and the same work taken apart (ms for the whole registry)."""
     from kiln import contracts
-    from kiln._jsonio import read_json_file
     from kiln.adapters._registry import _adapter_dirs, adapter_entry, list_adapters
+    from kiln.documents.jsonio import read_json_file
 
     dirs = [d for d in _adapter_dirs(registry) if (d / "adapter_manifest.json").is_file()]
     listing = list_adapters(registry)

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from kiln import contracts
-from kiln._jsonio import read_json_file
+from kiln.documents.jsonio import read_json_file
 from kiln.errors import KilnError
 
 

@@ -8,7 +8,7 @@ from typing import Any
 
 from hypothesis import strategies as st
 
-from kiln import _contract
+from kiln.documents import validation
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
@@ -50,7 +50,7 @@ def instances(name: str) -> st.SearchStrategy[Any]:
     """Instances of entry point ``name`` drawn from its strict schema."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return from_schema(_contract.entry_schema(name))
+        return from_schema(validation.entry_schema(name))
 
 
 def object_instances(name: str) -> st.SearchStrategy[Any]:
@@ -62,12 +62,12 @@ def object_instances(name: str) -> st.SearchStrategy[Any]:
     applicators are left out of the generator and applied as a filter by the full schema instead: every instance
     still satisfies the entry point's schema.
     """
-    schema = _contract.entry_schema(name)
+    schema = validation.entry_schema(name)
     root = schema["$defs"][name]
     if "properties" not in root:
         return instances(name)
     plain = {k: v for k, v in root.items() if k not in ("oneOf", "anyOf", "allOf", "not")}
-    valid = _contract.validator(name).is_valid
+    valid = validation.validator(name).is_valid
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return from_schema({**schema, "$defs": {**schema["$defs"], name: plain}}).filter(valid)

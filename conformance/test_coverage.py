@@ -16,7 +16,7 @@ import kiln_contracts
 
 import kiln.artifacts  # noqa: F401 - registers every rule
 from conformance import make_cases
-from kiln._rules import registered_ids
+from kiln.documents.rules import registered_ids
 
 CASES = Path(__file__).resolve().parent / "cases"
 

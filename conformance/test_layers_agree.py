@@ -17,7 +17,7 @@ import kiln_contracts
 import pytest
 from pydantic import ValidationError
 
-from kiln import _contract
+from kiln.documents import validation
 
 CASES = Path(__file__).resolve().parent / "cases"
 ALL = [c for p in sorted(CASES.glob("*.json")) for c in json.loads(p.read_text(encoding="utf-8"))]
@@ -31,7 +31,7 @@ def _writer_only_fields() -> set[str]:
 def test_every_valid_case_parses_into_its_model():
     for case in ALL:
         if case["valid"]:
-            _contract.model_class(case["type"]).model_validate(case["instance"])
+            validation.model_class(case["type"]).model_validate(case["instance"])
 
 
 @pytest.mark.parametrize(
@@ -53,7 +53,7 @@ def test_structural_mutations_are_refused_by_the_model_too(rule):
         if rule == "mutation.null-not-nullable" and case["pointer"].rsplit("/", 1)[1] in writer_only:
             continue
         try:
-            _contract.model_class(case["type"]).model_validate(case["instance"])
+            validation.model_class(case["type"]).model_validate(case["instance"])
         except ValidationError:
             continue
         accepted.append(case["description"])

@@ -32,8 +32,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conformance._strategies import object_instances
-from kiln import _contract, contracts
-from kiln._jsonio import canonical_json
+from kiln import contracts
+from kiln.documents import validation
+from kiln.documents.jsonio import canonical_json
 from kiln.errors import ContractError
 
 EXPLORING = os.environ.get("KILN_HYPOTHESIS_PROFILE") == "explore"
@@ -72,7 +73,7 @@ class _Probe:
     """What the schema layer alone says about a number position of a valid instance."""
 
     def __init__(self, name: str, instance: Any):
-        self.valid = _contract.validator(name).is_valid
+        self.valid = validation.validator(name).is_valid
         self.instance = instance
 
     def accepts(self, path: Where, new: Any) -> bool:

@@ -8,11 +8,10 @@ Architecture map (data flows one way; lower layers never import higher ones)::
     kiln_contracts (generated/)    pydantic models, bundled validator schemas, OpenAPI
         │
         ▼
-    kiln._jsonio                   strict JSON parsing, canonical JSON, atomic writes
-    kiln.digests                   every digest of the contract, defined once
-    kiln.errors                    one exception tree with stable codes
-    kiln._contract, kiln._documents  schema validation (jsonschema-rs) + semantic rules + models
-    kiln._numbers                  canonical numbers by schema position (3.0 at an integer position is 3)
+    kiln.errors, kiln.host.fs      one exception tree with stable codes; crash-atomic writes
+    kiln.documents                 the contract layer: strict and canonical JSON (jsonio), every digest
+                                   (digests), schema validation (validation), canonical numbers by schema
+                                   position (numbers), semantic rules (rules), load/write (pipeline)
         │
         ▼
     kiln.artifacts.*               one module per artifact: load_* (strict), write_* (atomic), verify_*
@@ -20,9 +19,11 @@ Architecture map (data flows one way; lower layers never import higher ones)::
         ▼
     kiln.cli                       the `kiln` command (no torch on the path of validate/--help)
 
-Between the artifacts and the CLI sit the checkpoint engine, the model and data layers,
-the loss kernels, the shared training components, the trainers, the adapter lifecycle and
-the HTTP server (``kiln.server``); ARCHITECTURE.md draws the full stack.
+Between the artifacts and the CLI sit the checkpoint engine, the configuration
+(``kiln.host.config``), the model and data layers, the loss kernels, the adapter lifecycle,
+the shared training components, the trainers, the job runner (``kiln.jobs.worker``) and the
+HTTP server (``kiln.server``); ARCHITECTURE.md draws the full stack. The generated models are
+what travels between them: requests, configs, settings and worker specs, never raw dicts.
 """
 
 from __future__ import annotations

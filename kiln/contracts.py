@@ -18,8 +18,8 @@ from typing import Any
 import kiln_contracts
 
 import kiln.artifacts  # noqa: F401 - registers every semantic rule the loaders apply
-from kiln import _documents
-from kiln._jsonio import read_json_file
+from kiln.documents import pipeline
+from kiln.documents.jsonio import read_json_file
 from kiln.errors import KilnError, Problem
 
 __all__ = [
@@ -34,14 +34,14 @@ __all__ = [
     "write",
 ]
 
-load = _documents.load
-write = _documents.write
-render = _documents.render
-detect_type = _documents.detect_type
+load = pipeline.load
+write = pipeline.write
+render = pipeline.render
+detect_type = pipeline.detect_type
 
 
 def problems(doc_type: str, value: Any, *, reader: bool | None = None) -> list[Problem]:
-    return _documents.problems_of(doc_type, value, reader=reader)
+    return pipeline.problems_of(doc_type, value, reader=reader)
 
 
 def canonical(doc_type: str, value: Any, *, reader: bool | None = None) -> Any:
@@ -50,7 +50,7 @@ def canonical(doc_type: str, value: Any, *, reader: bool | None = None) -> Any:
     or ``enum`` member that member. Store or hash this, not the body as sent: ``3.0`` and ``3`` are one value.
     ``value`` itself is never modified. Raises ``ContractError`` (``out_of_range``) where an int at a number position
     is beyond the float range; ``problems`` reports the same."""
-    return _documents.canonical(doc_type, value, reader=reader)
+    return pipeline.canonical(doc_type, value, reader=reader)
 
 
 def document_types() -> dict[str, dict[str, Any]]:

@@ -23,7 +23,7 @@ from kiln.adapters import (
     list_adapters,
     verify_adapter,
 )
-from kiln.digests import file_sha256, prefixed
+from kiln.documents.digests import file_sha256, prefixed
 from kiln.errors import AdapterError, NotFoundError
 from kiln.model import load_base_model
 

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from kiln import contracts
-from kiln._rules import registered_ids
 from kiln.artifacts import adapter_bodies, adapter_manifest, receipt, teachers
-from kiln.digests import prefixed
+from kiln.documents.digests import prefixed
+from kiln.documents.rules import registered_ids
 from kiln.errors import ContractError, IntegrityError
 
 ROOT = Path(__file__).resolve().parent.parent

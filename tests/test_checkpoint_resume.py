@@ -18,7 +18,7 @@ import pytest
 from _runs import assert_same_run
 
 from kiln.checkpoints import incompatibilities, inspect_checkpoint, list_checkpoints, load_checkpoint
-from kiln.epoch_order import epoch_order
+from kiln.documents.epoch_order import epoch_order
 from kiln.errors import CheckpointError
 from kiln.trainers.sft import admit_sft, run_sft
 

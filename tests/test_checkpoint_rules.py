@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from kiln import _rules, contracts
+from kiln import contracts
 from kiln.artifacts import checkpoint_manifest as cm
 from kiln.artifacts import loop_state as ls
+from kiln.documents import rules
 from kiln.errors import ContractError, IntegrityError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -37,7 +38,7 @@ def test_every_document_constraint_of_the_checkpoint_schema_has_a_registered_rul
         for c in definition.get("x-kiln-semantic-constraints", [])
         if c["scope"] == "document"
     }
-    registered = _rules.registered_ids()
+    registered = rules.registered_ids()
     registered_ids = {rule_id for _, rule_id in registered}
     for name, rule_id in sorted(declared):
         if rule_id in covered_by_embedded_records:
@@ -53,7 +54,7 @@ def test_no_files_or_admission_constraint_is_registered_as_a_document_rule():
         for c in definition.get("x-kiln-semantic-constraints", [])
         if c["scope"] != "document"
     }
-    assert not others & {rule_id for _, rule_id in _rules.registered_ids()}
+    assert not others & {rule_id for _, rule_id in rules.registered_ids()}
 
 
 @pytest.mark.parametrize(

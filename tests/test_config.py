@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kiln.config import load_config, resolve_settings
 from kiln.errors import RequestError
+from kiln.host.config import load_config, resolve_settings
 
 
 def _write(tmp_path, text):
@@ -77,7 +77,7 @@ def test_settings_are_typed_values_that_cannot_be_changed(monkeypatch):
 
     import pydantic
 
-    from kiln.config import resolve_settings
+    from kiln.host.config import resolve_settings
 
     monkeypatch.setenv("KILN_TRAINING_CHECKPOINT_INTERVAL", "5")
     monkeypatch.setenv("KILN_TRAINING_DATA_ROOTS", "/data/a::~/b")
@@ -99,7 +99,7 @@ def test_every_default_is_the_schemas_and_a_field_with_one_is_never_unset():
 
     import kiln_contracts
 
-    from kiln.config import resolve_settings
+    from kiln.host.config import resolve_settings
 
     settings = resolve_settings()
     bundle = kiln_contracts.load_bundle()["$defs"]
@@ -118,7 +118,7 @@ def test_a_bad_environment_value_is_refused_alike_by_the_cli_and_the_server(
     tmp_path, tiny_model_dir, capsys, monkeypatch
 ):
     from kiln.cli import main
-    from kiln.config import resolve_settings
+    from kiln.host.config import resolve_settings
 
     monkeypatch.setenv("KILN_TRAINING_CHECKPOINT_INTERVAL", "0")
     with pytest.raises(RequestError) as info:
@@ -157,7 +157,7 @@ def test_a_bad_environment_value_stops_a_local_command_as_it_stops_the_server(ca
 def test_an_environment_value_is_converted_to_its_json_type_and_checked_against_the_schema(
     variable, value, monkeypatch
 ):
-    from kiln.config import resolve_settings
+    from kiln.host.config import resolve_settings
 
     monkeypatch.setenv(variable, value)
     with pytest.raises(RequestError) as info:
@@ -167,7 +167,7 @@ def test_an_environment_value_is_converted_to_its_json_type_and_checked_against_
 
 
 def test_every_bad_environment_value_is_reported_at_once(monkeypatch):
-    from kiln.config import resolve_settings
+    from kiln.host.config import resolve_settings
 
     monkeypatch.setenv("KILN_SERVER_PORT", "70000")
     monkeypatch.setenv("KILN_TRAINING_MAX_QUEUED_JOBS", "many")
@@ -178,7 +178,7 @@ def test_every_bad_environment_value_is_reported_at_once(monkeypatch):
 
 
 def test_a_refused_secret_is_never_repeated(monkeypatch):
-    from kiln.config import resolve_settings
+    from kiln.host.config import resolve_settings
 
     monkeypatch.setenv("KILN_API_KEY", "two words")
     with pytest.raises(RequestError) as info:
@@ -191,7 +191,7 @@ def test_the_cli_and_the_server_keep_adapters_under_the_home_kiln_toml_names(tmp
     import json
 
     from kiln.cli import main
-    from kiln.config import resolve_settings
+    from kiln.host.config import resolve_settings
 
     monkeypatch.delenv("KILN_HOME")
     monkeypatch.setenv("HOME", str(tmp_path / "user"))  # kiln.toml is read from ~/.kiln

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from kiln import contracts
-from kiln.digests import execution_provenance_digest
+from kiln.documents.digests import execution_provenance_digest
 from kiln.errors import ContractError, IntegrityError
 
 EXAMPLES = {

@@ -1,5 +1,5 @@
 """Golden vectors for every digest of spec/20 (tests/golden/digests.json), plus the
-byte framing spelled out independently of kiln.digests."""
+byte framing spelled out independently of kiln.documents.digests."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kiln import digests
+from kiln.documents import digests
 
 GOLDEN = json.loads((Path(__file__).parent / "golden" / "digests.json").read_text(encoding="utf-8"))
 

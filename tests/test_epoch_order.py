@@ -1,6 +1,6 @@
 """The portable epoch order (spec/40): golden permutations in tests/golden/epoch_order.json,
 SplitMix64 against its published reference outputs, and the seeding and rejection
-sampling spelled out independently of kiln.epoch_order.
+sampling spelled out independently of kiln.documents.epoch_order.
 
 Regenerate the goldens only for a deliberate algorithm change (and call it out):
 ``KILN_UPDATE_GOLDEN=1 python -m pytest tests/test_epoch_order.py``.
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from kiln import epoch_order as eo
+from kiln.documents import epoch_order as eo
 
 GOLDEN_PATH = Path(__file__).parent / "golden" / "epoch_order.json"
 MASK = (1 << 64) - 1

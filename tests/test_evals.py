@@ -16,7 +16,7 @@ import pytest
 import kiln.evals
 from kiln import contracts
 from kiln.artifacts.evals import Z95, wilson_interval
-from kiln.digests import json_sha256
+from kiln.documents.digests import json_sha256
 from kiln.errors import ConflictError, ContractError, IntegrityError, NotFoundError, RequestError
 from kiln.evals import (
     EvalCancelled,

@@ -142,7 +142,7 @@ def http(tmp_path, tiny_model_dir, monkeypatch):
     """An in-process server on the tiny model that trains in its own thread; it may read files under tmp_path."""
     from fastapi.testclient import TestClient
 
-    from kiln.config import resolve_settings
+    from kiln.host.config import resolve_settings
     from kiln.server._app import build_server, create_app
 
     home = tmp_path / "home"

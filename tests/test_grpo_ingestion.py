@@ -18,7 +18,7 @@ from kiln.data import (
     iter_dataset_groups,
     read_groups,
 )
-from kiln.digests import json_sha256
+from kiln.documents.digests import json_sha256
 from kiln.errors import RequestError
 
 END = "<|im_end|>\n"

@@ -22,9 +22,9 @@ from _server import ServerProcess, wait_for
 from conftest import ADAPTER_CONVERSATIONS
 
 from kiln import contracts
-from kiln._fs import within_roots
 from kiln.cli import main
 from kiln.errors import AccessError, RequestError
+from kiln.host.fs import within_roots
 from kiln.trainers import TrainingContext, check_sources
 
 UPLOAD_LIMIT = 64 * 1024  # the module server's server.max_upload_bytes

@@ -1,6 +1,6 @@
 """Hostile names, prefix deletes and leftovers of killed publications (issue 19, items 1, 3 and part of 8).
 
-Unit tests pin the rules (``kiln._fs.name_problem``, the strict checkpoint-name parse, exact-name deletion, the
+Unit tests pin the rules (``kiln.host.fs.name_problem``, the strict checkpoint-name parse, exact-name deletion, the
 per-adapter view of unfinished publications and ``kiln checkpoints clean``); the ``live`` tests at the end replay
 the reported cases against a real ``kiln serve`` on 127.0.0.1.
 """
@@ -16,7 +16,6 @@ import pytest
 from _server import ServerProcess, wait_for
 from conftest import ADAPTER_CONVERSATIONS
 
-from kiln._fs import name_problem
 from kiln.adapters import delete_adapter, list_adapters, verify_adapter
 from kiln.checkpoints import (
     checkpoint_name,
@@ -28,6 +27,7 @@ from kiln.checkpoints import (
 )
 from kiln.cli import main
 from kiln.errors import NotFoundError, RequestError
+from kiln.host.fs import name_problem
 
 HOUR = 3600.0
 
@@ -49,7 +49,7 @@ def _checkpoint(registry: Path, adapter: str, step: int) -> Path:
 
 
 def _staging(registry: Path, adapter: str, step: int, *, suffix: str = "abcd_123", sentinel: bool = True) -> Path:
-    """A hidden staging directory as ``publish_checkpoint`` leaves it when killed (``kiln._fs.staging_dir``)."""
+    """A hidden staging directory as ``publish_checkpoint`` leaves it when killed (``kiln.host.fs.staging_dir``)."""
     files = (".incomplete", "adapter_model.safetensors") if sentinel else ("adapter_model.safetensors",)
     return _dir(registry / f".{checkpoint_name(adapter, step)}.incomplete-{suffix}", *files)
 

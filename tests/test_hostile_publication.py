@@ -25,10 +25,10 @@ from test_checkpoint_crash import Run, Zygote
 
 from kiln import contracts
 from kiln.adapters import list_adapters
+from kiln.adapters.publish import check_target
 from kiln.checkpoints import list_checkpoints
-from kiln.digests import file_sha256, prefixed
+from kiln.documents.digests import file_sha256, prefixed
 from kiln.errors import ConflictError
-from kiln.publish import check_target
 
 ADAPTER = "bot"
 ROWS = [

@@ -31,11 +31,11 @@ from pathlib import Path
 import pytest
 
 from kiln import contracts
-from kiln._fs import writable_problem
 from kiln.adapters import list_adapters
 from kiln.artifacts.replay_log import pending_log
 from kiln.checkpoints import list_checkpoints
 from kiln.errors import RegistryError
+from kiln.host.fs import writable_problem
 from kiln.trainers import TRAINERS, TrainingContext
 
 ADAPTER = "bot"
@@ -325,7 +325,7 @@ def http(tmp_path_factory, tiny_model_dir):
     (``training.worker = "thread"``), so the storage faults these tests patch in reach the trainer."""
     from fastapi.testclient import TestClient
 
-    from kiln.config import resolve_settings
+    from kiln.host.config import resolve_settings
     from kiln.server._app import build_server, create_app
 
     home = tmp_path_factory.mktemp("serve") / "home"

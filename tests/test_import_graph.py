@@ -3,7 +3,7 @@ functions (an import placed in a function to dodge a cycle still counts) but not
 
 * it has no cycle;
 * no module imports a ``_``-prefixed name from another module, nor a ``_``-prefixed module of another package
-  (``kiln.training._state`` is private to ``kiln.training``; a top-level ``kiln._jsonio`` to ``kiln``): what two
+  (``kiln.training._state`` is private to ``kiln.training``; a top-level ``kiln.documents.jsonio`` to ``kiln``): what two
   packages share gets a public name in the module that owns it.
 """
 

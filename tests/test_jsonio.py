@@ -6,8 +6,9 @@ import os
 
 import pytest
 
-from kiln import _fs, _jsonio
+from kiln.documents import jsonio
 from kiln.errors import DocumentReadError
+from kiln.host import fs
 
 
 @pytest.mark.parametrize(
@@ -23,14 +24,14 @@ from kiln.errors import DocumentReadError
 )
 def test_json_that_is_not_strict_is_refused(text, reason):
     with pytest.raises(DocumentReadError) as info:
-        _jsonio.parse_json(text)
+        jsonio.parse_json(text)
     assert info.value.code == "invalid_json"
     assert reason in info.value.message
 
 
 def test_bytes_that_are_not_utf8_are_refused():
     with pytest.raises(DocumentReadError) as info:
-        _jsonio.parse_json(b'{"a": "\xff"}')
+        jsonio.parse_json(b'{"a": "\xff"}')
     assert info.value.code == "invalid_json"
 
 
@@ -38,25 +39,25 @@ def test_documents_over_the_limit_are_refused_before_parsing(tmp_path):
     path = tmp_path / "big.json"
     path.write_bytes(b"[" + b"1," * 100 + b"1]")
     with pytest.raises(DocumentReadError) as info:
-        _jsonio.read_json_file(path, limit=50)
+        jsonio.read_json_file(path, limit=50)
     assert info.value.code == "document_too_large"
 
 
 def test_a_missing_file_is_reported_as_unreadable(tmp_path):
     with pytest.raises(DocumentReadError) as info:
-        _jsonio.read_json_file(tmp_path / "absent.json")
+        jsonio.read_json_file(tmp_path / "absent.json")
     assert info.value.code == "document_unreadable"
 
 
 def test_nested_duplicate_keys_are_refused():
     with pytest.raises(DocumentReadError):
-        _jsonio.parse_json('{"a": {"b": 1, "b": 1}}')
+        jsonio.parse_json('{"a": {"b": 1, "b": 1}}')
 
 
 def test_atomic_write_replaces_content_and_leaves_no_temporary_files(tmp_path):
     target = tmp_path / "doc.json"
     target.write_bytes(b"old")
-    _fs.atomic_write_bytes(target, b"new")
+    fs.atomic_write_bytes(target, b"new")
     assert target.read_bytes() == b"new"
     assert os.listdir(tmp_path) == ["doc.json"]
 
@@ -68,15 +69,15 @@ def test_a_failed_atomic_write_keeps_the_old_content(tmp_path, monkeypatch):
     def broken_replace(src, dst):
         raise OSError("disk full")
 
-    monkeypatch.setattr(_fs.os, "replace", broken_replace)
+    monkeypatch.setattr(fs.os, "replace", broken_replace)
     with pytest.raises(OSError):
-        _fs.atomic_write_bytes(target, b"new")
+        fs.atomic_write_bytes(target, b"new")
     assert target.read_bytes() == b"old"
     assert os.listdir(tmp_path) == ["doc.json"]
 
 
 def test_a_number_that_overflows_to_infinity_is_refused():
-    from kiln._jsonio import parse_json
+    from kiln.documents.jsonio import parse_json
     from kiln.errors import DocumentReadError
 
     with pytest.raises(DocumentReadError) as info:
@@ -89,7 +90,7 @@ def test_a_number_that_overflows_to_infinity_is_refused():
 def test_crash_atomic_writes_and_staging_directories_follow_the_umask(tmp_path):
     import stat
 
-    from kiln._fs import atomic_write_bytes, create_exclusive, staging_dir
+    from kiln.host.fs import atomic_write_bytes, create_exclusive, staging_dir
 
     previous = os.umask(0o027)
     try:
@@ -110,7 +111,7 @@ def test_crash_atomic_writes_and_staging_directories_follow_the_umask(tmp_path):
 def test_a_published_adapter_and_a_tiny_model_are_readable_as_the_umask_allows(trained_adapter, tiny_model_dir):
     import stat
 
-    from kiln._fs import dir_mode, file_mode
+    from kiln.host.fs import dir_mode, file_mode
 
     for directory in (trained_adapter, tiny_model_dir):
         assert stat.S_IMODE(directory.stat().st_mode) == dir_mode(), directory
@@ -122,9 +123,9 @@ def test_a_published_adapter_and_a_tiny_model_are_readable_as_the_umask_allows(t
 
 
 def _events(monkeypatch):
-    """Record every fsync (by the path the descriptor names) and rename ``kiln._fs`` makes, in order."""
+    """Record every fsync (by the path the descriptor names) and rename ``kiln.host.fs`` makes, in order."""
     log = []
-    fsync, rename = _fs.os.fsync, _fs.os.rename
+    fsync, rename = fs.os.fsync, fs.os.rename
 
     def logged_fsync(fd):
         log.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
@@ -134,15 +135,15 @@ def _events(monkeypatch):
         log.append(("rename", os.fspath(src), os.fspath(dst)))
         rename(src, dst)
 
-    monkeypatch.setattr(_fs.os, "fsync", logged_fsync)
-    monkeypatch.setattr(_fs.os, "rename", logged_rename)
+    monkeypatch.setattr(fs.os, "fsync", logged_fsync)
+    monkeypatch.setattr(fs.os, "rename", logged_rename)
     return log
 
 
 def test_a_published_directory_is_synced_then_renamed_once_then_its_parent_is_synced(tmp_path, monkeypatch):
     log = _events(monkeypatch)
     target = tmp_path / "bot"
-    with _fs.publish_dir(target) as staging:
+    with fs.publish_dir(target) as staging:
         assert staging.parent == tmp_path
         assert staging.name.startswith(".bot.incomplete-")
         (staging / "a.json").write_bytes(b"{}")
@@ -164,7 +165,7 @@ def test_a_failed_publication_leaves_nothing_that_looks_complete(tmp_path):
     target = tmp_path / "bot"
 
     def half_way():
-        with _fs.publish_dir(target) as staging:
+        with fs.publish_dir(target) as staging:
             (staging / "a.json").write_bytes(b"{}")
             raise RuntimeError("half-way")
 
@@ -177,11 +178,11 @@ def test_publication_refuses_an_existing_target_unless_told_to_replace_it(tmp_pa
     target = tmp_path / "bot"
     target.mkdir()
     (target / "old").write_bytes(b"old")
-    with pytest.raises(FileExistsError), _fs.publish_dir(target) as staging:
+    with pytest.raises(FileExistsError), fs.publish_dir(target) as staging:
         (staging / "new").write_bytes(b"new")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bot"]
     assert [p.name for p in target.iterdir()] == ["old"]
-    with _fs.publish_dir(target, overwrite=True) as staging:
+    with fs.publish_dir(target, overwrite=True) as staging:
         (staging / "new").write_bytes(b"new")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bot"]  # the replaced directory is gone too
     assert [p.name for p in target.iterdir()] == ["new"]
@@ -191,15 +192,15 @@ def test_a_replacement_whose_rename_fails_puts_the_old_directory_back(tmp_path, 
     target = tmp_path / "bot"
     target.mkdir()
     (target / "old").write_bytes(b"old")
-    rename = _fs.os.rename
+    rename = fs.os.rename
 
     def failing(src, dst):
         if ".incomplete-" in os.fspath(src):
             raise OSError("disk full")
         rename(src, dst)
 
-    monkeypatch.setattr(_fs.os, "rename", failing)
-    with pytest.raises(OSError, match="disk full"), _fs.publish_dir(target, overwrite=True) as staging:
+    monkeypatch.setattr(fs.os, "rename", failing)
+    with pytest.raises(OSError, match="disk full"), fs.publish_dir(target, overwrite=True) as staging:
         (staging / "new").write_bytes(b"new")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bot"]
     assert [p.name for p in target.iterdir()] == ["old"]

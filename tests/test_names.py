@@ -1,4 +1,4 @@
-"""One name rule for every registry: ``kiln._fs.name_problem`` by kind, and the callers that apply it.
+"""One name rule for every registry: ``kiln.host.fs.name_problem`` by kind, and the callers that apply it.
 
 Each ``..._was_accepted_by_...`` test is a name one of the old checkers let through while another refused it.
 """
@@ -9,14 +9,14 @@ import os
 
 import pytest
 
-from kiln import _fs
-from kiln._fs import NAME_KINDS, name_problem, staging_dir
 from kiln.adapters import delete_adapter, read_canary_status, require_adapter_name, verify_adapter
+from kiln.adapters.publish import check_target
 from kiln.artifacts import adapter_manifest
 from kiln.artifacts import checkpoint_manifest as cm
 from kiln.checkpoints import checkpoint_name
 from kiln.errors import ConflictError, RequestError
-from kiln.publish import check_target
+from kiln.host import fs
+from kiln.host.fs import NAME_KINDS, name_problem, staging_dir
 
 BOUNDS = {"adapter": 193, "checkpoint": 234, "teacher": 250, "suite": 250, "file": 255}
 
@@ -39,7 +39,7 @@ UNSAFE = [
 
 
 def test_every_kind_has_its_documented_byte_bound():
-    assert {kind: _fs.name_max_bytes(kind) for kind in NAME_KINDS} == BOUNDS
+    assert {kind: fs.name_max_bytes(kind) for kind in NAME_KINDS} == BOUNDS
 
 
 @pytest.mark.parametrize("kind", sorted(BOUNDS))
@@ -88,7 +88,7 @@ def test_the_longest_adapter_name_fits_every_entry_the_registry_derives_from_it(
 
 
 def test_the_checkpoint_suffix_the_rule_counts_is_the_one_checkpoints_are_named_with():
-    assert len(checkpoint_name("", 0)) == _fs.CHECKPOINT_NAME_EXTRA
+    assert len(checkpoint_name("", 0)) == fs.CHECKPOINT_NAME_EXTRA
 
 
 def test_staging_directories_never_take_a_purpose_longer_than_the_rule_counts(tmp_path):
@@ -100,7 +100,7 @@ def test_a_staging_or_temp_name_for_an_arbitrary_long_target_is_shortened_to_fit
     long = "é" * 127  # 254 bytes: a valid file name, too long to carry a staging suffix
     staged = staging_dir(tmp_path, long)
     assert len(os.fsencode(staged.name)) <= 255
-    _fs.atomic_write_bytes(tmp_path / long, b"{}")
+    fs.atomic_write_bytes(tmp_path / long, b"{}")
     assert (tmp_path / long).read_bytes() == b"{}"
 
 
@@ -165,7 +165,7 @@ def test_the_canary_reader_has_a_public_name(tmp_path):
 
 def test_the_adapters_package_exports_its_public_names():
     import kiln.adapters
-    import kiln.publish
+    import kiln.adapters.publish
 
     assert sorted(kiln.adapters.__all__) == [
         "AdapterDirectory", "AdapterFiles", "BINDINGS", "Binding", "CANARY_FILE", "CONFIG_FILE", "LoraConfig",
@@ -175,11 +175,13 @@ def test_the_adapters_package_exports_its_public_names():
         "list_adapters", "parse_lora_config", "read_canary_status", "require_adapter_name", "restore_adapter",
         "staged_adapter", "verify_adapter",
     ]  # fmt: skip
-    assert sorted(kiln.publish.__all__) == [
+    assert sorted(kiln.adapters.publish.__all__) == [
         "PublishedAdapter", "adapter_file_receipt", "bind_adapter_manifest", "check_target", "publish_receipt",
         "publish_trained_adapter",
     ]  # fmt: skip
-    assert not hasattr(kiln.publish, "write_adapter_manifest")  # the name of kiln.artifacts.adapter_manifest's writer
+    assert not hasattr(
+        kiln.adapters.publish, "write_adapter_manifest"
+    )  # the name of kiln.artifacts.adapter_manifest's writer
 
 
 # --- teacher aliases (suite names: tests/test_evals.py) ------------------------------------------------------------

@@ -138,7 +138,7 @@ def http(tmp_path, tiny_model_dir, monkeypatch):
     """An in-process server on the tiny model whose queue runs in its own thread."""
     from fastapi.testclient import TestClient
 
-    from kiln.config import resolve_settings
+    from kiln.host.config import resolve_settings
     from kiln.server._app import build_server, create_app
 
     home = tmp_path / "home"
@@ -222,8 +222,8 @@ def test_generation_requests_take_integral_floats_where_the_schema_says_integer(
 
 
 def test_a_request_log_line_spelling_an_integer_as_a_float_is_not_canonical(tmp_path):
-    from kiln._jsonio import canonical_json
     from kiln.artifacts.replay_log import load_replay_log, load_replay_record
+    from kiln.documents.jsonio import canonical_json
 
     cases = json.loads((Path(__file__).parent.parent / "conformance" / "cases" / "examples.json").read_text("utf-8"))
     record = next(c["instance"] for c in cases if c["type"] == "ReplayRequestRecord")

@@ -14,7 +14,7 @@ from _runs import assert_same_opd_run
 from safetensors.torch import load_file
 
 from kiln import contracts
-from kiln.epoch_order import epoch_order
+from kiln.documents.epoch_order import epoch_order
 from kiln.errors import CheckpointError
 from kiln.teachers import TeacherRegistry, open_scorer
 from kiln.trainers.opd import admit_opd, run_opd

@@ -16,7 +16,7 @@ from kiln.data.opd import (
     read_prompts,
     tokenize_response,
 )
-from kiln.digests import file_sha256, json_sha256, prefixed
+from kiln.documents.digests import file_sha256, json_sha256, prefixed
 from kiln.errors import ContractError, RequestError
 
 END = "<|im_end|>\n"

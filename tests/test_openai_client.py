@@ -27,7 +27,7 @@ REFERENCE = Path(__file__).resolve().parents[1] / ".." / "shared" / "upstream" /
 def served(tmp_path_factory, tiny_model_dir, trained_adapter):
     from fastapi.testclient import TestClient
 
-    from kiln.config import resolve_settings
+    from kiln.host.config import resolve_settings
     from kiln.server._app import build_server, create_app
 
     home = tmp_path_factory.mktemp("serve") / "home"

@@ -6,7 +6,7 @@ import kiln
 import kiln.artifacts
 import kiln.cli
 import kiln.contracts
-import kiln.digests
+import kiln.documents.digests
 import kiln.errors
 
 
@@ -25,7 +25,7 @@ def test_public_modules_export_exactly_their_declared_names():
         "ZeroActionTokensError", "ZeroEnvTokensError", "ZeroGroupsError", "all_failure_reasons", "storage_condition",
     ]  # fmt: skip
     assert kiln.cli.__all__ == ["build_parser", "main"]  # the console script is kiln.cli:main
-    assert sorted(kiln.digests.__all__) == [
+    assert sorted(kiln.documents.digests.__all__) == [
         "BASE_MODEL_CONTENT_ALGORITHM", "KERNEL_CONTRACT_TYPE", "REPLAY_HASH_ALGORITHM", "base_model_content_aggregate",
         "canonical_json",
         "checkpoint_manifest_identity", "effective_config_hash", "execution_provenance_digest", "file_sha256",
@@ -66,7 +66,7 @@ def test_the_data_package_exports_its_ingestion_entry_points_and_shared_componen
 
 
 def test_every_exported_name_exists():
-    for module in (kiln, kiln.contracts, kiln.errors, kiln.digests, kiln.artifacts, kiln.cli):
+    for module in (kiln, kiln.contracts, kiln.errors, kiln.documents.digests, kiln.artifacts, kiln.cli):
         for name in module.__all__:
             assert hasattr(module, name), f"{module.__name__}.{name}"
 

@@ -143,7 +143,7 @@ def served(tmp_path_factory, tiny_model_dir):
     """Kiln's real /health and /v1/config bodies, from an in-process server on the tiny model."""
     from fastapi.testclient import TestClient
 
-    from kiln.config import resolve_settings
+    from kiln.host.config import resolve_settings
     from kiln.server._app import build_server, create_app
 
     home = tmp_path_factory.mktemp("reference-deltas") / "home"

@@ -14,11 +14,11 @@ import pytest
 from _server import ServerProcess, wait_for
 from conftest import ADAPTER_CONVERSATIONS
 
-from kiln._jsonio import canonical_json
 from kiln.artifacts.lineage import build_lineage, load_lineage, verify_lineage, write_lineage
 from kiln.artifacts.replay_log import load_replay_log, pending_log
 from kiln.cli import main
-from kiln.digests import file_sha256
+from kiln.documents.digests import file_sha256
+from kiln.documents.jsonio import canonical_json
 from kiln.trainers.sft import admit_sft, run_sft
 
 ROWS = ADAPTER_CONVERSATIONS * 2

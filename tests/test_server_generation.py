@@ -14,11 +14,11 @@ import warnings
 import pytest
 
 from kiln import contracts
-from kiln._jsonio import canonical_json
 from kiln.adapters import list_adapters
 from kiln.artifacts.adapter_bodies import load_adapter_canary_status, write_adapter_canary_status
 from kiln.artifacts.adapter_manifest import write_adapter_manifest
-from kiln.digests import file_sha256, prefixed
+from kiln.documents.digests import file_sha256, prefixed
+from kiln.documents.jsonio import canonical_json
 from kiln.errors import AdapterError, ContractError, NotFoundError
 from kiln.model import load_base_model
 from kiln.server._generation import CANARY_FILE, Generator, content_revision

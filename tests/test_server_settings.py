@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from kiln import contracts
-from kiln.config import REDACTED, resolve_settings
 from kiln.errors import RequestError
+from kiln.host.config import REDACTED, resolve_settings
 
 
 def test_flags_beat_environment_beat_file_beat_defaults(tmp_path, monkeypatch):

@@ -13,8 +13,8 @@ from _server import ServerProcess, wait_for
 from conftest import ADAPTER_CONVERSATIONS
 
 from kiln import contracts
+from kiln.jobs.worker import EventReader
 from kiln.server._worker_process import classify_exit, oom_kills
-from kiln.worker import EventReader
 
 ROWS = ADAPTER_CONVERSATIONS * 2
 
@@ -33,7 +33,7 @@ def _detail(http, job_id):
 
 
 def _worker_pids(job_id: str) -> list[int]:
-    """Processes running ``python -m kiln.worker`` on this job's spec."""
+    """Processes running ``python -m kiln.jobs.worker`` on this job's spec."""
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -42,7 +42,7 @@ def _worker_pids(job_id: str) -> list[int]:
             words = (entry / "cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"kiln.worker" in words and any(job_id.encode() in w for w in words):
+        if b"kiln.jobs.worker" in words and any(job_id.encode() in w for w in words):
             found.append(int(entry.name))
     return found
 

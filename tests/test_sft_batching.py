@@ -13,9 +13,9 @@ from _runs import assert_same_run
 from safetensors.torch import load as load_tensors
 
 from kiln import contracts
-from kiln.batch_plan import grouped_order
 from kiln.checkpoints import inspect_checkpoint, load_checkpoint
-from kiln.epoch_order import epoch_order
+from kiln.documents.batch_plan import grouped_order
+from kiln.documents.epoch_order import epoch_order
 from kiln.errors import CheckpointError
 from kiln.trainers.sft import admit_sft, run_sft
 

@@ -19,7 +19,7 @@ import pytest
 
 from kiln.contracts import problems
 from kiln.data import IGNORE_INDEX, SftExample, SftIngestion, ingest_sft
-from kiln.digests import sft_kept_corpus_digest, sft_parsed_row_hash, sft_raw_row_hash
+from kiln.documents.digests import sft_kept_corpus_digest, sft_parsed_row_hash, sft_raw_row_hash
 from kiln.errors import RequestError
 
 GOLDEN_PATH = Path(__file__).parent / "golden" / "sft_labels.json"

@@ -38,7 +38,7 @@ _NUMBER = re.compile(rb"-?[0-9]+(?:\.[0-9]+)?(?:[eE][-+]?[0-9]+)?")
 def http(tmp_path_factory, tiny_model_dir):
     from fastapi.testclient import TestClient
 
-    from kiln.config import resolve_settings
+    from kiln.host.config import resolve_settings
     from kiln.server._app import build_server, create_app
 
     home = tmp_path_factory.mktemp("serve") / "home"

@@ -23,7 +23,7 @@ import pytest
 
 from kiln import contracts
 from kiln.artifacts.base_weights import build_base_weight_manifest
-from kiln.digests import json_sha256, prefixed, teacher_identity_revision
+from kiln.documents.digests import json_sha256, prefixed, teacher_identity_revision
 from kiln.errors import ConflictError, ContractError, IntegrityError, NotFoundError, RequestError
 from kiln.model import create_tiny, load_base_model
 from kiln.teachers import (

@@ -18,7 +18,8 @@ import kiln_contracts
 import pytest
 from _upstream import needs_upstream, upstream, upstream_validator
 
-from kiln import _contract, contracts
+from kiln import contracts
+from kiln.documents import validation
 
 COMPAT = [
     "AdapterManifest", "AdapterManifestFiles", "BaseWeightShardManifest", "ExecutionProvenanceV1",
@@ -41,7 +42,7 @@ def _emitted(defname):
 def test_reference_examples_validate_against_kiln(defname):
     docs, _ = upstream()
     ours = jsonschema.Draft202012Validator(
-        _contract.entry_schema(defname)
+        validation.entry_schema(defname)
         if defname in kiln_contracts.ENTRYPOINTS
         else {"$ref": f"#/$defs/{defname}", "$defs": kiln_contracts.load_bundle()["$defs"]},
         format_checker=jsonschema.FormatChecker(),

@@ -19,8 +19,8 @@ SCHEMA_DIGESTS: dict[str, str] = {
     "kiln-artifacts-v1.schema.json": "sha256:57885eadf821a2730ae8393da5d5570adb3201c4ef5dcf55d9df712ab9788e3d",
     "kiln-checkpoint-v1.schema.json": "sha256:40f2f23b53561eaca7040113a06aea056e0ac8f95172d7f10c65195bd3f5f7f7",
     "kiln-common-v1.schema.json": "sha256:578fb0867921ff18b61214d1e6a909abccdcc2532c6c6bd5a1c1aada83583c73",
-    "kiln-config-v1.schema.json": "sha256:34bfcec6897ff2d0b23c0999c5d046740152e220f7bad64649bb225c757666bd",
-    "kiln-control-plane-v1.schema.json": "sha256:545d4f8bd8aa0f6b7d8a7f64432793cc10552bfc28dde8c2be6ae6215377f591",
+    "kiln-config-v1.schema.json": "sha256:3ac8bfa994a31b85c54d6d3719f9175f73d0abad552fec1db066857fe879a2ef",
+    "kiln-control-plane-v1.schema.json": "sha256:af33f92be91a893a45137b1c3898a5ba1c2f2198fa9432225a3890af8141be46",
     "kiln-observability-v1.schema.json": "sha256:6f0bc47ffee00565b9fcff807ddbbfc8e2a57ca93e1f13e915de1dde8427e513"
 }
 

@@ -6,7 +6,7 @@ in one place (file names, the LoRA rules, the manifest's bindings, the crash-saf
 Names
     An adapter is the directory ``<registry>/<name>`` holding the files named in ``kiln.artifacts.adapter_files``
     (``CONFIG_FILE``, ``WEIGHTS_FILE``, ``RECEIPT_FILE``, ``MANIFEST_FILE``, ``CANARY_FILE``; exported here).
-    ``require_adapter_name`` raises the registry's name rule (``kiln._fs.name_problem``, kind ``adapter``) as
+    ``require_adapter_name`` raises the registry's name rule (``kiln.host.fs.name_problem``, kind ``adapter``) as
     ``training_invalid_request``; ``adapter_directory`` finds a registry adapter by name and answers
     ``adapter_not_found`` for a name the rule refuses (a demoted ``<name>.failed``, a checkpoint, a hidden staging
     directory), a symlink or nothing; ``base_adapter_dir`` is where a warm start's base adapter is.
@@ -33,7 +33,7 @@ Reading
 
 Changes
     ``staged_adapter`` is how a directory appears at an adapter's name (publication, restore): built in a hidden
-    staging directory and renamed into place complete (``kiln._fs.publish_dir``), superseding in that rename an
+    staging directory and renamed into place complete (``kiln.host.fs.publish_dir``), superseding in that rename an
     earlier attempt's receipt there (``holds_attempt_record_only``: a failed or dry run leaves only that), and with
     ``overwrite`` any adapter. ``demote`` takes an adapter out of service under ``<name>.failed`` (steps in its
     docstring); ``delete_adapter`` removes an adapter and the checkpoints it owns. Each change is crash-safe: cut
@@ -57,8 +57,6 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import RootModel
 
 from kiln import contracts
-from kiln._fs import fsync_dir, name_max_bytes, name_problem, publish_dir, superseded_entries
-from kiln._jsonio import MAX_DOCUMENT_BYTES, canonical_json, parse_json, read_json_file
 from kiln.artifacts.adapter_bodies import write_adapter_canary_status
 from kiln.artifacts.adapter_files import (
     CANARY_FILE,
@@ -72,8 +70,10 @@ from kiln.artifacts.adapter_manifest import load_adapter_manifest
 from kiln.artifacts.lineage import binding_problems
 from kiln.artifacts.receipt import load_train_receipt
 from kiln.checkpoints import parse_checkpoint_name, parse_checkpoint_staging_name
-from kiln.digests import prefixed
+from kiln.documents.digests import prefixed
+from kiln.documents.jsonio import MAX_DOCUMENT_BYTES, canonical_json, parse_json, read_json_file
 from kiln.errors import AdapterError, ContractError, KilnError, NotFoundError, RequestError
+from kiln.host.fs import fsync_dir, name_max_bytes, name_problem, publish_dir, superseded_entries
 
 if TYPE_CHECKING:
     from kiln_contracts.models.kiln_artifacts_v1_schema import AdapterManifest, TrainReceipt
@@ -591,7 +591,7 @@ def staged_adapter(
     registry: Path, name: str, *, purpose: str = "incomplete", overwrite: bool = False
 ) -> Iterator[Path]:
     """A hidden staging directory of ``registry`` for the block to fill, renamed to ``<registry>/<name>`` complete when
-    it returns (``kiln._fs.publish_dir``: fsync, one rename, fsync the registry). An earlier attempt's receipt at
+    it returns (``kiln.host.fs.publish_dir``: fsync, one rename, fsync the registry). An earlier attempt's receipt at
     the name is superseded by that rename; any other entry there is refused unless ``overwrite``, which replaces
     it. A failure before the rename leaves nothing behind and the name as it was."""
     with publish_dir(registry / name, purpose=purpose, overwrite=overwrite, supersede=_SUPERSEDED) as staging:

@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 from kiln import contracts
-from kiln._jsonio import read_json_file
 from kiln.adapters._directory import (
     CANARY_FILE,
     CONFIG_FILE,
@@ -29,7 +28,8 @@ from kiln.adapters._directory import (
     problem_text,
     read_canary_status,
 )
-from kiln.digests import raw_hex
+from kiln.documents.digests import raw_hex
+from kiln.documents.jsonio import read_json_file
 from kiln.errors import KilnError, Problem
 
 __all__ = ["adapter_entry", "list_adapters"]

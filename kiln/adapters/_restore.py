@@ -5,7 +5,7 @@
 1. read the manifest once (its bytes are what is validated and what is copied) and load it
    strictly as ``AdapterManifest``; the embedded records are checked by their own rules;
 2. choose the target ``<registry>/<name or adapter_name>``; the name must be an adapter
-   name (``require_adapter_name``, the rule ``kiln.publish.check_target`` applies; an unsafe
+   name (``require_adapter_name``, the rule ``kiln.adapters.publish.check_target`` applies; an unsafe
    name raises ``RequestError`` ``training_invalid_request``). Any existing entry under that
    name is refused with ``ConflictError`` ``adapter_exists`` unless ``overwrite``;
 3. copy the files the manifest names (plain file names beside the manifest) into a hidden
@@ -50,8 +50,6 @@ from pathlib import Path
 from typing import Any
 
 from kiln import contracts
-from kiln._fs import name_problem
-from kiln._jsonio import MAX_DOCUMENT_BYTES, parse_json, read_json_file
 from kiln.adapters._directory import (
     BINDINGS,
     CONFIG_FILE,
@@ -65,8 +63,10 @@ from kiln.adapters._directory import (
 )
 from kiln.artifacts.lineage import LINEAGE_FILE
 from kiln.artifacts.replay_log import REPLAY_LOG
-from kiln.digests import prefixed
+from kiln.documents.digests import prefixed
+from kiln.documents.jsonio import MAX_DOCUMENT_BYTES, parse_json, read_json_file
 from kiln.errors import AdapterError, ConflictError, ContractError, InternalError, KilnError
+from kiln.host.fs import name_problem
 
 __all__ = ["restore_adapter"]
 

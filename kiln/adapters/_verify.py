@@ -44,8 +44,6 @@ from pathlib import Path
 from typing import Any
 
 from kiln import contracts
-from kiln._fs import name_problem
-from kiln._jsonio import read_json_file
 from kiln.adapters._directory import (
     CONFIG_FILE,
     MANIFEST_FILE,
@@ -59,9 +57,11 @@ from kiln.adapters._directory import (
 )
 from kiln.artifacts.adapter_bodies import MANIFEST_CHECK, OFFLINE_CHECKS, SERVER_CHECKS
 from kiln.artifacts.adapter_manifest import load_adapter_manifest
-from kiln.config import configured_registry
-from kiln.digests import file_sha256, prefixed
+from kiln.documents.digests import file_sha256, prefixed
+from kiln.documents.jsonio import read_json_file
 from kiln.errors import ContractError, InternalError, KilnError, RequestError
+from kiln.host.config import configured_registry
+from kiln.host.fs import name_problem
 
 DEFAULT_PROMPT = "Say hello in one short sentence."
 SERVER_MAX_TOKENS = 32
@@ -86,7 +86,7 @@ def verify_adapter(
 ) -> dict[str, Any]:
     """The ``AdapterVerifyReceipt`` of one adapter (``status`` is ``ok`` or ``failed``).
 
-    ``name_or_path`` is an existing directory, else an adapter name (``kiln._fs.name_problem``) in ``registry``
+    ``name_or_path`` is an existing directory, else an adapter name (``kiln.host.fs.name_problem``) in ``registry``
     (``None``: the configured registry). With ``url`` the server checks run against that
     server (``api_key`` as its bearer key); ``prompt`` is used only by their generations.
     """

@@ -5,7 +5,6 @@ Importing this package registers every semantic rule of the schemas.
 
 from __future__ import annotations
 
-from kiln import _rules
 from kiln.artifacts import (
     adapter_bodies,
     adapter_files,
@@ -25,8 +24,9 @@ from kiln.artifacts import (
     teachers,
     worker_spec,
 )
+from kiln.documents import rules
 
-_rules.mark_complete()
+rules.mark_complete()
 
 __all__ = [
     "adapter_bodies",

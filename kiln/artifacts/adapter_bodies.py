@@ -23,10 +23,10 @@ from collections.abc import Iterable
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from kiln import _documents
-from kiln._rules import ptr, semantic_rule
 from kiln.artifacts.adapter_files import CONFIG_FILE, MANIFEST_FILE, RECEIPT_FILE, WEIGHTS_FILE
 from kiln.artifacts.receipt import alpha_over_rank_matches
+from kiln.documents import pipeline
+from kiln.documents.rules import ptr, semantic_rule
 from kiln.errors import Problem
 
 CANARY = "AdapterCanaryStatus"
@@ -368,25 +368,25 @@ def _verify_lora(doc: dict[str, Any], at: str) -> Iterable[Problem]:
             )
 
 
-def load_adapter_canary_status(source: _documents.Source) -> Any:
-    return _documents.load(CANARY, source)
+def load_adapter_canary_status(source: pipeline.Source) -> Any:
+    return pipeline.load(CANARY, source)
 
 
 def write_adapter_canary_status(path: str | os.PathLike[str], status: Any) -> Path:
-    return _documents.write(CANARY, path, status)
+    return pipeline.write(CANARY, path, status)
 
 
-def load_adapter_restore_receipt(source: _documents.Source) -> Any:
-    return _documents.load(RESTORE, source)
+def load_adapter_restore_receipt(source: pipeline.Source) -> Any:
+    return pipeline.load(RESTORE, source)
 
 
 def render_adapter_restore_receipt(receipt: Any) -> bytes:
-    return _documents.render(RESTORE, receipt)
+    return pipeline.render(RESTORE, receipt)
 
 
-def load_adapter_verify_receipt(source: _documents.Source) -> Any:
-    return _documents.load(VERIFY, source)
+def load_adapter_verify_receipt(source: pipeline.Source) -> Any:
+    return pipeline.load(VERIFY, source)
 
 
 def render_adapter_verify_receipt(receipt: Any) -> bytes:
-    return _documents.render(VERIFY, receipt)
+    return pipeline.render(VERIFY, receipt)

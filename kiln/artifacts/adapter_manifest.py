@@ -9,7 +9,7 @@ run wherever they occur: ``base_weight_shard_manifest`` (sorted unique shards, t
 aggregate digest) and ``execution_provenance`` (self-digest, kernel-contract digest, sorted
 features, text fields); ``training_precision`` has no rules beyond its closed schema.
 ``manifest.file-hashes`` needs the files and is checked by restore, verify and load, not here.
-``manifest.file-names``: each named file is one plain file name (``kiln._fs.name_problem``,
+``manifest.file-names``: each named file is one plain file name (``kiln.host.fs.name_problem``,
 kind ``file``), not the manifest's own, and no file is named twice.
 
 ``load_adapter_manifest`` (strict), ``write_adapter_manifest`` (canonical, atomic).
@@ -22,11 +22,11 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from kiln import _documents
-from kiln._fs import name_problem
-from kiln._rules import ptr, semantic_rule
 from kiln.artifacts.adapter_files import MANIFEST_FILE
+from kiln.documents import pipeline
+from kiln.documents.rules import ptr, semantic_rule
 from kiln.errors import Problem
+from kiln.host.fs import name_problem
 
 DOC = "AdapterManifest"
 FILE_ROLES = ("adapter_model", "adapter_config", "train_receipt")
@@ -86,9 +86,9 @@ def _template_digest(doc: dict[str, Any], at: str) -> Iterable[Problem]:
         )
 
 
-def load_adapter_manifest(source: _documents.Source) -> Any:
-    return _documents.load(DOC, source)
+def load_adapter_manifest(source: pipeline.Source) -> Any:
+    return pipeline.load(DOC, source)
 
 
 def write_adapter_manifest(path: str | os.PathLike[str], manifest: Any) -> Path:
-    return _documents.write(DOC, path, manifest)
+    return pipeline.write(DOC, path, manifest)

@@ -14,9 +14,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from kiln import _documents
-from kiln._rules import ptr, semantic_rule
-from kiln.digests import BASE_MODEL_CONTENT_ALGORITHM, base_model_content_aggregate, file_sha256, prefixed
+from kiln.documents import pipeline
+from kiln.documents.digests import BASE_MODEL_CONTENT_ALGORITHM, base_model_content_aggregate, file_sha256, prefixed
+from kiln.documents.rules import ptr, semantic_rule
 from kiln.errors import Problem
 
 DOC = "BaseWeightShardManifest"
@@ -59,12 +59,12 @@ def _aggregate(doc: dict[str, Any], at: str) -> Iterable[Problem]:
         )
 
 
-def load_base_weight_manifest(source: _documents.Source) -> Any:
-    return _documents.load(DOC, source)
+def load_base_weight_manifest(source: pipeline.Source) -> Any:
+    return pipeline.load(DOC, source)
 
 
 def write_base_weight_manifest(path: str | os.PathLike[str], manifest: Any) -> Path:
-    return _documents.write(DOC, path, manifest)
+    return pipeline.write(DOC, path, manifest)
 
 
 def build_base_weight_manifest(model_dir: str | os.PathLike[str], *, workers: int | None = None) -> dict[str, Any]:

@@ -44,13 +44,13 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from kiln import _documents
-from kiln._fs import name_problem
-from kiln._rules import ptr, semantic_rule
-from kiln.batch_plan import group_window, rows_per_step, steps_per_epoch
-from kiln.epoch_order import ALGORITHM_ID as EPOCH_ORDER_ALGORITHM
-from kiln.epoch_order import epoch_order
+from kiln.documents import pipeline
+from kiln.documents.batch_plan import group_window, rows_per_step, steps_per_epoch
+from kiln.documents.epoch_order import ALGORITHM_ID as EPOCH_ORDER_ALGORITHM
+from kiln.documents.epoch_order import epoch_order
+from kiln.documents.rules import ptr, semantic_rule
 from kiln.errors import IntegrityError, Problem
+from kiln.host.fs import name_problem
 
 DOC = "TrainingCheckpointManifest"
 SFT_AUX = "SftCheckpointAuxiliaryState"
@@ -119,7 +119,7 @@ def _same_setting(a: Any, b: Any) -> bool:
 
 def relative_path_problem(path: str) -> str | None:
     """Why ``path`` is not a CheckpointRelativePath, or None when it is one: at most 1024 bytes, not reserved,
-    '/'-separated portable components, each a plain file name (``kiln._fs.name_problem``, kind ``file``)."""
+    '/'-separated portable components, each a plain file name (``kiln.host.fs.name_problem``, kind ``file``)."""
     if len(path.encode("utf-8")) > MAX_RELATIVE_PATH_BYTES:
         return f"is longer than {MAX_RELATIVE_PATH_BYTES} bytes"
     if path in RESERVED_PATHS:
@@ -147,7 +147,7 @@ def _embedded_problems(definition: str, value: Any, at: str, what: str) -> Itera
             at + p.pointer,
             f"{what} does not fit {definition} ({p.code}): {p.message}",
         )
-        for p in _documents.problems_of(definition, value)
+        for p in pipeline.problems_of(definition, value)
     ]
     digests = [p for p in found if p.code == "digest_mismatch"]
     if digests:
@@ -836,9 +836,9 @@ def _grpo_ema_fields(aux: dict[str, Any], at: str) -> Iterable[Problem]:
         )
 
 
-def load_checkpoint_manifest(source: _documents.Source) -> Any:
-    return _documents.load(DOC, source)
+def load_checkpoint_manifest(source: pipeline.Source) -> Any:
+    return pipeline.load(DOC, source)
 
 
 def write_checkpoint_manifest(path: str | os.PathLike[str], manifest: Any) -> Path:
-    return _documents.write(DOC, path, manifest)
+    return pipeline.write(DOC, path, manifest)

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from kiln._rules import ptr, semantic_rule
+from kiln.documents.rules import ptr, semantic_rule
 from kiln.errors import Problem
 
 DOC = "TrainingCheckpointSummary"

@@ -17,8 +17,8 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
-from kiln import _documents
-from kiln._rules import ptr, semantic_rule
+from kiln.documents import pipeline
+from kiln.documents.rules import ptr, semantic_rule
 from kiln.errors import Problem
 
 Z95 = 1.959963984540054
@@ -131,9 +131,9 @@ def _verdict_counts(doc: dict[str, Any], at: str) -> Iterable[Problem]:
         )
 
 
-def load_eval_suite(source: _documents.Source) -> Any:
-    return _documents.load("EvalSuite", source)
+def load_eval_suite(source: pipeline.Source) -> Any:
+    return pipeline.load("EvalSuite", source)
 
 
-def load_eval_result(source: _documents.Source) -> Any:
-    return _documents.load("EvalResult", source)
+def load_eval_result(source: pipeline.Source) -> Any:
+    return pipeline.load("EvalResult", source)

@@ -2,7 +2,7 @@
 
 ``lineage.json`` names the base model (config and weight digests, the path for information), the warm-start parent
 (its name, the digest its weights had, its ``replay_hash``), every request record of ``replay.jsonl`` by id and
-digest in file order, and ``replay_hash`` (``kiln.digests.replay_hash``, ``kiln.replay-hash.v1``): the parent's
+digest in file order, and ``replay_hash`` (``kiln.documents.digests.replay_hash``, ``kiln.replay-hash.v1``): the parent's
 replay hash, the hashed base-model fields and every request record chained into one digest. Outcome records are
 not covered; the train receipt's ``request_lineage`` binds both files whole by digest, and the adapter manifest binds
 the receipt.
@@ -32,12 +32,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kiln import _documents
-from kiln._jsonio import read_json_file
-from kiln._rules import ptr, semantic_rule
 from kiln.artifacts.adapter_files import MANIFEST_FILE, WEIGHTS_FILE
 from kiln.artifacts.replay_log import REPLAY_LOG, LogLine, load_replay_log, requests_of, verify_replay_log
-from kiln.digests import REPLAY_HASH_ALGORITHM, file_sha256, json_sha256, prefixed, replay_hash
+from kiln.documents import pipeline
+from kiln.documents.digests import REPLAY_HASH_ALGORITHM, file_sha256, json_sha256, prefixed, replay_hash
+from kiln.documents.jsonio import read_json_file
+from kiln.documents.rules import ptr, semantic_rule
 from kiln.errors import ContractError, IntegrityError, Problem
 
 DOC = "RequestLineage"
@@ -68,12 +68,12 @@ def _unique_requests(doc: dict[str, Any], at: str) -> Iterable[Problem]:
         seen.add(entry["request_id"])
 
 
-def load_lineage(source: _documents.Source) -> Any:
-    return _documents.load(DOC, source)
+def load_lineage(source: pipeline.Source) -> Any:
+    return pipeline.load(DOC, source)
 
 
 def write_lineage(path: str | os.PathLike[str], lineage: dict[str, Any]) -> Path:
-    return _documents.write(DOC, path, lineage)
+    return pipeline.write(DOC, path, lineage)
 
 
 def build_lineage(
@@ -172,7 +172,7 @@ def _ancestry(leaf: Path) -> list[tuple[Path, dict[str, Any]]]:
                 "document_unreadable", str(path), f"{current.name} has no {LINEAGE_FILE}: it has no request lineage"
             )
         lineage = read_json_file(path)
-        _documents.load(DOC, lineage, document=str(path))
+        pipeline.load(DOC, lineage, document=str(path))
         chain.append((current, lineage))
         parent = lineage["parent"]
         if parent is None:
@@ -247,7 +247,7 @@ def _check_binding(directory: Path, lineage: dict[str, Any]) -> None:
             f"{MANIFEST_FILE} is missing: nothing binds {REPLAY_LOG} and {LINEAGE_FILE}",
         )
     manifest = read_json_file(path)
-    _documents.load("AdapterManifest", manifest, document=str(path))
+    pipeline.load("AdapterManifest", manifest, document=str(path))
     name = manifest["files"]["train_receipt"]
     receipt_path = directory / name if name else None
     if receipt_path is None or not receipt_path.is_file():

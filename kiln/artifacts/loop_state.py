@@ -28,9 +28,9 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from kiln import _documents
-from kiln._rules import ptr, semantic_rule
-from kiln.batch_plan import steps_per_epoch
+from kiln.documents import pipeline
+from kiln.documents.batch_plan import steps_per_epoch
+from kiln.documents.rules import ptr, semantic_rule
 from kiln.errors import Problem
 
 SFT = "SftLoopState"
@@ -432,9 +432,9 @@ def loop_state_file_name(training_kind: str) -> str:
     return f"{training_kind}_loop_state.json"
 
 
-def load_loop_state(training_kind: str, source: _documents.Source) -> Any:
-    return _documents.load(_doc_type(training_kind), source)
+def load_loop_state(training_kind: str, source: pipeline.Source) -> Any:
+    return pipeline.load(_doc_type(training_kind), source)
 
 
 def write_loop_state(training_kind: str, path: str | os.PathLike[str], state: Any) -> Path:
-    return _documents.write(_doc_type(training_kind), path, state)
+    return pipeline.write(_doc_type(training_kind), path, state)

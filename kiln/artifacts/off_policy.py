@@ -17,8 +17,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from kiln import _documents
-from kiln._rules import ptr, semantic_rule
+from kiln.documents import pipeline
+from kiln.documents.rules import ptr, semantic_rule
 from kiln.errors import Problem
 
 MANIFEST = "OffPolicyDistillationManifestV1"
@@ -83,9 +83,9 @@ def _prompt_logprobs(doc: dict[str, Any], at: str) -> Iterable[Problem]:
                 )
 
 
-def load_off_policy_manifest(source: _documents.Source) -> Any:
-    return _documents.load(MANIFEST, source)
+def load_off_policy_manifest(source: pipeline.Source) -> Any:
+    return pipeline.load(MANIFEST, source)
 
 
-def load_off_policy_row(source: _documents.Source) -> Any:
-    return _documents.load(ROW, source)
+def load_off_policy_row(source: pipeline.Source) -> Any:
+    return pipeline.load(ROW, source)

@@ -14,9 +14,9 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from kiln import _documents
-from kiln._rules import ptr, semantic_rule
-from kiln.digests import execution_provenance_digest, kernel_contract_digest
+from kiln.documents import pipeline
+from kiln.documents.digests import execution_provenance_digest, kernel_contract_digest
+from kiln.documents.rules import ptr, semantic_rule
 from kiln.errors import Problem
 
 DOC = "ExecutionProvenanceV1"
@@ -105,9 +105,9 @@ def seal_execution_provenance(record: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def load_execution_provenance(source: _documents.Source) -> Any:
-    return _documents.load(DOC, source)
+def load_execution_provenance(source: pipeline.Source) -> Any:
+    return pipeline.load(DOC, source)
 
 
 def write_execution_provenance(path: str | os.PathLike[str], record: Any) -> Path:
-    return _documents.write(DOC, path, record)
+    return pipeline.write(DOC, path, record)

@@ -31,9 +31,9 @@ from datetime import date
 from pathlib import Path
 from typing import Any
 
-from kiln import _documents
-from kiln._rules import ptr, semantic_rule
-from kiln.digests import effective_config_hash, teacher_identity_revision
+from kiln.documents import pipeline
+from kiln.documents.digests import effective_config_hash, teacher_identity_revision
+from kiln.documents.rules import ptr, semantic_rule
 from kiln.errors import Problem
 
 DOC = "TrainReceipt"
@@ -433,11 +433,11 @@ def _opd_teacher_revision(doc: dict[str, Any], at: str) -> Iterable[Problem]:
         )
 
 
-def load_train_receipt(source: _documents.Source) -> Any:
+def load_train_receipt(source: pipeline.Source) -> Any:
     """Read a receipt leniently (unknown members ignored), then apply every semantic rule."""
-    return _documents.load(DOC, source)
+    return pipeline.load(DOC, source)
 
 
 def write_train_receipt(path: str | os.PathLike[str], receipt: Any) -> Path:
     """Write a receipt against the closed writer schema, canonical and crash-atomic."""
-    return _documents.write(DOC, path, receipt)
+    return pipeline.write(DOC, path, receipt)

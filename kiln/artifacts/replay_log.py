@@ -25,11 +25,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kiln import _documents
-from kiln._fs import atomic_write_bytes
-from kiln._jsonio import MAX_DOCUMENT_BYTES, canonical_json, parse_json
-from kiln._rules import ptr, semantic_rule
+from kiln.documents import pipeline
+from kiln.documents.jsonio import MAX_DOCUMENT_BYTES, canonical_json, parse_json
+from kiln.documents.rules import ptr, semantic_rule
 from kiln.errors import ContractError, DocumentReadError, Problem
+from kiln.host.fs import atomic_write_bytes
 
 REPLAY_LOG = "replay.jsonl"
 REQUEST = "ReplayRequestRecord"
@@ -101,12 +101,12 @@ def _kind_of(value: Any, document: str | None) -> str:
     return KINDS[kind]
 
 
-def load_replay_record(source: _documents.Source, *, document: str | None = None) -> dict[str, Any]:
+def load_replay_record(source: pipeline.Source, *, document: str | None = None) -> dict[str, Any]:
     """One record, strictly (its ``record_type`` picks the schema); returned as plain JSON data, numbers canonical."""
-    value, document = _documents.read_source(source, document=document)
+    value, document = pipeline.read_source(source, document=document)
     kind = _kind_of(value, document)
-    _documents.load(kind, value, document=document)
-    return _documents.canonical(kind, value)
+    pipeline.load(kind, value, document=document)
+    return pipeline.canonical(kind, value)
 
 
 def load_replay_log(path: str | os.PathLike[str]) -> list[LogLine]:
@@ -188,7 +188,7 @@ def pending_log(registry: str | os.PathLike[str], adapter_name: str) -> Path:
 
 
 def _line(record: dict[str, Any]) -> bytes:
-    return _documents.render(_kind_of(record, None), record) + b"\n"
+    return pipeline.render(_kind_of(record, None), record) + b"\n"
 
 
 def render_replay_log(records: Iterable[dict[str, Any]]) -> bytes:

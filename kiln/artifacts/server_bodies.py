@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from kiln._rules import ptr, semantic_rule
-from kiln.digests import json_sha256
+from kiln.documents.digests import json_sha256
+from kiln.documents.rules import ptr, semantic_rule
 from kiln.errors import Problem
 
 REDACTED = "<redacted-present>"

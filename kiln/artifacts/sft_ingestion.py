@@ -12,9 +12,9 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from kiln import _documents
-from kiln._rules import ptr, semantic_rule
-from kiln.digests import sft_kept_corpus_digest
+from kiln.documents import pipeline
+from kiln.documents.digests import sft_kept_corpus_digest
+from kiln.documents.rules import ptr, semantic_rule
 from kiln.errors import Problem
 
 DOC = "SftIngestion"
@@ -103,9 +103,9 @@ def _corpus(doc: dict[str, Any], at: str) -> Iterable[Problem]:
         )
 
 
-def load_sft_ingestion(source: _documents.Source) -> Any:
-    return _documents.load(DOC, source)
+def load_sft_ingestion(source: pipeline.Source) -> Any:
+    return pipeline.load(DOC, source)
 
 
 def write_sft_ingestion(path: str | os.PathLike[str], record: Any) -> Path:
-    return _documents.write(DOC, path, record)
+    return pipeline.write(DOC, path, record)

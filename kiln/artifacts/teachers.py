@@ -16,9 +16,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from kiln import _documents
-from kiln._rules import ptr, semantic_rule
-from kiln.digests import prefixed, teacher_identity_revision
+from kiln.documents import pipeline
+from kiln.documents.digests import prefixed, teacher_identity_revision
+from kiln.documents.rules import ptr, semantic_rule
 from kiln.errors import Problem
 
 IDENTITY = "TeacherIdentityV1"
@@ -147,18 +147,18 @@ def _status(doc: dict[str, Any], at: str) -> Iterable[Problem]:
 def teacher_identity_revision_of(identity: Any) -> str:
     """Raw revision (64 hex) of a ``TeacherIdentityV1`` model or dict, after strict validation (of its canonical
     form: ``"vocab_size": 32000.0`` and ``32000`` are one identity)."""
-    data = _documents.to_json(identity)
-    _documents.load(IDENTITY, data)
-    return teacher_identity_revision(_documents.canonical(IDENTITY, data))
+    data = pipeline.to_json(identity)
+    pipeline.load(IDENTITY, data)
+    return teacher_identity_revision(pipeline.canonical(IDENTITY, data))
 
 
-def load_teacher_identity(source: _documents.Source) -> Any:
-    return _documents.load(IDENTITY, source)
+def load_teacher_identity(source: pipeline.Source) -> Any:
+    return pipeline.load(IDENTITY, source)
 
 
-def load_teacher_entry(source: _documents.Source) -> Any:
-    return _documents.load(ENTRY, source)
+def load_teacher_entry(source: pipeline.Source) -> Any:
+    return pipeline.load(ENTRY, source)
 
 
-def load_register_teacher_request(source: _documents.Source) -> Any:
-    return _documents.load(REQUEST, source)
+def load_register_teacher_request(source: pipeline.Source) -> Any:
+    return pipeline.load(REQUEST, source)

@@ -1,7 +1,7 @@
 """Worker spec (``kiln.worker-spec.v1``, ``spec.json`` of a training job): what a worker process trains.
 
 The server writes one for each job it starts in a worker process (and builds one for its in-process thread), and
-``kiln train --local`` for a run over several ranks; ``python -m kiln.worker SPEC`` loads it strictly. Its
+``kiln train --local`` for a run over several ranks; ``python -m kiln.jobs.worker SPEC`` loads it strictly. Its
 ``request`` is the replay request, which the worker admits again against its kind's request definition; its
 ``fingerprint`` is what that admission must give again. The schema is closed at every level and has no cross-field
 rule.
@@ -17,8 +17,8 @@ from pathlib import Path
 
 from kiln_contracts.models.kiln_control_plane_v1_schema import WorkerSpec
 
-from kiln import _documents
-from kiln._jsonio import JsonObject
+from kiln.documents import pipeline
+from kiln.documents.jsonio import JsonObject
 
 DOC = "WorkerSpec"
 SCHEMA = "kiln.worker-spec.v1"
@@ -61,16 +61,16 @@ def build_worker_spec(
             "data_roots": None if data_roots is None else [str(root) for root in data_roots],
         },
     }
-    loaded: WorkerSpec = _documents.load(DOC, spec, document=DOC)
+    loaded: WorkerSpec = pipeline.load(DOC, spec, document=DOC)
     return loaded
 
 
 def load_worker_spec(path: str | os.PathLike[str]) -> WorkerSpec:
     """Read and strictly validate a worker spec."""
-    loaded: WorkerSpec = _documents.load(DOC, Path(path))
+    loaded: WorkerSpec = pipeline.load(DOC, Path(path))
     return loaded
 
 
 def write_worker_spec(path: str | os.PathLike[str], spec: WorkerSpec) -> Path:
     """Write a worker spec crash-atomically in canonical JSON."""
-    return _documents.write(DOC, path, spec)
+    return pipeline.write(DOC, path, spec)

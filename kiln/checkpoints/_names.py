@@ -8,14 +8,14 @@ relative path with a separator, a symlink) is refused before any model work.
 The parse is strict, so an adapter owns exactly the checkpoints whose names parse back to
 it: the name is exactly ``checkpoint_name(adapter, step)`` (the step zero-padded to 8
 digits, more only from step 100,000,000 on, never a leading zero beyond 8) and ``adapter``
-passes the registry's name rule (``kiln._fs.name_problem``, kind ``adapter``), which refuses
+passes the registry's name rule (``kiln.host.fs.name_problem``, kind ``adapter``), which refuses
 ``-checkpoint-step-`` inside an adapter name -- so the first ``-checkpoint-step-`` of a
 checkpoint name is where its adapter ends. ``victim-checkpoint-keep`` is no checkpoint of
 ``victim``; ``victim-checkpoint-step-00000001.kiln-checkpoint`` is one, and of no one else.
 
 ``parse_checkpoint_staging_name`` reads the hidden entries made from a checkpoint name:
 ``.<checkpoint name>.<purpose>-XXXXXXXX`` -- ``incomplete`` for a publication in progress
-(``kiln._fs.staging_dir``), ``deleting`` for a deletion in progress.
+(``kiln.host.fs.staging_dir``), ``deleting`` for a deletion in progress.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ import os
 import re
 from pathlib import Path
 
-from kiln._fs import name_problem
 from kiln.errors import CheckpointError
+from kiln.host.fs import name_problem
 
 SUFFIX = ".kiln-checkpoint"
 STEP_MARK = "-checkpoint-step-"

@@ -37,13 +37,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
-from kiln import _documents
-from kiln._fs import fsync_dir, staging_dir
-from kiln._jsonio import canonical_json
 from kiln.artifacts.checkpoint_manifest import DOC, INCOMPLETE_SENTINEL, MANIFEST_FILE
 from kiln.checkpoints._names import checkpoint_name
 from kiln.checkpoints._read import MAX_FILES, check_loop_state
+from kiln.documents import pipeline
+from kiln.documents.jsonio import canonical_json
 from kiln.errors import CheckpointError, StorageFailureError
+from kiln.host.fs import fsync_dir, staging_dir
 
 log = logging.getLogger("kiln.checkpoints")
 
@@ -143,13 +143,13 @@ def publish_checkpoint(
         snapshot = capture()
     t1 = time.perf_counter()
     manifest, files = encode(snapshot)
-    manifest = _documents.canonical(DOC, manifest)  # written as it is judged: numbers canonical (kiln._numbers)
+    manifest = pipeline.canonical(DOC, manifest)  # written as it is judged: numbers canonical (kiln.documents.numbers)
     if len(files) > MAX_FILES:
         raise ValueError(f"a checkpoint holds at most {MAX_FILES} files, not {len(files)}")
     # Strict checks before the first byte is written: the manifest (digests pending) and the
     # loop state against its progress. The digests are computed while the files are written.
     pending = _with_files(manifest, files, {})
-    _documents.render(DOC, pending)
+    pipeline.render(DOC, pending)
     loop_file = pending["state_files"]["loss_history"]
     check_loop_state(pending, files[loop_file][1], source=loop_file)
     t2 = time.perf_counter()

@@ -18,12 +18,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
 
-from kiln import _documents
-from kiln._jsonio import MAX_DOCUMENT_BYTES, parse_json
 from kiln.artifacts.adapter_files import SERVING_FILES
 from kiln.artifacts.checkpoint_manifest import DOC, INCOMPLETE_SENTINEL, MANIFEST_FILE
 from kiln.artifacts.loop_state import LOOP_STATE_TYPES
 from kiln.checkpoints._names import checkpoint_name, parse_checkpoint_name
+from kiln.documents import pipeline
+from kiln.documents.jsonio import MAX_DOCUMENT_BYTES, parse_json
 from kiln.errors import CheckpointError, ContractError, Problem
 
 MAX_FILES = 64
@@ -158,7 +158,7 @@ def _parse_manifest(path: Path, data: bytes) -> dict[str, Any]:
     source = str(path / MANIFEST_FILE)
     try:
         value = parse_json(data, source=source)
-        found = _documents.problems_of(DOC, value)
+        found = pipeline.problems_of(DOC, value)
     except ContractError as exc:
         found = exc.problems
         value = None
@@ -315,7 +315,7 @@ def check_loop_state(manifest: dict[str, Any], data: bytes, *, source: str) -> d
     definition = LOOP_STATE_TYPES[manifest["training_kind"]]
     try:
         value = parse_json(data, source=source)
-        found = _documents.problems_of(definition, value)
+        found = pipeline.problems_of(definition, value)
     except ContractError as exc:
         found, value = exc.problems, None
     if found:

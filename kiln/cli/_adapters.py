@@ -103,7 +103,7 @@ def add_adapters_parser(sub: Any) -> None:
 
 
 def _registry(args: argparse.Namespace) -> Path:
-    from kiln.config import configured_registry
+    from kiln.host.config import configured_registry
 
     return configured_registry(args.adapter_dir)
 

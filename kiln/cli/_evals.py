@@ -122,7 +122,7 @@ def _interval(result: dict[str, Any]) -> str:
 def _read_suite(path: Path) -> dict[str, Any] | None:
     """The suite in ``path`` checked against ``EvalSuite``; prints the problems and returns None if not."""
     from kiln import contracts
-    from kiln._jsonio import read_json_file
+    from kiln.documents.jsonio import read_json_file
     from kiln.errors import ContractError
 
     try:

@@ -1,12 +1,12 @@
-"""``kiln train sft|grpo|opd --local``: one runner for every kind, through the training worker (``kiln.worker``).
+"""``kiln train sft|grpo|opd --local``: one runner for every kind, through the training worker (``kiln.jobs.worker``).
 
 The request is built from the file and the flags exactly as for a server (``kiln.cli._requests``), admitted in this
 process (the configured registry, model, teacher registry and ``training.checkpoint_interval``; for SFT the world
 size of ``--nproc-per-node`` x ``--nnodes``), then trained the way the server's workers train:
 
-* one process: ``kiln.worker.train_admitted`` in this process, on the job admitted here;
+* one process: ``kiln.jobs.worker.train_admitted`` in this process, on the job admitted here;
 * several ranks: the admitted job's replay request goes into a ``kiln.worker-spec.v1`` in a temporary directory and
-  ``python -m kiln.worker`` runs it (as ``torchrun``, one process per rank); this process follows its event file
+  ``python -m kiln.jobs.worker`` runs it (as ``torchrun``, one process per rank); this process follows its event file
   and reads the outcome line rank 0 writes. On a multi-node run every node runs this command with the same flags
   and its own ``--node-rank``; the node that holds rank 0 (the c10d rendezvous assigns ranks) publishes and prints
   the result, the others report that their ranks finished.
@@ -99,7 +99,7 @@ def _ranks(args: argparse.Namespace) -> int:
 
 def _admit(args: argparse.Namespace, kind: str, path: Path) -> tuple[Any, dict[str, Any], Any]:
     """The admitted job, the replay request the ranks admit again, and the context it was admitted in."""
-    from kiln.config import resolve_settings
+    from kiln.host.config import resolve_settings
     from kiln.teachers import teachers_root
     from kiln.trainers import TRAINERS, TrainingContext
     from kiln.training import DataParallel
@@ -121,8 +121,8 @@ def _admit(args: argparse.Namespace, kind: str, path: Path) -> tuple[Any, dict[s
 
 def _result_of(outcome: dict[str, Any], target: Path) -> Any:
     """The ``TrainResult`` a worker's outcome line describes (its receipt read from where the run wrote it)."""
-    from kiln._jsonio import read_json_file
     from kiln.adapters import MANIFEST_FILE, RECEIPT_FILE
+    from kiln.documents.jsonio import read_json_file
     from kiln.trainers import TrainResult
 
     receipt_path = Path(outcome["receipt_path"]) if outcome.get("receipt_path") else None
@@ -190,7 +190,7 @@ def _run_ranks(
     rank 0's outcome line, or None when this node's ranks ended without one (rank 0 ran on another node). The
     workers' output goes to ``worker.log``, quoted when they end without an outcome."""
     from kiln.artifacts.worker_spec import write_worker_spec
-    from kiln.worker import follow
+    from kiln.jobs.worker import follow
 
     with tempfile.TemporaryDirectory(prefix="kiln-ranks-") as tmp:
         directory = Path(tmp)
@@ -217,8 +217,8 @@ def _run_ranks(
 def cmd_train_local(args: argparse.Namespace, kind: str) -> int:
     """Admit, train (in this process, or over several ranks), print where the adapter, receipt and manifest are (or
     why it failed)."""
+    from kiln.jobs.worker import train_admitted
     from kiln.trainers import TRAINERS
-    from kiln.worker import train_admitted
 
     path = Path(args.file)
     text = TRAINERS[kind].texts

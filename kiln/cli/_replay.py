@@ -90,8 +90,8 @@ def _records(directory: Path) -> tuple[Path, list[Any]]:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    from kiln._jsonio import read_json_file
     from kiln.artifacts.lineage import LINEAGE_FILE
+    from kiln.documents.jsonio import read_json_file
 
     directory = Path(args.adapter_dir)
     try:

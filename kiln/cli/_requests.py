@@ -63,7 +63,7 @@ def _read_file(path: Path, inline_key: str, whole_request: bool) -> dict[str, An
     OPD), else only its ``inline_key`` member (SFT: the file's conversations)."""
     if path.suffix == ".jsonl":
         return {"dataset_path": str(path.resolve())}
-    from kiln._jsonio import read_json_file
+    from kiln.documents.jsonio import read_json_file
 
     value = read_json_file(path)
     if isinstance(value, list):

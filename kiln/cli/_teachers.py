@@ -107,7 +107,7 @@ def _usage(message: str) -> int:
 
 
 def _registry(adapter_dir: str | None = None) -> Any:
-    from kiln.config import resolve_settings
+    from kiln.host.config import resolve_settings
     from kiln.teachers import TeacherRegistry, teachers_root
 
     settings = resolve_settings({"model.adapter_dir": adapter_dir})

@@ -22,7 +22,7 @@ API
 Groups
     A group is one inline list item or one non-blank line of the file (blank = only ASCII
     whitespace; blank lines are not groups but are counted and hashed as consumed lines).
-    Lines are parsed strictly (``kiln._jsonio.parse_json``: UTF-8, no duplicate keys, no
+    Lines are parsed strictly (``kiln.documents.jsonio.parse_json``: UTF-8, no duplicate keys, no
     NaN/Infinity). Inline groups are checked for non-finite numbers, serialised to canonical
     JSON and parsed back, so both routes see the same plain JSON values. Each group is then
     validated as an ``AgenticGroup``: it is not a contract entry point, so the group is
@@ -109,7 +109,7 @@ from kiln.data.trajectory import (
     parse_line,
     segments,
 )
-from kiln.digests import json_sha256, prefixed
+from kiln.documents.digests import json_sha256, prefixed
 from kiln.errors import RequestError, TrainingDataError
 
 __all__ = [

@@ -21,7 +21,7 @@ import os
 from collections.abc import Generator
 from pathlib import Path
 
-from kiln.digests import prefixed, raw_hex, stream_sha256
+from kiln.documents.digests import prefixed, raw_hex, stream_sha256
 from kiln.errors import RequestError
 
 __all__ = ["check_unchanged", "dataset_file", "dataset_sha256", "file_lines", "is_blank"]

@@ -72,7 +72,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kiln._fs import unsafe_path_problem
 from kiln.artifacts.off_policy import MANIFEST, ROW
 from kiln.contracts import problems
 from kiln.data.chat import json_type
@@ -90,8 +89,9 @@ from kiln.data.trajectory import (
     parse_line,
     segments,
 )
-from kiln.digests import json_sha256, prefixed, raw_hex
+from kiln.documents.digests import json_sha256, prefixed, raw_hex
 from kiln.errors import ContractError, Problem, RequestError
+from kiln.host.fs import unsafe_path_problem
 
 __all__ = [
     "OFF_POLICY_SOURCE",

@@ -4,7 +4,7 @@ labels, plus the ``kiln.sft-ingestion.v1`` record (spec/40 "SFT", spec/10, spec/
 Rows
     A row is one non-blank line of the JSONL file (blank = only ASCII whitespace) or one
     inline example; rows are numbered from 1 among non-blank rows. Each line is parsed
-    strictly (``kiln._jsonio.parse_json``: UTF-8, no duplicate keys, no NaN). Inline
+    strictly (``kiln.documents.jsonio.parse_json``: UTF-8, no duplicate keys, no NaN). Inline
     examples are serialised to canonical JSON and go through the same parser, so inline and
     file input of the same rows give the same row hashes.
 
@@ -80,10 +80,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kiln._jsonio import canonical_json, parse_json
 from kiln.data.chat import ChatTemplate, InvalidRowError, json_type, normalise_message
 from kiln.data.jsonl import dataset_file, file_lines, is_blank
-from kiln.digests import sft_kept_corpus_digest, sft_parsed_row_hash, sft_raw_row_hash
+from kiln.documents.digests import sft_kept_corpus_digest, sft_parsed_row_hash, sft_raw_row_hash
+from kiln.documents.jsonio import canonical_json, parse_json
 from kiln.errors import KilnError, RequestError
 
 __all__ = [

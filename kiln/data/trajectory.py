@@ -5,7 +5,7 @@ token -- what GRPO's groups and OPD's prompts and pre-scored responses share (sp
 Items
     A group, a prompt or a file line is an *item*. ``inline_value`` makes an inline item the
     plain JSON a file line parses to (non-finite numbers refused, canonical JSON round trip);
-    ``parse_line`` parses one JSONL line strictly (``kiln._jsonio.parse_json``: UTF-8, no
+    ``parse_line`` parses one JSONL line strictly (``kiln.documents.jsonio.parse_json``: UTF-8, no
     duplicate keys, no NaN/Infinity, and no number that overflows a 64-bit float).
     ``check_item`` validates an item as the only element of a request's list against that
     request's schema (the pointer mapped back into the item); ``normalised_messages``
@@ -51,9 +51,9 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kiln._jsonio import canonical_json, parse_json
 from kiln.contracts import problems
 from kiln.data.chat import ChatTemplate, InvalidRowError, normalise_message
+from kiln.documents.jsonio import canonical_json, parse_json
 from kiln.errors import ContractError, KilnError, Problem, RequestError
 
 __all__ = [

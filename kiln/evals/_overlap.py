@@ -27,7 +27,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from kiln.digests import json_sha256
+from kiln.documents.digests import json_sha256
 from kiln.errors import RequestError
 
 __all__ = ["overlapping_examples", "prompt_digest", "training_prompt_digests"]

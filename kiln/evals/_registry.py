@@ -5,7 +5,7 @@ Layout::
     <root>/<name>.json            the suite, canonical JSON (what ``suite_sha256`` hashes)
     <root>/.entries/<name>.json   its ``EvalSuiteEntry`` (digests, example count, registration time)
 
-Suite names are ``AdapterName``s that also pass ``kiln._fs.name_problem`` (kind ``suite``:
+Suite names are ``AdapterName``s that also pass ``kiln.host.fs.name_problem`` (kind ``suite``:
 never starting with ``.``, ``<name>.json`` a file name), so the hidden ``.entries``
 directory and the temp files cannot collide with a suite. Both files are written once,
 crash-atomically and exclusively (temp file, fsync, hard link that fails if the name
@@ -31,16 +31,16 @@ from pathlib import Path
 from typing import Any
 
 from kiln import contracts
-from kiln._fs import create_exclusive, fsync_dir, name_problem
-from kiln._jsonio import parse_json, read_json_file
-from kiln.digests import json_sha256, prefixed
+from kiln.documents.digests import json_sha256, prefixed
+from kiln.documents.jsonio import parse_json, read_json_file
 from kiln.errors import ConflictError, ContractError, IntegrityError, NotFoundError, Problem
+from kiln.host.fs import create_exclusive, fsync_dir, name_problem
 
 __all__ = ["SuiteRegistry", "generation_sha256", "suite_sha256", "suites_root"]
 
 SUITE = "EvalSuite"
 ENTRY = "EvalSuiteEntry"
-SUFFIX = ".json"  # the ``suite`` kind of ``kiln._fs.name_problem`` counts it
+SUFFIX = ".json"  # the ``suite`` kind of ``kiln.host.fs.name_problem`` counts it
 ENTRIES = ".entries"
 
 

@@ -20,7 +20,7 @@ import unicodedata
 from functools import lru_cache
 from typing import Any
 
-from kiln._jsonio import canonical_json, parse_json
+from kiln.documents.jsonio import canonical_json, parse_json
 from kiln.errors import ContractError
 
 __all__ = ["normalize", "score"]

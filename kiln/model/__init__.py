@@ -1,6 +1,6 @@
 """The model layer: find, materialise and load a base model, and capture its identity.
 
-``resolve_model_path(cli)``  --model > model.path (kiln.config: KILN_MODEL_PATH > kiln.toml) > the tiny default
+``resolve_model_path(cli)``  --model > model.path (kiln.host.config: KILN_MODEL_PATH > kiln.toml) > the tiny default
 ``load_base_model(path)``    a frozen Hugging Face causal LM and its tokenizer (local files only)
 ``capture_identity(...)``    base-weight shard manifest, config/tokenizer/template digests,
                              execution provenance and training precision -- once per process

@@ -24,7 +24,7 @@ from typing import Any
 from kiln import __version__
 from kiln.artifacts.base_weights import build_base_weight_manifest
 from kiln.artifacts.provenance import seal_execution_provenance
-from kiln.digests import file_sha256, json_sha256, prefixed
+from kiln.documents.digests import file_sha256, json_sha256, prefixed
 
 SECRET_MARKERS = ("KEY", "TOKEN", "SECRET", "PASSWORD", "PRIVATE", "AUTH", "CREDENTIAL")
 REDACTED = "<redacted-present>"

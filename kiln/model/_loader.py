@@ -12,9 +12,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kiln._jsonio import read_json_file
-from kiln.config import Settings, resolve_settings
+from kiln.documents.jsonio import read_json_file
 from kiln.errors import KilnError, RequestError
+from kiln.host.config import Settings, resolve_settings
 from kiln.model._tiny import ensure_default_tiny, quiet_hub
 
 WEIGHTS_FILE = "model.safetensors"

@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from kiln._fs import file_mode, publish_dir
+from kiln.host.fs import file_mode, publish_dir
 
 TINY_NAME = "kiln-tiny"
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
@@ -139,7 +139,7 @@ def _init_weights(model: Any, seed: int) -> None:
 
 
 def create_tiny(path: str | os.PathLike[str], *, seed: int = 0, overwrite: bool = False) -> Path:
-    """Write a tiny model directory at ``path`` (``kiln._fs.publish_dir``: staged, synced, then renamed into place;
+    """Write a tiny model directory at ``path`` (``kiln.host.fs.publish_dir``: staged, synced, then renamed into place;
     ``FileExistsError`` when ``path`` exists, unless ``overwrite``)."""
     target = Path(path)
     if target.exists() and not overwrite:  # refused before torch and transformers are imported

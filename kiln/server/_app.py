@@ -35,9 +35,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Res
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kiln import __version__, contracts
-from kiln._fs import writable_problem
-from kiln._jsonio import parse_json
-from kiln.config import Settings, resolve_settings
+from kiln.documents.jsonio import parse_json
 from kiln.errors import (
     AuthError,
     CapacityError,
@@ -47,6 +45,8 @@ from kiln.errors import (
     Problem,
     RequestError,
 )
+from kiln.host.config import Settings, resolve_settings
+from kiln.host.fs import writable_problem
 from kiln.server import _datasets, _evals, _openai, _training
 from kiln.server._jobs import Job, JobManager, JobStore, Outcome, Runner
 

@@ -18,8 +18,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from kiln._fs import file_mode, fsync_dir
 from kiln.errors import CapacityError, ContractError, Problem, RegistryError, RequestError, storage_condition
+from kiln.host.fs import file_mode, fsync_dir
 
 __all__ = ["UPLOAD_MEDIA_TYPES", "receive"]
 

@@ -30,8 +30,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from kiln._jsonio import canonical_json
-from kiln.digests import prefixed
+from kiln.documents.digests import prefixed
+from kiln.documents.jsonio import canonical_json
 from kiln.errors import CapacityError, ConflictError, KilnError, NotFoundError
 
 log = logging.getLogger("kiln.server.jobs")

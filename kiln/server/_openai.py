@@ -537,8 +537,8 @@ def _completion_stream(
 def model_list(server: Any) -> dict[str, Any]:
     """``ModelList``: the base model's card, then every loadable registry adapter's, by name (a listed directory
     whose name the registry rule refuses, such as a demoted ``<name>.failed``, is never loaded)."""
-    from kiln._fs import name_problem
     from kiln.adapters import list_adapters
+    from kiln.host.fs import name_problem
 
     base = server.teacher_protocol.card()
     cards = [base]

@@ -25,12 +25,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kiln._jsonio import JsonObject
 from kiln.artifacts.worker_spec import WorkerSpec, build_worker_spec
+from kiln.documents.jsonio import JsonObject
 from kiln.errors import CapacityError, ConflictError
+from kiln.jobs.worker import run_spec
 from kiln.server._jobs import Job, Outcome
 from kiln.trainers import TRAINERS, TrainingContext
-from kiln.worker import run_spec
 
 log = logging.getLogger("kiln.server.training")
 
@@ -39,7 +39,7 @@ log = logging.getLogger("kiln.server.training")
 class Engine:
     """What admission and the worker share: the base model (pristine training copy) and settings."""
 
-    settings: Any  # kiln.config.Settings
+    settings: Any  # kiln.host.config.Settings
     base: Any  # kiln.model.LoadedModel: pristine weights and a tokenizer of their own, never served
     generator: Any = None  # kiln.server._generation.Generator (auto_load, canaries, evaluations)
     admission_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
@@ -185,7 +185,7 @@ def job_spec(engine: Engine, job: Job, events: Path | None, context: TrainingCon
 
 def run(engine: Engine, job: Job, cancel: threading.Event, report: Callable[[dict[str, Any]], None]) -> Outcome:
     """Train the job -- in a worker process (``training.worker = "process"``, the default) or in this thread
-    (``"thread"``); either way the same ``kiln.worker.run_spec`` revalidates it at dequeue, trains and publishes --
+    (``"thread"``); either way the same ``kiln.jobs.worker.run_spec`` revalidates it at dequeue, trains and publishes --
     then activate what it published."""
     from kiln.server import _worker_process
 

@@ -1,4 +1,4 @@
-"""The server's half of a training worker: launch ``python -m kiln.worker``, read its events, cancel it, and say
+"""The server's half of a training worker: launch ``python -m kiln.jobs.worker``, read its events, cancel it, and say
 why it died when it dies.
 
 ``launch(engine, job, spec, cancel, report)`` writes the job's spec (``kiln.worker-spec.v1``) into its directory
@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from kiln.artifacts.worker_spec import WorkerSpec, write_worker_spec
-from kiln.worker import follow
+from kiln.jobs.worker import follow
 
 LOG_TAIL = 2000  # characters of worker.log a failure message quotes
 

@@ -26,9 +26,9 @@ from pathlib import Path
 from typing import Any
 
 from kiln import __version__, contracts
-from kiln._jsonio import canonical_json, read_json_file
 from kiln.adapters import AdapterDirectory
-from kiln.digests import file_sha256, raw_hex
+from kiln.documents.digests import file_sha256, raw_hex
+from kiln.documents.jsonio import canonical_json, read_json_file
 from kiln.errors import KilnError, RequestError
 
 __all__ = [
@@ -218,7 +218,7 @@ def probe_remote_identity(url: str, model_id: str, credential_id: str | None) ->
     """
     import httpx
 
-    from kiln._jsonio import parse_json
+    from kiln.documents.jsonio import parse_json
 
     endpoint = base_url(url) + "/v1/models"
     headers = auth_headers(credential_id)

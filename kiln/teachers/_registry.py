@@ -31,10 +31,8 @@ from pathlib import Path
 from typing import Any
 
 from kiln import contracts
-from kiln._fs import create_exclusive, fsync_dir, name_problem, within_roots
-from kiln._jsonio import parse_json, read_json_file
-from kiln.config import configured_registry
-from kiln.digests import file_sha256, json_sha256, prefixed, teacher_identity_revision
+from kiln.documents.digests import file_sha256, json_sha256, prefixed, teacher_identity_revision
+from kiln.documents.jsonio import parse_json, read_json_file
 from kiln.errors import (
     AccessError,
     ConflictError,
@@ -45,6 +43,8 @@ from kiln.errors import (
     Problem,
     RequestError,
 )
+from kiln.host.config import configured_registry
+from kiln.host.fs import create_exclusive, fsync_dir, name_problem, within_roots
 from kiln.teachers._identity import (
     identity_differences,
     model_limits,
@@ -68,7 +68,7 @@ REQUEST = "RegisterTeacherRequest"
 OFF_POLICY_MANIFEST = "OffPolicyDistillationManifestV1"
 OFF_POLICY_ROW = "OffPolicyDistillationRow"
 OFF_POLICY_MANIFEST_SCHEMA = "kiln.off-policy-distillation-manifest.v1"
-SUFFIX = ".json"  # the ``teacher`` kind of ``kiln._fs.name_problem`` counts it
+SUFFIX = ".json"  # the ``teacher`` kind of ``kiln.host.fs.name_problem`` counts it
 
 
 def teachers_root(home: Path) -> Path:
@@ -229,7 +229,7 @@ def _check_student(alias: str, student: Any, vocab_size: int | None, tokenizer_s
 
 class TeacherRegistry:
     """Teachers by alias under ``root``; ``adapter_registry`` is where ``local`` teachers' adapters live
-    (default: the adapter registry ``kiln.config`` resolves)."""
+    (default: the adapter registry ``kiln.host.config`` resolves)."""
 
     def __init__(
         self, root: Path, *, adapter_registry: Path | None = None, model_roots: tuple[Path, ...] | None = None

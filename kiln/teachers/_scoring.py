@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from kiln import contracts
-from kiln._jsonio import parse_json
 from kiln.adapters import CONFIG_FILE, WEIGHTS_FILE
+from kiln.documents.jsonio import parse_json
 from kiln.errors import ConflictError, InternalError, KilnError, RequestError
 from kiln.teachers._identity import adapter_identity, auth_headers, base_url
 

@@ -26,7 +26,7 @@ from kiln_contracts.models.kiln_control_plane_v1_schema import (
 )
 from pydantic import BaseModel
 
-from kiln._jsonio import JsonObject
+from kiln.documents.jsonio import JsonObject
 from kiln.errors import ContractError, RequestError
 from kiln.trainers import grpo, opd, sft
 from kiln.trainers._admission import AdmittedJob, TrainingContext, single_process

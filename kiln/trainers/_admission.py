@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar, Generic, TypeVar
 
-from kiln._jsonio import JsonObject
 from kiln.checkpoints import LoadedCheckpoint
+from kiln.documents.jsonio import JsonObject
 from kiln.errors import RequestError
 from kiln.training import DataParallel, EffectiveConfig, Optimizer
 

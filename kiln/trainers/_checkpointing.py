@@ -15,11 +15,11 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING
 
 from kiln import contracts
-from kiln._jsonio import JsonObject
 from kiln.adapters import AdapterDirectory, base_adapter_dir
 from kiln.artifacts.loop_state import loop_state_file_name
 from kiln.checkpoints import LoadedCheckpoint, PublishedCheckpoint, checkpoint_id, publish_checkpoint
-from kiln.digests import file_sha256, prefixed
+from kiln.documents.digests import file_sha256, prefixed
+from kiln.documents.jsonio import JsonObject
 from kiln.errors import RequestError
 from kiln.trainers._admission import AdmittedJob
 from kiln.training import (

@@ -9,7 +9,7 @@
   can be written, the run raises ``RegistryError`` (``registry_unwritable``) saying why the run failed and why its
   receipt is missing;
 * ``publish_adapter``: the adapter, its request lineage (``replay.jsonl``, ``lineage.json``), its receipt and its
-  manifest, staged together and made visible by one rename (``kiln.publish.publish_trained_adapter``;
+  manifest, staged together and made visible by one rename (``kiln.adapters.publish.publish_trained_adapter``;
   ``publish_receipt_only``: a successful run without an adapter);
 * ``Policy``: the LoRA policy of a run -- adapter attached with the seeded initialisation, optimizer built, state
   restored from a checkpoint or warm-started from ``base_adapter``, the run's request record appended to the
@@ -30,11 +30,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from kiln._jsonio import JsonObject
 from kiln.adapters import RECEIPT_FILE, base_adapter_dir
+from kiln.adapters.publish import publish_receipt, publish_trained_adapter
 from kiln.checkpoints import PublishedCheckpoint, checkpoint_name, list_checkpoints
+from kiln.documents.jsonio import JsonObject
 from kiln.errors import CancelledError, NonFiniteLossError, RegistryError, StorageFailureError, storage_condition
-from kiln.publish import publish_receipt, publish_trained_adapter
 from kiln.trainers._admission import AdmittedJob
 from kiln.trainers._lineage import close_request, open_request, published, stage_lineage
 from kiln.training import (

@@ -27,7 +27,6 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kiln._jsonio import JsonObject
 from kiln.adapters import AdapterDirectory, base_adapter_dir
 from kiln.artifacts.lineage import LINEAGE_FILE, build_lineage, lineage_link, load_lineage, write_lineage
 from kiln.artifacts.replay_log import (
@@ -37,7 +36,8 @@ from kiln.artifacts.replay_log import (
     pending_log,
     write_replay_log,
 )
-from kiln.digests import file_sha256, prefixed
+from kiln.documents.digests import file_sha256, prefixed
+from kiln.documents.jsonio import JsonObject
 from kiln.errors import StorageFailureError
 from kiln.training import EffectiveConfig
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from kiln._jsonio import JsonObject
 from kiln.adapters import base_adapter_dir
+from kiln.documents.jsonio import JsonObject
 from kiln.trainers._admission import AdmittedJob
 from kiln.training import Echo, EffectiveConfig, receipt_base
 from kiln.training.echo import EchoAccumulator

@@ -18,7 +18,7 @@ from typing import Any, Generic, TypeVar
 from pydantic import BaseModel
 
 from kiln import contracts
-from kiln._jsonio import JsonObject
+from kiln.documents.jsonio import JsonObject
 from kiln.errors import ContractError, RequestError
 
 __all__ = ["Request", "parse_config", "parse_request", "refuse_gate"]

@@ -17,8 +17,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from kiln._fs import writable_problem
-from kiln._jsonio import JsonObject
+from kiln.adapters.publish import check_target
 from kiln.checkpoints import (
     LoadedCheckpoint,
     inspect_checkpoint,
@@ -27,8 +26,9 @@ from kiln.checkpoints import (
     require_compatible,
     resolve_checkpoint_path,
 )
+from kiln.documents.jsonio import JsonObject
 from kiln.errors import CheckpointError, Problem, RegistryError, RequestError
-from kiln.publish import check_target
+from kiln.host.fs import writable_problem
 from kiln.training import resolve_seed
 
 __all__ = ["ResumePoint", "claim_target", "load_resume", "refuse_later_checkpoints", "resume_metadata"]

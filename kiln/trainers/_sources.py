@@ -19,9 +19,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from kiln._fs import name_problem, unsafe_path_problem, within_roots
 from kiln.adapters import WEIGHTS_FILE, AdapterDirectory, base_adapter_dir
 from kiln.errors import AccessError, ContractError, Problem, RequestError
+from kiln.host.fs import name_problem, unsafe_path_problem, within_roots
 from kiln.trainers._admission import TrainingContext
 
 __all__ = ["check_sources"]

@@ -53,10 +53,10 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from kiln_contracts.models.kiln_control_plane_v1_schema import GrpoConfig, GrpoRequest
 
-from kiln._jsonio import JsonObject
 from kiln.artifacts.checkpoint_manifest import GRPO_SOURCE_KINDS
 from kiln.checkpoints import PublishedCheckpoint
-from kiln.digests import json_sha256, raw_hex
+from kiln.documents.digests import json_sha256, raw_hex
+from kiln.documents.jsonio import JsonObject
 from kiln.errors import (
     DataSchemaError,
     RequestError,

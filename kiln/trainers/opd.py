@@ -67,13 +67,13 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from kiln_contracts.models.kiln_control_plane_v1_schema import OpdConfig, OpdRequest
 
-from kiln._jsonio import JsonObject
 from kiln.artifacts.checkpoint_manifest import OPD_SOURCE_KINDS
-from kiln.batch_plan import steps_per_epoch
 from kiln.checkpoints import PublishedCheckpoint
 from kiln.data.opd import OffPolicyFile, OpdPrompts
-from kiln.digests import json_sha256, raw_hex, teacher_identity_revision
-from kiln.epoch_order import ALGORITHM_ID, epoch_order
+from kiln.documents.batch_plan import steps_per_epoch
+from kiln.documents.digests import json_sha256, raw_hex, teacher_identity_revision
+from kiln.documents.epoch_order import ALGORITHM_ID, epoch_order
+from kiln.documents.jsonio import JsonObject
 from kiln.errors import NotFoundError, RequestError, ZeroActionTokensError
 from kiln.trainers._admission import (
     AdmittedJob,

@@ -6,7 +6,7 @@ loop, checkpoints) and its receipt -- over the shared components of the kit.
 Objective: mean next-token cross-entropy over the assistant tokens (assistant content plus
 its closing end-of-turn token and newline) of the conversations of an optimizer step --
 ``micro_batch_size`` x ``gradient_accumulation_steps`` consecutive rows of the epoch order
-(``kiln.batch_plan``; one by default) -- at the rate of ``lr_scheduler`` (constant by
+(``kiln.documents.batch_plan``; one by default) -- at the rate of ``lr_scheduler`` (constant by
 default), no clipping. The mean is over every supervised token of the step, so how the step
 is cut into micro-batches changes only the rounding. Only the LoRA A/B matrices train; the
 base model, embeddings and LM head are frozen.
@@ -49,12 +49,12 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from kiln_contracts.models.kiln_control_plane_v1_schema import SftConfig, SftRequest
 
-from kiln._jsonio import JsonObject
 from kiln.artifacts.checkpoint_manifest import SFT_SOURCE_KIND
-from kiln.batch_plan import grouped_order, steps_per_epoch
 from kiln.checkpoints import PublishedCheckpoint
-from kiln.digests import json_sha256, raw_hex
-from kiln.epoch_order import ALGORITHM_ID, epoch_order
+from kiln.documents.batch_plan import grouped_order, steps_per_epoch
+from kiln.documents.digests import json_sha256, raw_hex
+from kiln.documents.epoch_order import ALGORITHM_ID, epoch_order
+from kiln.documents.jsonio import JsonObject
 from kiln.errors import RequestError, TrainingFailedError
 from kiln.trainers._admission import (
     AdmittedJob,
@@ -660,7 +660,7 @@ class SftLoop:
     """The SFT loop's committed state; ``as_document`` is ``sft_loop_state.json``.
 
     ``rows`` is the rows per optimizer step and ``lengths`` the row lengths when the order is grouped by length
-    (``kiln.batch_plan``); ``order`` is the current epoch's order and ``cursor`` the position of its next row.
+    (``kiln.documents.batch_plan``); ``order`` is the current epoch's order and ``cursor`` the position of its next row.
     """
 
     items: int

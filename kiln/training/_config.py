@@ -35,7 +35,7 @@ from kiln_contracts.models.kiln_control_plane_v1_schema import (
     SgdOptimizer,
 )
 
-from kiln._jsonio import JsonObject
+from kiln.documents.jsonio import JsonObject
 from kiln.errors import InternalError, RequestError
 from kiln.training._defaults import default_by
 from kiln.training._optim import Optimizer, resolve_optimizer

@@ -3,7 +3,7 @@
 The rule (``SHARDING_RULE``, recorded in the checkpoint's planning identity, the receipt and the adapter manifest):
 
 1. An optimizer step consumes ``micro_batch_size x gradient_accumulation_steps x world_size`` consecutive rows of the
-   epoch's seeded order (``kiln.batch_plan.rows_per_step``), the last step of an epoch what is left.
+   epoch's seeded order (``kiln.documents.batch_plan.rows_per_step``), the last step of an epoch what is left.
 2. The step's rows are cut, in order, into micro-batches of ``micro_batch_size`` rows; micro-batch ``j`` goes to rank
    ``j mod world_size`` (``DataParallel.micro_batches``). A rank may get none in a short last step.
 3. Every rank scales each micro-batch's loss by its share of the *step's* supervised tokens (every rank knows the

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from kiln_contracts.models.kiln_control_plane_v1_schema import AdamWOptimizer, MuonOptimizer, SgdOptimizer
 
-from kiln._jsonio import JsonObject
+from kiln.documents.jsonio import JsonObject
 
 if TYPE_CHECKING:
     import torch

@@ -15,9 +15,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kiln import __version__
-from kiln._jsonio import JsonObject
-from kiln.digests import json_sha256
-from kiln.publish import adapter_file_receipt
+from kiln.adapters.publish import adapter_file_receipt
+from kiln.documents.digests import json_sha256
+from kiln.documents.jsonio import JsonObject
 from kiln.training._config import EffectiveConfig
 
 if TYPE_CHECKING:

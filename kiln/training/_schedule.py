@@ -22,7 +22,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kiln._jsonio import JsonObject
+from kiln.documents.jsonio import JsonObject
 from kiln.errors import RequestError
 
 if TYPE_CHECKING:

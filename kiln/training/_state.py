@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from kiln import __version__
-from kiln.digests import json_sha256
+from kiln.documents.digests import json_sha256
 from kiln.errors import CheckpointError
 
 ADAPTER_FILE = "adapter.safetensors"

@@ -6,7 +6,7 @@ and no step spans two epochs, so an epoch has ``ceil(items / rows_per_step)`` st
 order, into micro-batches of ``micro_batch_size`` rows (one forward and backward each); the step's loss is the mean
 over every supervised token of the step, whatever the cut.
 
-The epoch's order is the portable seeded order (``kiln.epoch_order``); with ``group_by_length`` it is rearranged
+The epoch's order is the portable seeded order (``kiln.documents.epoch_order``); with ``group_by_length`` it is rearranged
 inside windows of ``GROUP_WINDOW_STEPS x rows_per_step`` consecutive positions, longest row first (ties keep their
 seeded order), so a micro-batch pads little while every window still holds the rows the seeded order put there.
 A checkpoint's ``data_order`` is this order, and a reader can check it without the row lengths: each window is a

@@ -34,7 +34,6 @@ from pathlib import Path
 from typing import Any
 
 from kiln import contracts
-from kiln._fs import file_mode
 from kiln.adapters import (
     BINDINGS,
     MANIFEST_FILE,
@@ -45,8 +44,9 @@ from kiln.adapters import (
     require_adapter_name,
     staged_adapter,
 )
-from kiln.digests import file_sha256, prefixed
+from kiln.documents.digests import file_sha256, prefixed
 from kiln.errors import STORAGE_ERRNOS, ConflictError, StorageFailureError, storage_condition
+from kiln.host.fs import file_mode
 
 __all__ = [
     "PublishedAdapter",

@@ -16,7 +16,7 @@ import struct
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, BinaryIO
 
-from kiln._jsonio import canonical_json
+from kiln.documents.jsonio import canonical_json
 
 __all__ = [
     "BASE_MODEL_CONTENT_ALGORITHM",

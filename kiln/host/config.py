@@ -42,9 +42,9 @@ from pydantic import BaseModel
 from pydantic_core import to_jsonable_python
 
 from kiln import contracts
-from kiln._fs import within_roots
-from kiln.digests import json_sha256
+from kiln.documents.digests import json_sha256
 from kiln.errors import InternalError, Problem, RequestError
+from kiln.host.fs import within_roots
 
 __all__ = [
     "REDACTED",

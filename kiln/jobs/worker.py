@@ -1,4 +1,4 @@
-"""A training job in a process of its own: ``python -m kiln.worker SPEC``.
+"""A training job in a process of its own: ``python -m kiln.jobs.worker SPEC``.
 
 The server admits a job, then launches this entry point with a spec file (``kiln.worker-spec.v1``,
 ``kiln.artifacts.worker_spec``): the job's kind, adapter name and replay request, the fingerprint it was admitted
@@ -44,8 +44,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kiln._jsonio import JsonObject
 from kiln.artifacts.worker_spec import WorkerSpec, load_worker_spec
+from kiln.documents.jsonio import JsonObject
 
 if TYPE_CHECKING:
     from kiln_contracts.models.kiln_control_plane_v1_schema import WorkerLaunch
@@ -142,7 +142,7 @@ def follow(
     cwd: Path | None = None,
     new_session: bool = False,
 ) -> tuple[subprocess.Popen[bytes], dict[str, Any] | None]:
-    """Run ``python -m kiln.worker SPEC`` with this interpreter until it exits, its output to ``log_path``: each
+    """Run ``python -m kiln.jobs.worker SPEC`` with this interpreter until it exits, its output to ``log_path``: each
     event it appends to the spec's event file goes to ``on_event`` as it lands, ``cancel`` becomes one ``SIGTERM``
     (the cooperative cancel; ``torchrun`` hands it to every rank). Returns the ended process and the outcome line
     (None when it left none). ``new_session``: the worker in a session of its own, which an interrupt of the caller
@@ -162,7 +162,7 @@ def follow(
 
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "kiln.worker", str(spec_path)],
+            [sys.executable, "-m", "kiln.jobs.worker", str(spec_path)],
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -222,7 +222,7 @@ def torchrun_argv(spec_path: str, launch: WorkerLaunch) -> list[str]:
             f"--rdzv-endpoint={endpoint}",
             f"--rdzv-id={launch.rdzv_id.root if launch.rdzv_id is not None else 'kiln'}",
         ]
-    argv += ["--max-restarts=0", f"--shutdown-timeout={SHUTDOWN_TIMEOUT_S}", "-m", "kiln.worker", spec_path]
+    argv += ["--max-restarts=0", f"--shutdown-timeout={SHUTDOWN_TIMEOUT_S}", "-m", "kiln.jobs.worker", spec_path]
     return argv
 
 
@@ -349,7 +349,7 @@ def die_with_parent(parent: int | None) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
-        print("usage: python -m kiln.worker SPEC.json", file=sys.stderr)
+        print("usage: python -m kiln.jobs.worker SPEC.json", file=sys.stderr)
         return 2
     from kiln.errors import KilnError
 

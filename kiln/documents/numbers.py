@@ -31,8 +31,8 @@ from typing import Any
 
 import kiln_contracts
 
-from kiln import _contract
-from kiln._rules import ptr
+from kiln.documents import validation
+from kiln.documents.rules import ptr
 from kiln.errors import ContractError, Problem
 
 Canon = Callable[[Any], Any]
@@ -197,7 +197,7 @@ class _Branch:
 
     def valid(self, value: Any) -> bool:
         if self._validator is None:
-            self._validator = _contract.fragment_validator(self.schema, reader=self.reader)
+            self._validator = validation.fragment_validator(self.schema, reader=self.reader)
         return bool(self._validator.is_valid(value))
 
 

@@ -3,7 +3,7 @@
 load:  strict JSON -> schema (jsonschema-rs) -> canonical numbers -> semantic rules -> generated pydantic model
 write: model or dict -> canonical numbers -> strict (writer) schema -> semantic rules -> canonical JSON -> atomic rename
 
-Numbers are canonical (``kiln._numbers``) wherever a document is judged past its schema, modelled or written, so the
+Numbers are canonical (``kiln.documents.numbers``) wherever a document is judged past its schema, modelled or written, so the
 problem listing, the loader and every writer agree on one value for ``3``, ``3.0`` and ``3e0``.
 """
 
@@ -17,11 +17,11 @@ from typing import Any
 import kiln_contracts
 from pydantic import BaseModel, ValidationError
 
-from kiln import _contract, _numbers
-from kiln._fs import atomic_write_bytes
-from kiln._jsonio import canonical_json, parse_json, read_json_file
-from kiln._rules import RULES, ptr, require_complete
+from kiln.documents import numbers, validation
+from kiln.documents.jsonio import canonical_json, parse_json, read_json_file
+from kiln.documents.rules import RULES, ptr, require_complete
 from kiln.errors import ContractError, IntegrityError, Problem, UnknownDocumentTypeError
+from kiln.host.fs import atomic_write_bytes
 
 Source = bytes | str | os.PathLike[str] | dict[str, Any] | list[Any]
 
@@ -53,7 +53,7 @@ def _walk(definitions: dict[str, Any], schema: Any, value: Any, at: str, out: li
         for branch in schema.get(key, ()):
             if value is None:
                 break
-            if _leads_to_rules(branch) and _contract.fragment_valid(branch, value):
+            if _leads_to_rules(branch) and validation.fragment_valid(branch, value):
                 _walk(definitions, branch, value, at, out)
                 break
     if isinstance(value, dict):
@@ -93,7 +93,7 @@ def _leads_to_rules(schema: Any) -> bool:
 @cache
 def _has_rules_below(name: str) -> bool:
     require_complete()
-    return any(d in RULES for d in _contract.reachable_definitions(name))
+    return any(d in RULES for d in validation.reachable_definitions(name))
 
 
 def semantic_problems(name: str, value: Any) -> list[Problem]:
@@ -115,12 +115,12 @@ def semantic_problems(name: str, value: Any) -> list[Problem]:
 
 def _reads_open(name: str, reader: bool | None) -> bool:
     """Whether ``name`` is judged by its reader bundle (``reader`` None: the entry point's own policy)."""
-    return bool(_contract.entrypoint(name)["reader_open"]) if reader is None else reader
+    return bool(validation.entrypoint(name)["reader_open"]) if reader is None else reader
 
 
 def canonical(name: str, value: Any, *, reader: bool | None = None) -> Any:
-    """``value`` with every number in the canonical form of its schema position (``kiln._numbers``)."""
-    return _numbers.canonical(name, value, reader=_reads_open(name, reader))
+    """``value`` with every number in the canonical form of its schema position (``kiln.documents.numbers``)."""
+    return numbers.canonical(name, value, reader=_reads_open(name, reader))
 
 
 def problems_of(name: str, value: Any, *, reader: bool | None = None) -> list[Problem]:
@@ -128,11 +128,11 @@ def problems_of(name: str, value: Any, *, reader: bool | None = None) -> list[Pr
 
     The semantic rules judge the canonical value, exactly as ``load`` does."""
     use_reader = _reads_open(name, reader)
-    problems = _contract.schema_problems(name, value, reader=use_reader)
+    problems = validation.schema_problems(name, value, reader=use_reader)
     if problems:
         return problems
     try:
-        return semantic_problems(name, _numbers.canonical(name, value, reader=use_reader))
+        return semantic_problems(name, numbers.canonical(name, value, reader=use_reader))
     except ContractError as exc:  # out_of_range numbers, or an integrity rule
         return exc.problems
 
@@ -141,8 +141,8 @@ def load(name: str, source: Source, *, reader: bool | None = None, document: str
     """Strictly load a document of type ``name`` and return its generated model."""
     value, document = read_source(source, document=document)
     use_reader = _reads_open(name, reader)
-    _contract.check_schema(name, value, reader=use_reader, document=document)
-    value = _numbers.canonical(name, value, reader=use_reader, document=document)
+    validation.check_schema(name, value, reader=use_reader, document=document)
+    value = numbers.canonical(name, value, reader=use_reader, document=document)
     problems = semantic_problems(name, value)
     if problems:
         raise ContractError(problems, document=document)
@@ -150,7 +150,7 @@ def load(name: str, source: Source, *, reader: bool | None = None, document: str
 
 
 def to_model(name: str, value: Any, *, document: str | None = None) -> Any:
-    cls = _contract.model_class(name)
+    cls = validation.model_class(name)
     try:
         return cls.model_validate(value)
     except ValidationError as exc:  # the schema accepted what the model refuses: a contract bug
@@ -172,8 +172,8 @@ def to_json(value: Any) -> Any:
 def render(name: str, value: Any) -> bytes:
     """Validate ``value`` against the strict writer contract and return its canonical bytes (canonical numbers
     included)."""
-    data = _numbers.canonical(name, to_json(value))
-    _contract.check_schema(name, data, reader=False)
+    data = numbers.canonical(name, to_json(value))
+    validation.check_schema(name, data, reader=False)
     problems = semantic_problems(name, data)
     if problems:
         raise ContractError(problems)

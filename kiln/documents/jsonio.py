@@ -1,4 +1,4 @@
-"""Strict JSON in, canonical JSON out (crash-atomic writes live in ``kiln._fs``)."""
+"""Strict JSON in, canonical JSON out (crash-atomic writes live in ``kiln.host.fs``)."""
 
 from __future__ import annotations
 
