@@ -24,19 +24,23 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kiln import contracts
 from kiln.adapters import adapter_directory, demote
 from kiln.artifacts.evals import canonical_data_scope
 from kiln.errors import ConflictError, ContractError, RequestError
 
+if TYPE_CHECKING:
+    from kiln.evals import SuiteRegistry
+    from kiln.host.config import Settings
+
 log = logging.getLogger("kiln.server.evals")
 
 POST_EVAL_DEFAULTS = {"data_scope": "held_out", "min_accuracy": None, "include_baseline": True}
 
 
-def registry(settings: Any) -> Any:
+def registry(settings: Settings) -> SuiteRegistry:
     from kiln.evals import SuiteRegistry, suites_root
 
     return SuiteRegistry(suites_root(settings.home))
