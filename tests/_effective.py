@@ -16,7 +16,7 @@ from kiln_contracts.models.kiln_control_plane_v1_schema import (
 )
 
 from kiln.trainers import grpo, opd, sft
-from kiln.trainers._requests import parse_config, parse_request
+from kiln.trainers._requests import parse_config, parse_request, refuse_named_dataset
 from kiln.training import resolve_optimizer
 
 
@@ -33,11 +33,16 @@ def opd_effective(config: dict[str, Any], name: str, **context: Any) -> dict[str
 
 
 def check_grpo_request(body: dict[str, Any]) -> None:
-    grpo.check_request(parse_request(GrpoRequest, body))
+    """The request-level refusals in the order the door gives them (``Trainer.check_door``, then the kind's own)."""
+    request = parse_request(GrpoRequest, body)
+    refuse_named_dataset(request.model)
+    grpo.check_request(request)
 
 
 def check_opd_request(body: dict[str, Any]) -> str:
-    return opd.check_request(parse_request(OpdRequest, body))
+    request = parse_request(OpdRequest, body)
+    refuse_named_dataset(request.model)
+    return opd.check_request(request)
 
 
 def optimizer_effective(spec: dict[str, Any]) -> dict[str, Any]:

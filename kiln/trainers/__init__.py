@@ -27,11 +27,11 @@ from kiln_contracts.models.kiln_control_plane_v1_schema import (
 from pydantic import BaseModel
 
 from kiln.documents.jsonio import JsonObject
-from kiln.errors import ContractError, RequestError
+from kiln.errors import ContractError
 from kiln.trainers import grpo, opd, sft
 from kiln.trainers._admission import AdmittedJob, TrainingContext, single_process
 from kiln.trainers._kit import FinalState, RunTexts, TrainResult
-from kiln.trainers._requests import Request, parse_request
+from kiln.trainers._requests import Request, parse_request, refuse_named_dataset
 from kiln.trainers._sources import check_sources
 from kiln.training import EffectiveConfig
 
@@ -82,12 +82,7 @@ class Trainer:
         dataset registry), a ``dataset_path`` inside the caller's data roots, a ``base_adapter`` of its registry
         (``kiln.trainers._sources``)."""
         request = parsed.model
-        if getattr(request, "dataset", None) is not None or "dataset_split" in request.model_fields_set:
-            raise RequestError(
-                "named datasets (dataset, dataset_split) are not supported: Kiln has no dataset registry",
-                code="training_backend_unsupported",
-                hint="send the rows inline, or upload a JSONL file (POST /v1/datasets) and send its dataset_path",
-            )
+        refuse_named_dataset(request)
         config = request.config
         base = None if config is None or config.base_adapter is None else config.base_adapter.root
         try:

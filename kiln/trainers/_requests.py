@@ -79,3 +79,14 @@ def refuse_gate(post_eval: Any) -> None:
             code="training_backend_unsupported",
             hint="submit the request to `kiln serve` (drop --local), or evaluate afterwards with `kiln eval run`",
         )
+
+
+def refuse_named_dataset(request: BaseModel) -> None:
+    """A named dataset (``dataset``, ``dataset_split``): the schema carries the members for the reference's requests,
+    but Kiln has no dataset registry."""
+    if getattr(request, "dataset", None) is not None or "dataset_split" in request.model_fields_set:
+        raise RequestError(
+            "named datasets (dataset, dataset_split) are not supported: Kiln has no dataset registry",
+            code="training_backend_unsupported",
+            hint="send the rows inline, or upload a JSONL file (POST /v1/datasets) and send its dataset_path",
+        )
