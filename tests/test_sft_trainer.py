@@ -236,7 +236,7 @@ def test_max_seq_len_defaults_to_the_context_length_and_may_not_exceed_it(tmp_pa
     from kiln.model import load_base_model, max_positions
 
     loaded = load_base_model(tiny_model_dir)
-    context = max_positions(loaded.model, loaded.tokenizer)
+    context = max_positions(loaded.model.config, loaded.tokenizer)
     result = _train(tmp_path, tiny_model_dir, "default-limit")
     receipt = json.loads(result.receipt_path.read_text())
     assert receipt["config"]["max_seq_len"] == context

@@ -3,7 +3,8 @@ of a model's weights -- every ``*.safetensors`` shard with its size and SHA-256,
 name- and order-independent ``kiln.base-model-content.v1`` aggregate.
 
 ``load_base_weight_manifest`` (strict), ``write_base_weight_manifest`` (canonical, atomic),
-``build_base_weight_manifest`` (hash a model directory, shards in parallel, streamed).
+``build_base_weight_manifest`` (hash a model directory, shards in parallel, streamed; with a ``cache_dir``, an
+unchanged shard's digest comes from ``kiln.host.digest_cache``).
 """
 
 from __future__ import annotations
@@ -15,9 +16,10 @@ from pathlib import Path
 from typing import Any
 
 from kiln.documents import pipeline
-from kiln.documents.digests import BASE_MODEL_CONTENT_ALGORITHM, base_model_content_aggregate, file_sha256, prefixed
+from kiln.documents.digests import BASE_MODEL_CONTENT_ALGORITHM, base_model_content_aggregate, prefixed
 from kiln.documents.rules import ptr, semantic_rule
 from kiln.errors import Problem
+from kiln.host.digest_cache import cached_file_sha256
 
 DOC = "BaseWeightShardManifest"
 
@@ -67,13 +69,16 @@ def write_base_weight_manifest(path: str | os.PathLike[str], manifest: Any) -> P
     return pipeline.write(DOC, path, manifest)
 
 
-def build_base_weight_manifest(model_dir: str | os.PathLike[str], *, workers: int | None = None) -> dict[str, Any]:
-    """Hash every ``*.safetensors`` shard of ``model_dir`` (threads; hashlib releases the GIL)."""
+def build_base_weight_manifest(
+    model_dir: str | os.PathLike[str], *, workers: int | None = None, cache_dir: Path | None = None
+) -> dict[str, Any]:
+    """Hash every ``*.safetensors`` shard of ``model_dir`` (threads; hashlib releases the GIL). ``cache_dir``: the
+    file-digest cache to consult and fill (``kiln.host.digest_cache``); None hashes every shard."""
     shards = sorted(p for p in Path(model_dir).glob("*.safetensors") if p.is_file())
     if not shards:
         raise FileNotFoundError(f"no *.safetensors shards in {model_dir}")
     with ThreadPoolExecutor(max_workers=workers or min(8, len(shards))) as pool:
-        hashed = list(pool.map(file_sha256, shards))
+        hashed = list(pool.map(lambda shard: cached_file_sha256(shard, cache_dir), shards))
     entries = [
         {"filename": p.name, "size_bytes": size, "sha256": prefixed(digest)}
         for p, (digest, size) in zip(shards, hashed, strict=True)

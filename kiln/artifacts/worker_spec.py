@@ -41,6 +41,7 @@ def build_worker_spec(
     teachers_root: Path | None,
     checkpoint_interval: int | None,
     data_roots: tuple[Path, ...] | None,
+    memory_limit_bytes: int | None = None,
 ) -> WorkerSpec:
     """The spec of one job, checked like a loaded one (schema, numbers, model)."""
     spec = {
@@ -59,6 +60,7 @@ def build_worker_spec(
             "teachers_root": None if teachers_root is None else str(teachers_root),
             "checkpoint_interval": checkpoint_interval,
             "data_roots": None if data_roots is None else [str(root) for root in data_roots],
+            "memory_limit_bytes": memory_limit_bytes,
         },
     }
     loaded: WorkerSpec = pipeline.load(DOC, spec, document=DOC)

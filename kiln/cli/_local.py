@@ -102,7 +102,7 @@ def _admit(args: argparse.Namespace, kind: str, path: Path) -> tuple[Any, dict[s
     from kiln.host.config import resolve_settings
     from kiln.teachers import teachers_root
     from kiln.trainers import TRAINERS, TrainingContext
-    from kiln.training import DataParallel
+    from kiln.training import DataParallel, MemorySettings
 
     settings = resolve_settings({"model.path": args.model, "model.adapter_dir": args.adapter_dir})
     request = build_request(args, path)
@@ -113,6 +113,7 @@ def _admit(args: argparse.Namespace, kind: str, path: Path) -> tuple[Any, dict[s
         teachers_root=teachers_root(settings.home),
         checkpoint_interval=settings.training.checkpoint_interval,
         data_parallel=DataParallel.planned(_ranks(args), getattr(args, "nproc_per_node", 1)),
+        memory=MemorySettings.of(settings.training),
     )
     job = TRAINERS[kind].admit(request, adapter_name=args.adapter, context=context)
     replay = job.replay_config(request["config"].get("resume_checkpoint"))
@@ -176,6 +177,7 @@ def _worker_spec(args: argparse.Namespace, kind: str, admitted: tuple[Any, dict[
         teachers_root=ctx.teachers_root,
         checkpoint_interval=ctx.checkpoint_interval,
         data_roots=None,
+        memory_limit_bytes=ctx.memory.memory_limit_bytes,
     )
 
 

@@ -108,6 +108,9 @@ def training_config(args: argparse.Namespace) -> dict[str, Any]:
         ("lora_target_modules", args.lora_target_modules),
         ("micro_batch_size", getattr(args, "micro_batch_size", None)),
         ("gradient_accumulation_steps", getattr(args, "gradient_accumulation_steps", None)),
+        ("precision", getattr(args, "precision", None)),
+        ("gradient_checkpointing", getattr(args, "gradient_checkpointing", None)),
+        ("quantization", getattr(args, "quantization", None)),
         ("seed", args.seed),
         ("learning_rate", args.lr),
         ("checkpoint_interval", args.checkpoint_interval),
@@ -160,6 +163,9 @@ def training_flags(args: argparse.Namespace) -> list[tuple[str, Any]]:
         ("--max-seq-len", getattr(args, "max_seq_len", None)),
         ("--overlong-row-policy", getattr(args, "overlong_row_policy", None)),
         ("--group-by-length", True if getattr(args, "group_by_length", False) else None),
+        ("--precision", getattr(args, "precision", None)),
+        ("--gradient-checkpointing", getattr(args, "gradient_checkpointing", None)),
+        ("--quantization", getattr(args, "quantization", None)),
     ]
 
 

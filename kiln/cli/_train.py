@@ -55,6 +55,7 @@ def add_train_parser(sub: Any) -> None:
     p.add_argument("--lora-alpha", type=float, default=32.0)
     _add_schedule(p)
     _add_target_modules(p)
+    _add_memory_options(p)
     _add_micro_batch(p, "conversations per forward pass, right-padded (default 1: each alone, unpadded)")
     _add_accumulation(
         p, "micro-batches per optimizer step (default 1); a step's loss is the mean over all its supervised tokens"
@@ -210,6 +211,28 @@ def _add_schedule(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_memory_options(p: argparse.ArgumentParser) -> None:
+    """How the frozen base is held and what the backward pass keeps (docs/training.md, "Precision and memory")."""
+    p.add_argument(
+        "--precision",
+        choices=("fp32", "bf16", "auto"),
+        help="the frozen base weights in float32 or bfloat16 (LoRA, gradients and optimizer stay float32); auto: "
+        "the checkpoint's own dtype (default: training.precision, else auto)",
+    )
+    p.add_argument(
+        "--gradient-checkpointing",
+        choices=("off", "on", "auto"),
+        help="recompute each decoder layer in the backward pass instead of keeping its activations; auto: on only "
+        "when the run would not fit otherwise (default: training.gradient_checkpointing, else auto)",
+    )
+    p.add_argument(
+        "--quantization",
+        choices=("none", "nf4"),
+        help="nf4: load the frozen base in 4-bit NormalFloat (QLoRA; needs bitsandbytes>=0.47) (default: "
+        "training.quantization, else none)",
+    )
+
+
 def _add_micro_batch(p: argparse.ArgumentParser, what: str) -> None:
     p.add_argument("--micro-batch-size", type=int, metavar="N", help=what)
 
@@ -242,6 +265,7 @@ def _add_kind_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lora-alpha", type=float)
     _add_schedule(p)
     _add_target_modules(p)
+    _add_memory_options(p)
     p.add_argument("--checkpoint-interval", type=int, metavar="N", help="publish a checkpoint every N steps")
     p.add_argument("--resume-checkpoint", metavar="BASENAME", help="continue from this checkpoint")
     _add_job_options(p, json_help="print the server's TrainingResponse (the final TrainingJobDetail with --wait)")

@@ -227,16 +227,18 @@ def torchrun_argv(spec_path: str, launch: WorkerLaunch) -> list[str]:
 
 
 def spec_context(spec: WorkerSpec, data_parallel: DataParallel | None = None) -> TrainingContext:
-    """The ``TrainingContext`` a spec describes, its base model loaded from disk (``data_parallel``: the group this
-    process trains in)."""
-    from kiln.model import load_base_model
+    """The ``TrainingContext`` a spec describes, its base model opened from disk -- its weights are loaded by the
+    trainer's admission, in the precision the job resolved (``data_parallel``: the group this process trains in)."""
+    from kiln.model import open_base_model
     from kiln.trainers import TrainingContext
-    from kiln.training import DataParallel
+    from kiln.training import DataParallel, MemorySettings
 
     ctx = spec.context
+    limit = ctx.memory_limit_bytes
     return TrainingContext(
         registry=Path(ctx.registry),
-        loaded=load_base_model(Path(ctx.model_path), is_default=ctx.model_is_default),
+        loaded=open_base_model(Path(ctx.model_path), is_default=ctx.model_is_default),
+        memory=MemorySettings(memory_limit_bytes=None if limit is None else limit.root),
         teachers_root=None if ctx.teachers_root is None else Path(ctx.teachers_root.root),
         checkpoint_interval=None if ctx.checkpoint_interval is None else ctx.checkpoint_interval.root,
         data_roots=None if ctx.data_roots is None else tuple(Path(p.root) for p in ctx.data_roots),
@@ -256,7 +258,7 @@ def run_spec(
 ) -> dict[str, Any]:
     """Re-admit and train the job ``spec`` describes, sending its events to ``emit``; returns the outcome.
 
-    A worker process passes nothing else: the context comes from the spec, with the base model loaded from disk.
+    A worker process passes nothing else: the context comes from the spec, with the base model opened from disk.
     The server's in-process mode (``training.worker = "thread"``) passes its context (the pristine base it admits
     against), its admission lock, and ``private_weights`` to give the admitted job a copy of its own to train. A rank
     of a data-parallel group passes its ``data_parallel`` group."""

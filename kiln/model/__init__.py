@@ -1,7 +1,9 @@
 """The model layer: find, materialise and load a base model, and capture its identity.
 
 ``resolve_model_path(cli)``  --model > model.path (kiln.host.config: KILN_MODEL_PATH > kiln.toml) > the tiny default
-``load_base_model(path)``    a frozen Hugging Face causal LM and its tokenizer (local files only)
+``load_base_model(path)``    a frozen Hugging Face causal LM and its tokenizer (local files only); in two halves,
+                             ``open_base_model`` (tokenizer, config, weight headers) and ``load_weights`` (fp32,
+                             bf16 or NF4)
 ``capture_identity(...)``    base-weight shard manifest, config/tokenizer/template digests,
                              execution provenance and training precision -- once per process
 ``create_tiny(path, seed)``  write a tiny model (same tokenizer, weights from ``seed``)
@@ -10,31 +12,45 @@
 
 from __future__ import annotations
 
-from kiln.model._identity import ModelIdentity, capture_identity, git_source, training_precision
-from kiln.model._loader import LoadedModel, load_base_model, resolve_model_path
+from kiln.model._identity import ModelIdentity, capture_identity, git_source, training_precision, weights_cache_dir
+from kiln.model._loader import (
+    LoadedModel,
+    load_base_model,
+    load_weights,
+    open_base_model,
+    resolve_model_path,
+    resolve_precision,
+)
 from kiln.model._logits import forward_logits, next_token_logprobs, padded_forward_logits, right_padded
 from kiln.model._sampling import max_positions, pick_token, sample, sample_batch, special_tokens, stop_token_ids
 from kiln.model._tiny import TINY_NAME, create_tiny, ensure_default_tiny
+from kiln.model._weights import WeightsInfo, read_weights_info
 
 __all__ = [
     "TINY_NAME",
     "LoadedModel",
     "ModelIdentity",
+    "WeightsInfo",
     "capture_identity",
     "create_tiny",
     "ensure_default_tiny",
     "forward_logits",
     "git_source",
     "load_base_model",
+    "load_weights",
     "max_positions",
     "next_token_logprobs",
+    "open_base_model",
     "padded_forward_logits",
     "pick_token",
+    "read_weights_info",
     "resolve_model_path",
+    "resolve_precision",
     "right_padded",
     "sample",
     "sample_batch",
     "special_tokens",
     "stop_token_ids",
     "training_precision",
+    "weights_cache_dir",
 ]

@@ -1,6 +1,7 @@
 """Identity of the base model and of this process, captured once per process.
 
-* the base-weight shard manifest (every ``*.safetensors`` shard hashed, in parallel, streamed);
+* the base-weight shard manifest (every ``*.safetensors`` shard hashed, in parallel, streamed -- once per file
+  version: an unchanged shard's digest comes from the cache under the Kiln home, ``kiln.host.digest_cache``);
 * digests of ``config.json``, ``tokenizer_config.json``, ``tokenizer.json`` (the vocabulary)
   and the chat template text (serving and training templates are the same text here);
 * the execution provenance record (``kiln.execution-provenance.v1``) of this Python/PyTorch
@@ -48,15 +49,27 @@ def dtype_name(dtype: Any) -> str:
     return _DTYPE_NAMES.get(str(dtype).removeprefix("torch."), str(dtype).removeprefix("torch."))
 
 
-def training_precision(*, parameter_dtype: str = "f32", optimizer_kind: str = "muon") -> dict[str, Any]:
-    """The training-precision record of the native trainer (fp32 master weights, no accumulation)."""
+def training_precision(
+    *, parameter_dtype: str = "f32", optimizer_kind: str = "muon", activation_dtype: str | None = None
+) -> dict[str, Any]:
+    """The training-precision record of the native trainer: fp32 LoRA parameters, gradients and optimizer state
+    (``parameter_dtype``), activations in the frozen base's compute dtype (``activation_dtype``: ``bf16`` under
+    ``precision: bf16``), no accumulation in a narrower type."""
     return {
         "parameter_dtype": parameter_dtype,
         "optimizer_state_dtype": "none" if optimizer_kind == "sgd" else parameter_dtype,
-        "activation_dtype": parameter_dtype,
+        "activation_dtype": activation_dtype or parameter_dtype,
         "gradient_dtype": parameter_dtype,
         "stochastic_rounding": {"mode": "round_to_nearest"},
     }
+
+
+def weights_cache_dir() -> Path:
+    """Where shard digests are cached (``kiln.host.digest_cache``): under the configured home."""
+    from kiln.host.config import resolve_settings
+    from kiln.host.digest_cache import digest_cache_dir
+
+    return digest_cache_dir(resolve_settings().home)
 
 
 def _file_hash(path: Path) -> str:
@@ -199,7 +212,7 @@ def capture_identity(
     vocab_hash = _file_hash(path / "tokenizer.json")
     template_hash = _text_hash(template)
     combined = json_sha256({"tokenizer_config": tokenizer_config_hash, "chat_template": template_hash})
-    shards = build_base_weight_manifest(path)
+    shards = build_base_weight_manifest(path, cache_dir=weights_cache_dir())
     runtime, features, device_label = _runtime(device, intra_op_threads)
     versions = _versions()
     tree, commit, dirty = _source_identity()

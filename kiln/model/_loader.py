@@ -3,10 +3,16 @@
 Before transformers opens anything, the weight files it will read are checked: every shard the
 ``model.safetensors.index.json`` maps a tensor to, or else ``model.safetensors``. A missing one (a renamed or
 deleted shard) is refused naming the file, never left to a traceback from inside transformers.
+
+Loading has two halves so a trainer can plan before it spends memory: ``open_base_model`` reads the tokenizer, the
+config and the weight files' headers (seconds, whatever the model's size); ``load_weights`` then loads the frozen
+weights in the precision the run resolved -- ``fp32``, ``bf16`` (``resolve_precision``: ``auto`` keeps the
+checkpoint's own dtype) -- or quantized to NF4 through bitsandbytes. ``load_base_model`` does both.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,17 +22,30 @@ from kiln.documents.jsonio import read_json_file
 from kiln.errors import KilnError, RequestError
 from kiln.host.config import Settings, resolve_settings
 from kiln.model._tiny import ensure_default_tiny, quiet_hub
+from kiln.model._weights import WeightsInfo, read_weights_info
 
 WEIGHTS_FILE = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"
 
 
+PRECISIONS = {"fp32": "float32", "bf16": "bfloat16"}  # a training precision -> the torch dtype of the base weights
+QUANTIZATIONS = ("none", "nf4")
+MIN_BITSANDBYTES = (0, 47)  # the first release whose CPU backend quantizes to NF4
+
+
 @dataclass
 class LoadedModel:
+    """A base model directory opened: its tokenizer, config and weight headers, and the frozen weights once loaded
+    (``model`` is None before ``load_weights``, and after a trainer releases them)."""
+
     path: Path
     model: Any
     tokenizer: Any
     is_default: bool
+    config: Any = None  # the transformers config (``model.config`` once loaded)
+    weights: WeightsInfo | None = None  # the safetensors headers
+    precision: str = "fp32"  # what the loaded weights are held in: fp32 | bf16
+    quantization: str = "none"  # none | nf4
 
 
 def resolve_model_path(
@@ -49,11 +68,17 @@ def resolve_model_path(
     return directory.resolve(), False
 
 
-def load_base_model(path: Path, *, is_default: bool = False, dtype: str = "float32") -> LoadedModel:
+def load_base_model(
+    path: Path, *, is_default: bool = False, precision: str = "fp32", quantization: str = "none"
+) -> LoadedModel:
     """Load model and tokenizer from a local directory; base weights are frozen."""
+    return load_weights(open_base_model(path, is_default=is_default), precision=precision, quantization=quantization)
+
+
+def open_base_model(path: Path, *, is_default: bool = False) -> LoadedModel:
+    """The tokenizer, config and weight headers of a local model directory, its weights not loaded."""
     quiet_hub()
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
 
     if not any(path.glob("*.safetensors")):
         raise RequestError(
@@ -70,13 +95,78 @@ def load_base_model(path: Path, *, is_default: bool = False, dtype: str = "float
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     if not getattr(tokenizer, "chat_template", None):
         raise RequestError(f"the tokenizer in {path} has no chat template", code="training_invalid_request")
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    return LoadedModel(
+        path=path,
+        model=None,
+        tokenizer=tokenizer,
+        is_default=is_default,
+        config=config,
+        weights=read_weights_info(path),
+    )
+
+
+def resolve_precision(requested: str, loaded: LoadedModel) -> str:
+    """``fp32`` or ``bf16``: the requested precision, or for ``auto`` the checkpoint's own (a bfloat16 checkpoint
+    trains in bf16; float32, float16 and anything else in fp32 -- float16 is not a training precision here)."""
+    if requested != "auto":
+        return requested
+    stored = loaded.weights.stored_dtype if loaded.weights is not None else "f32"
+    return "bf16" if stored == "bf16" else "fp32"
+
+
+def load_weights(loaded: LoadedModel, *, precision: str = "fp32", quantization: str = "none") -> LoadedModel:
+    """``loaded`` with its frozen weights in ``precision`` (``fp32`` | ``bf16``), NF4-quantized when
+    ``quantization`` is ``nf4``. Weights already loaded that way are kept."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision {precision!r} is not one of {sorted(PRECISIONS)}")
+    if loaded.model is not None and (loaded.precision, loaded.quantization) == (precision, quantization):
+        return loaded
+    quiet_hub()
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    extra: dict[str, Any] = {}
+    if quantization == "nf4":
+        extra["quantization_config"] = nf4_config(getattr(torch, PRECISIONS[precision]))
+    elif quantization != "none":
+        raise ValueError(f"quantization {quantization!r} is not one of {list(QUANTIZATIONS)}")
     model = AutoModelForCausalLM.from_pretrained(
-        path, local_files_only=True, dtype=getattr(torch, dtype), use_safetensors=True
+        loaded.path, local_files_only=True, dtype=getattr(torch, PRECISIONS[precision]), use_safetensors=True, **extra
     )
     model.eval()
     for param in model.parameters():
         param.requires_grad_(False)
-    return LoadedModel(path=path, model=model, tokenizer=tokenizer, is_default=is_default)
+    return dataclasses.replace(loaded, model=model, config=model.config, precision=precision, quantization=quantization)
+
+
+def nf4_config(compute_dtype: Any) -> Any:
+    """transformers' ``BitsAndBytesConfig`` for NF4 weights computing in ``compute_dtype``; refuses a missing or too
+    old bitsandbytes with what to install."""
+    from importlib import metadata
+
+    try:
+        version = metadata.version("bitsandbytes")
+    except metadata.PackageNotFoundError:
+        version = None
+    numbers = tuple(int(p) for p in (version or "0.0").split(".")[:2] if p.isdigit())
+    if version is None or numbers < MIN_BITSANDBYTES:
+        found = "is not installed" if version is None else f"is {version}"
+        raise RequestError(
+            f"quantization nf4 needs bitsandbytes {MIN_BITSANDBYTES[0]}.{MIN_BITSANDBYTES[1]} or later, which {found}",
+            code="training_backend_unsupported",
+            pointer="/config/quantization",
+            hint="pip install 'bitsandbytes>=0.47' (or the kiln[quantization] extra), or train without quantization",
+        )
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_compute_dtype=compute_dtype,
+        bnb_4bit_use_double_quant=False,
+        bnb_4bit_quant_storage="uint8",
+    )
 
 
 def _missing_weights(path: Path) -> str | None:

@@ -59,8 +59,8 @@ def stop_token_ids(model: Any, tokenizer: Any, specials: tuple[str, ...]) -> fro
     return frozenset(found)
 
 
-def max_positions(model: Any, tokenizer: Any) -> int:
-    config = model.config
+def max_positions(config: Any, tokenizer: Any) -> int:
+    """The context length a model's transformers ``config`` declares (else its tokenizer's)."""
     for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
         value = getattr(config, key, None)
         if isinstance(value, int) and value > 0:

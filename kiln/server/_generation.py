@@ -197,7 +197,7 @@ class Generator:
         self._keep_last = "logits_to_keep" in inspect.signature(self._model.forward).parameters
         self._specials = _special_tokens(self._tokenizer)
         self._stop_ids = _stop_ids(self._model, self._tokenizer, self._specials)
-        self._max_positions = _max_positions(self._model, self._tokenizer)
+        self._max_positions = _max_positions(self._model.config, self._tokenizer)
 
     # --- adapters -----------------------------------------------------------------------
 

@@ -4,7 +4,7 @@ activation).
 Admission (``admit``) runs in the request thread and does everything that can fail before any model work: the
 request parsed into its kind's model at the door, what it may read, the ``post_eval`` gate, the trainer's own
 admission (config rules, effective seed, data ingestion, full checkpoint load and compatibility when resuming, loss
-route) and a memory estimate. Only the replay request (every default resolved, seed and learning rate filled in)
+route, the memory plan). Only the replay request (every default resolved, seed and learning rate filled in)
 and a fingerprint of what was admitted are kept; the worker admits the replay request again at dequeue and refuses
 to train when the fingerprint changed (data bytes, checkpoint, seed, loss route, teacher), naming what changed. Every
 kind goes through the same path: ``kiln.trainers.TRAINERS[kind]`` admits and runs it. After a successful run the
@@ -27,7 +27,7 @@ from typing import Any
 
 from kiln.artifacts.worker_spec import WorkerSpec, build_worker_spec
 from kiln.documents.jsonio import JsonObject
-from kiln.errors import CapacityError, ConflictError
+from kiln.errors import ConflictError
 from kiln.jobs.worker import run_spec
 from kiln.server._jobs import Job, Outcome
 from kiln.trainers import TRAINERS, TrainingContext
@@ -71,7 +71,7 @@ class Engine:
         """Where the trainers admit and run: the server's registry, its base model, teachers and interval, and for
         ``kind`` the worker processes (ranks, threads) it will train in."""
         from kiln.teachers import teachers_root
-        from kiln.training import DataParallel
+        from kiln.training import DataParallel, MemorySettings
 
         in_workers = kind is not None and self.settings.training.worker == "process"
         return TrainingContext(
@@ -83,18 +83,8 @@ class Engine:
             teachers_root=teachers_root(self.settings.home),
             checkpoint_interval=self.settings.training.checkpoint_interval,
             data_roots=self.settings.data_roots,
+            memory=MemorySettings.of(self.settings.training),
         )
-
-
-def _available_memory() -> int | None:
-    try:
-        with open("/proc/meminfo", encoding="ascii") as handle:
-            for line in handle:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
 
 
 def admit(engine: Engine, kind: str, body: JsonObject, jobs: Any) -> JsonObject:
@@ -104,7 +94,7 @@ def admit(engine: Engine, kind: str, body: JsonObject, jobs: Any) -> JsonObject:
     problem with its pointer); then, cheap checks first: the queue's capacity, what the request may read
     (``Trainer.check_door``, before anything opens a file it names), the ``post_eval`` gate (suite registered, held
     out from the training data; kept in the replay request, never seen by the trainer), the adapter's writer, and
-    the trainer's own admission against the server's pristine base model and a memory estimate."""
+    the trainer's own admission against the server's pristine base model (with its memory plan)."""
     from kiln.server import _evals
 
     trainer = TRAINERS[kind]
@@ -118,13 +108,6 @@ def admit(engine: Engine, kind: str, body: JsonObject, jobs: Any) -> JsonObject:
     _writer_conflict(jobs, adapter)
     with engine.admission_lock:
         admitted = trainer.admit_request(request.without_gate(), adapter_name=adapter, context=context)
-    need, have = admitted.memory_estimate(), _available_memory()
-    if need is not None and have is not None and need > have:
-        raise CapacityError(
-            f"the job needs about {need / 2**30:.1f} GiB of host memory and {have / 2**30:.1f} GiB is available",
-            code="memory_budget_exceeded",
-            hint="use shorter conversations, a smaller lora_rank, or free memory on the server",
-        )
     replay = {k: v for k, v in request.sent.items() if k not in ("config", "post_eval")}  # the data as sent
     if replay.get("dataset_path") is not None:
         replay["dataset_path"] = str(Path(replay["dataset_path"]).resolve())
@@ -180,6 +163,7 @@ def job_spec(engine: Engine, job: Job, events: Path | None, context: TrainingCon
         teachers_root=context.teachers_root,
         checkpoint_interval=context.checkpoint_interval,
         data_roots=context.data_roots,
+        memory_limit_bytes=context.memory.memory_limit_bytes,
     )
 
 
@@ -193,7 +177,10 @@ def run(engine: Engine, job: Job, cancel: threading.Event, report: Callable[[dic
     if engine.settings.training.worker == "thread":
 
         def private_weights(admitted: Any) -> None:
-            admitted.loaded = dataclasses.replace(engine.base, model=copy.deepcopy(engine.base.model))
+            # the server's pristine base is never trained; weights admission loaded for the job (another precision)
+            # are the job's own already
+            if admitted.loaded.model is engine.base.model:
+                admitted.loaded = dataclasses.replace(admitted.loaded, model=copy.deepcopy(engine.base.model))
 
         context = engine.context()
         found = run_spec(

@@ -124,12 +124,13 @@ def teacher_identity_for(
     when the caller already hashed it) saves hashing every shard a second time.
     """
     from kiln.artifacts.base_weights import build_base_weight_manifest
+    from kiln.model import weights_cache_dir
 
     model_dir = Path(model_dir)
     vocab_size, max_model_len = model_limits(model_dir)
     if base_weight_manifest is None:
         try:
-            base_weight_manifest = build_base_weight_manifest(model_dir)
+            base_weight_manifest = build_base_weight_manifest(model_dir, cache_dir=weights_cache_dir())
         except FileNotFoundError as exc:
             raise _refuse(f"{exc}; Kiln only loads safetensors weights") from None
     identity = {

@@ -1,11 +1,18 @@
 """What every trainer's admission shares, and what callers read from an admitted job.
 
 ``AdmittedJob`` is the common part of an admitted job -- target, typed effective config, base model, identity and
-precision, the loaded checkpoint when resuming -- with what the server and the CLI read from any kind: the step
-counts, the revalidation ``fingerprint``, the resumed loss history and a memory estimate. ``base_model`` and
-``run_identity`` are the two admission steps after the cheap checks: the model (the caller's, or loaded from
-``model_path``), then deterministic algorithms, the precision policy and the identity of everything the run depends
-on (which records that determinism); ``with_targets`` resolves the LoRA targets against the model.
+precision, the memory plan, the loaded checkpoint when resuming -- with what the server and the CLI read from any
+kind: the step counts, the revalidation ``fingerprint`` and the resumed loss history. The admission steps after the
+cheap checks:
+
+* ``base_model``: the caller's model, or the one at ``model_path`` opened -- tokenizer, config and weight headers,
+  no weight loaded yet, so a run that will not fit is refused before it spends the memory;
+* ``planned_model``: once the data is read (its longest sequence known), the precision resolved (``auto``: the
+  checkpoint's own dtype), the memory planned and held to the budget (``kiln.training.plan_memory``; refusal:
+  ``memory_budget_exceeded`` naming the settings that fit), activation checkpointing resolved (``auto``: on exactly
+  when needed; a resume keeps its checkpoint's), and the weights loaded in that precision (NF4 when quantized);
+* ``run_identity``: deterministic algorithms, the precision policy and the identity of everything the run depends on
+  (which records that determinism); ``with_targets`` resolves the LoRA targets against the model.
 """
 
 from __future__ import annotations
@@ -19,17 +26,19 @@ from typing import TYPE_CHECKING, ClassVar, Generic, TypeVar
 from kiln.checkpoints import LoadedCheckpoint
 from kiln.documents.jsonio import JsonObject
 from kiln.errors import RequestError
-from kiln.training import DataParallel, EffectiveConfig, Optimizer
+from kiln.training import DataParallel, EffectiveConfig, MemoryPlan, MemorySettings, Optimizer
 
 if TYPE_CHECKING:
     from kiln.model import LoadedModel, ModelIdentity
     from kiln.trainers._lineage import RequestLog
+    from kiln.trainers._resume import ResumePoint
 
 __all__ = [
     "AdmittedJob",
     "RunIdentity",
     "TrainingContext",
     "base_model",
+    "planned_model",
     "run_identity",
     "single_process",
     "with_targets",
@@ -54,6 +63,8 @@ class TrainingContext:
     data_roots: tuple[Path, ...] | None = None
     # the data-parallel group this process trains in (torchrun's ranks); one process by default
     data_parallel: DataParallel = field(default_factory=DataParallel)
+    # what a request without precision, gradient_checkpointing or quantization gets, and the memory budget
+    memory: MemorySettings = field(default_factory=MemorySettings)
 
 
 @dataclass(frozen=True)
@@ -77,6 +88,7 @@ class AdmittedJob(Generic[C]):
     run: RunIdentity
     resume: LoadedCheckpoint | None = None
     dry_run: bool = False
+    memory_plan: MemoryPlan | None = None  # the planner's estimate and budget (None: admitted without a plan)
     request_log: RequestLog | None = field(default=None, init=False, repr=False)  # this run's request record
 
     @property
@@ -136,9 +148,12 @@ class AdmittedJob(Generic[C]):
         """The loss curve up to the resume checkpoint, as job-detail entries (empty when the kind reports none)."""
         return []
 
-    def memory_estimate(self) -> int | None:
-        """A coarse upper bound of the run's extra host memory in bytes (None: no estimate for this kind)."""
-        return None
+    @property
+    def checkpoint_segments(self) -> int | None:
+        """The decoder layers recomputed one by one in the backward pass (None: activation checkpointing off)."""
+        if self.config.gradient_checkpointing != "on" or self.memory_plan is None:
+            return None
+        return self.memory_plan.shape.layers
 
     def release_model(self) -> None:
         """Drop the (trained) weights now, not when the job goes; the tokenizer and paths stay readable."""
@@ -157,29 +172,115 @@ def single_process(context: TrainingContext, kind: str) -> None:
 
 
 def base_model(context: TrainingContext) -> LoadedModel:
-    """The caller's loaded base model, or the one at ``model_path`` (the built-in tiny model by default)."""
+    """The caller's base model, or the one at ``model_path`` (the built-in tiny model by default) opened: tokenizer,
+    config and weight headers, its weights loaded later by ``planned_model``."""
     if context.loaded is not None:
         return context.loaded
-    from kiln.model import load_base_model, resolve_model_path
+    from kiln.model import open_base_model, resolve_model_path
 
     path, is_default = resolve_model_path(context.model_path)
-    return load_base_model(path, is_default=is_default)
+    return open_base_model(path, is_default=is_default)
 
 
-def run_identity(loaded: LoadedModel, optimizer: Optimizer, data_parallel: DataParallel) -> RunIdentity:
+def requested_precision(value: object, context: TrainingContext) -> str:
+    """A config's ``precision`` member (a generated enum or None) or the context's default."""
+    return context.memory.precision if value is None else str(getattr(value, "value", value))
+
+
+def planned_model(
+    loaded: LoadedModel,
+    cfg: E,
+    context: TrainingContext,
+    *,
+    tokens: int,
+    loss_rows: int,
+    point: ResumePoint | None,
+    segments: int | None = None,
+    seq_len_field: str | None = None,
+    check: bool = True,
+) -> tuple[LoadedModel, E, MemoryPlan]:
+    """The run's memory settings resolved, its memory planned, and its base weights loaded accordingly.
+
+    ``tokens``: the longest sequence one forward sees; ``loss_rows``: the rows of vocabulary logits the loss holds at
+    once; ``point``: the checkpoint resumed (its activation checkpointing is kept when the request says ``auto``);
+    ``segments``: the request's ``grad_checkpoint_segments``; ``check``: refuse a plan over budget (a dry run trains
+    nothing and is not held to one)."""
+    from kiln.model import resolve_precision
+    from kiln.training import ModelShape, memory_budget, plan_memory
+
+    precision = resolve_precision(cfg.precision, loaded)
+    checkpointing = cfg.gradient_checkpointing
+    if checkpointing == "auto" and point is not None and point.gradient_checkpointing in ("on", "off"):
+        checkpointing = point.gradient_checkpointing
+    if loaded.weights is None or loaded.config is None:
+        raise AssertionError("planning needs the model's config and weight headers (kiln.model.open_base_model)")
+    shape = ModelShape.of(loaded.config, loaded.weights)
+    if segments is not None:
+        if checkpointing == "off":
+            raise RequestError(
+                "grad_checkpoint_segments: activation checkpointing is off (gradient_checkpointing off)",
+                code="training_invalid_request",
+                pointer="/config/grad_checkpoint_segments",
+                hint="omit grad_checkpoint_segments, or set gradient_checkpointing on",
+            )
+        if segments != shape.layers:
+            raise RequestError(
+                f"grad_checkpoint_segments: Kiln recomputes every decoder layer as its own segment, so the segment "
+                f"count is the model's {shape.layers} layers, not {segments}",
+                code="training_backend_unsupported",
+                pointer="/config/grad_checkpoint_segments",
+                hint=f"omit grad_checkpoint_segments or set it to {shape.layers}",
+            )
+        checkpointing = "on"
+    plan = plan_memory(
+        shape,
+        precision=precision,
+        quantization=cfg.quantization,
+        gradient_checkpointing=checkpointing,
+        lora_rank=cfg.lora_rank,
+        targets=cfg.lora_target_modules,
+        optimizer_kind=cfg.optimizer.kind,
+        micro_batch_size=cfg.micro_batch_size,
+        tokens=tokens,
+        loss_rows=loss_rows,
+        budget=memory_budget(context.memory.memory_limit_bytes),
+        seq_len_field=seq_len_field,
+        processes=context.data_parallel.world_size,
+    )
+    if check:
+        plan.check()
+    cfg = dataclasses.replace(cfg, precision=precision, gradient_checkpointing=plan.run.gradient_checkpointing)
+    return load_weights_for(loaded, cfg), cfg, plan
+
+
+def load_weights_for(loaded: LoadedModel, cfg: EffectiveConfig) -> LoadedModel:
+    """``loaded`` with its weights in the precision and quantization ``cfg`` resolved (kept when they already are)."""
+    from kiln.model import load_weights
+
+    return load_weights(loaded, precision=cfg.precision, quantization=cfg.quantization)
+
+
+def run_identity(
+    loaded: LoadedModel, optimizer: Optimizer, data_parallel: DataParallel, precision: str = "fp32"
+) -> RunIdentity:
     """Deterministic algorithms switched on (the provenance records it), then the precision policy of ``optimizer``
-    and the identity of the model and of the process(es) that will train -- their number and intra-op threads, when
-    admission runs in another process (a server's, ``kiln train --local`` of several ranks)."""
+    under ``precision`` and the identity of the model and of the process(es) that will train -- their number and
+    intra-op threads, when admission runs in another process (a server's, ``kiln train --local`` of several ranks)."""
     import torch
 
     from kiln.model import capture_identity, training_precision
 
     torch.use_deterministic_algorithms(True)
-    precision = training_precision(optimizer_kind=optimizer.kind)
+    compute = "bf16" if precision == "bf16" else "f32"
+    policy = training_precision(optimizer_kind=optimizer.kind, activation_dtype=compute)
     identity = capture_identity(
-        loaded.path, loaded.tokenizer, training_policy=precision, intra_op_threads=data_parallel.threads
+        loaded.path,
+        loaded.tokenizer,
+        inference_dtype=compute,
+        training_policy=policy,
+        intra_op_threads=data_parallel.threads,
     )
-    return RunIdentity(identity=identity, precision=precision, data_parallel=data_parallel)
+    return RunIdentity(identity=identity, precision=policy, data_parallel=data_parallel)
 
 
 def with_targets(config: E, loaded: LoadedModel) -> E:

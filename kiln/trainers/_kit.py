@@ -11,7 +11,8 @@
 * ``publish_adapter``: the adapter, its request lineage (``replay.jsonl``, ``lineage.json``), its receipt and its
   manifest, staged together and made visible by one rename (``kiln.adapters.publish.publish_trained_adapter``;
   ``publish_receipt_only``: a successful run without an adapter);
-* ``Policy``: the LoRA policy of a run -- adapter attached with the seeded initialisation, optimizer built, state
+* ``Policy``: the LoRA policy of a run -- adapter attached with the seeded initialisation, every decoder layer
+  recomputed in the backward pass when activation checkpointing is on, optimizer built, state
   restored from a checkpoint or warm-started from ``base_adapter``, the run's request record appended to the
   adapter's request log (``kiln.trainers._lineage``; its outcome follows when the run ends); ``Policy.accumulate``
   and ``Policy.apply`` are one optimizer step with the non-finite-loss check and the phase timings;
@@ -41,6 +42,7 @@ from kiln.training import (
     EffectiveConfig,
     StepSync,
     attach_lora,
+    checkpoint_layers,
     classify_failure,
     lora_parameters,
     warm_start,
@@ -257,6 +259,8 @@ class Policy:
         self.model = attach_lora(
             job.loaded.model, rank=cfg.lora_rank, alpha=cfg.lora_alpha, seed=cfg.seed, targets=cfg.targets
         )
+        if cfg.gradient_checkpointing == "on":  # after the LoRA modules are in place: they are recomputed too
+            checkpoint_layers(self.model.get_base_model())
         self.params = lora_parameters(self.model)
         self.optimizer = cfg.optimizer.build(list(self.params.values()), cfg.learning_rate)
         self.timings: dict[str, float] = dict.fromkeys(PHASES, 0.0)

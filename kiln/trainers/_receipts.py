@@ -29,10 +29,10 @@ DATA_MEMBERS = (
 
 
 def envelope(job: AdmittedJob[EffectiveConfig], kind: str, **members: Any) -> JsonObject:
-    """``receipt_base`` for ``job`` (its config, identity, precision, adapter name and base adapter)."""
+    """``receipt_base`` for ``job`` (its config, identity, precision, memory plan, adapter name and base adapter)."""
     cfg = job.config
     base = base_adapter_dir(job.registry, cfg.base_adapter) if cfg.base_adapter else None
-    return receipt_base(
+    receipt = receipt_base(
         mode=kind,
         adapter_name=job.adapter_name,
         cfg=cfg,
@@ -41,6 +41,9 @@ def envelope(job: AdmittedJob[EffectiveConfig], kind: str, **members: Any) -> Js
         base_adapter_dir=base,
         **members,
     )
+    if job.memory_plan is not None:  # the planner's estimate beside the measured peak
+        receipt["runtime"]["memory_plan"] = job.memory_plan.record()
+    return receipt
 
 
 def data_block(**counts: Any) -> JsonObject:

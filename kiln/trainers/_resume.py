@@ -42,11 +42,13 @@ NAMES = {
 
 @dataclass(frozen=True)
 class ResumePoint:
-    """The checkpoint a run resumes from, checked metadata-only: where it is, its authoritative seed, its step."""
+    """The checkpoint a run resumes from, checked metadata-only: where it is, its authoritative seed, its step, and
+    the activation checkpointing it ran with (kept when the resuming request says ``auto``)."""
 
     path: Path
     seed: int
     global_step: int
+    gradient_checkpointing: str | None = None
 
 
 def resume_metadata(
@@ -76,7 +78,13 @@ def resume_metadata(
             hint=f"resume with --adapter {manifest['adapter_name']}",
         )
     seed = _checkpoint_seed(requested_seed, manifest, info.name)
-    return ResumePoint(checkpoint_path, seed, int(manifest["progress"]["global_step"]))
+    recomputed = manifest["effective_config"].get("gradient_checkpointing")
+    return ResumePoint(
+        checkpoint_path,
+        seed,
+        int(manifest["progress"]["global_step"]),
+        recomputed if isinstance(recomputed, str) else None,
+    )
 
 
 def claim_target(registry: Path, adapter_name: str, point: ResumePoint | None) -> None:

@@ -70,6 +70,7 @@ from kiln.trainers._admission import (
     AdmittedJob,
     TrainingContext,
     base_model,
+    planned_model,
     run_identity,
     single_process,
     with_targets,
@@ -103,6 +104,7 @@ from kiln.training import (
     DataParallel,
     Echo,
     EffectiveConfig,
+    MemorySettings,
     check_run_bounds,
     common_members,
     context_length,
@@ -218,7 +220,12 @@ RECEIPT_CONFIG = (  # the effective-config members the receipt's grpo block repe
 
 
 def resolve_config(
-    config: GrpoConfig, adapter_name: str, *, seed: int | None = None, checkpoint_interval: int | None = None
+    config: GrpoConfig,
+    adapter_name: str,
+    *,
+    seed: int | None = None,
+    checkpoint_interval: int | None = None,
+    memory: MemorySettings | None = None,
 ) -> EffectiveGrpoConfig:
     """The effective configuration of a (schema-valid) ``GrpoConfig``; refuses, naming the field, what Kiln does not
     execute: ``kl_reference_policy`` with its alias ``reference_policy``, a KL term against reference ``none``,
@@ -234,7 +241,12 @@ def resolve_config(
         if getattr(config, flag):
             refuse(flag, "not available for GRPO in this Kiln", code="training_backend_unsupported")
     common = common_members(
-        config, "GrpoConfig", adapter_name=adapter_name, seed=seed, checkpoint_interval=checkpoint_interval
+        config,
+        "GrpoConfig",
+        adapter_name=adapter_name,
+        seed=seed,
+        checkpoint_interval=checkpoint_interval,
+        memory=memory,
     )
     reference = _reference(config)
     estimator = config.kl_estimator.value
@@ -386,22 +398,36 @@ def admit_request(request: Request[GrpoRequest], *, adapter_name: str, context: 
         adapter_name,
         seed=None if point is None else point.seed,
         checkpoint_interval=None if model.dry_run else context.checkpoint_interval,
+        memory=context.memory,
     )
     claim_target(registry, adapter_name, point)
-    loaded = base_model(context)
+    opened = base_model(context)  # tokenizer, config and weight headers: no weight is loaded before the plan
     pin = dataset_sha256(model.dataset_path) if model.dataset_path is not None else None
     start = time.perf_counter()
-    ingestion, refused = _ingest(request, loaded, cfg, pin)
+    ingestion, refused = _ingest(request, opened, cfg, pin)
     tokenize_ms = (time.perf_counter() - start) * 1000
     if model.dataset_path is not None and pin is not None and refused is None:
         check_unchanged(model.dataset_path, pin, now=ingestion.source_sha256)  # the bytes read are those pinned
+    completions = [c for group in ingestion.groups for c in group.completions]
+    longest = max((len(c.input_ids) for c in completions), default=1)
+    loaded, cfg, plan = planned_model(
+        opened,
+        cfg,
+        context,
+        tokens=longest,
+        loss_rows=longest * cfg.micro_batch_size,  # a micro-batch's selected positions, at most
+        point=point,
+        segments=None if config.grad_checkpoint_segments is None else config.grad_checkpoint_segments.root,
+        check=not model.dry_run,
+    )
     cfg = with_targets(cfg, loaded)
     job = AdmittedGrpo(
         adapter_name=adapter_name,
         registry=registry,
         config=cfg,
         loaded=loaded,
-        run=run_identity(loaded, cfg.optimizer, context.data_parallel),
+        run=run_identity(loaded, cfg.optimizer, context.data_parallel, cfg.precision),
+        memory_plan=None if model.dry_run else plan,
         dry_run=bool(model.dry_run),
         ingestion=ingestion,
         tokenize_ms=tokenize_ms,

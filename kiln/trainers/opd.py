@@ -80,6 +80,8 @@ from kiln.trainers._admission import (
     RunIdentity,
     TrainingContext,
     base_model,
+    planned_model,
+    requested_precision,
     run_identity,
     single_process,
     with_targets,
@@ -113,6 +115,7 @@ from kiln.training import (
     DataParallel,
     Echo,
     EffectiveConfig,
+    MemorySettings,
     check_run_bounds,
     common_members,
     context_length,
@@ -208,6 +211,7 @@ def resolve_config(
     model_max_len: int,
     seed: int | None = None,
     checkpoint_interval: int | None = None,
+    memory: MemorySettings | None = None,
 ) -> EffectiveOpdConfig:
     """The effective configuration of a (schema-valid) ``OpdConfig``; refuses, naming the field, what Kiln does not
     execute: an ``objective``, ``loss``, ``rollout_prompt_rendering``, ``stable_opd``, ``discount`` or ``clip_epsilon``
@@ -244,7 +248,12 @@ def resolve_config(
     if config.top_k not in EXECUTABLE_TOP_K:
         refuse("top_k", f"{config.top_k}: Kiln executes top_k 16 or 32", code="training_backend_unsupported")
     common = common_members(
-        config, "OpdConfig", adapter_name=adapter_name, seed=seed, checkpoint_interval=checkpoint_interval
+        config,
+        "OpdConfig",
+        adapter_name=adapter_name,
+        seed=seed,
+        checkpoint_interval=checkpoint_interval,
+        memory=memory,
     )
     max_tokens = model_max_len if config.max_tokens is None else config.max_tokens
     if max_tokens > model_max_len:
@@ -388,7 +397,7 @@ class AdmittedOpd(AdmittedJob[EffectiveOpdConfig]):
 def admit_request(request: Request[OpdRequest], *, adapter_name: str, context: TrainingContext) -> AdmittedOpd:
     """An ``OpdRequest`` admitted in ``context`` (its teachers registry, its default checkpoint interval); raises
     ``KilnError`` and publishes nothing."""
-    from kiln.model import max_positions, special_tokens, stop_token_ids
+    from kiln.model import max_positions, resolve_precision, special_tokens, stop_token_ids
 
     single_process(context, "OPD")
     mode = check_request(request)
@@ -402,13 +411,14 @@ def admit_request(request: Request[OpdRequest], *, adapter_name: str, context: T
         )
     teacher = pinned_teacher(request.model.teacher, mode, teachers_root=context.teachers_root, registry=registry)
     claim_target(registry, adapter_name, point)
-    loaded = base_model(context)
-    max_len = max_positions(loaded.model, loaded.tokenizer)
+    opened = base_model(context)  # tokenizer, config and weight headers: no weight is loaded before the plan
+    max_len = max_positions(opened.config, opened.tokenizer)
     # the identity comes first: the source is checked against the student's tokenizer, and the effective config
     # against the source's teacher (its top-K bound)
-    identity = run_identity(loaded, resolve_optimizer(config.optimizer), context.data_parallel)
+    precision = resolve_precision(requested_precision(config.precision, context), opened)
+    identity = run_identity(opened, resolve_optimizer(config.optimizer), context.data_parallel, precision)
     start = time.perf_counter()
-    source = admitted_source(mode, request, teacher, loaded, identity)
+    source = admitted_source(mode, request, teacher, opened, identity)
     cfg = resolve_config(
         config,
         adapter_name,
@@ -419,6 +429,16 @@ def admit_request(request: Request[OpdRequest], *, adapter_name: str, context: T
     )
     data = source.read(cfg)
     data.tokenize_ms = (time.perf_counter() - start) * 1000
+    longest = _longest_sequence(data, cfg, max_len)
+    loaded, cfg, plan = planned_model(
+        opened,
+        cfg,
+        context,
+        tokens=longest,
+        loss_rows=longest * cfg.micro_batch_size,  # a micro-batch's scored positions, at most
+        point=point,
+        segments=cfg.grad_checkpoint_segments,
+    )
     cfg = with_targets(cfg, loaded)
     job = AdmittedOpd(
         adapter_name=adapter_name,
@@ -426,6 +446,7 @@ def admit_request(request: Request[OpdRequest], *, adapter_name: str, context: T
         config=cfg,
         loaded=loaded,
         run=identity,
+        memory_plan=plan,
         source=data,
         route=source.route,
         teacher=teacher,
@@ -471,6 +492,15 @@ def admit_opd(
         data_parallel=data_parallel or DataParallel(),
     )
     return admit_request(parse_request(OpdRequest, request), adapter_name=adapter_name, context=context)
+
+
+def _longest_sequence(data: OpdPrompts | OffPolicyFile, cfg: EffectiveOpdConfig, max_len: int) -> int:
+    """The longest sequence a training forward sees: a prompt with its longest rollout (capped by the context), or a
+    pre-scored row's prefix and response."""
+    if isinstance(data, OpdPrompts):
+        prompt = max((len(item.student_prefix) for item in data.items), default=1)
+        return min(max_len, prompt + cfg.max_tokens)
+    return max((len(row.student_prefix) + len(row.action_ids) for row in data.rows), default=1)
 
 
 def _check_data(job: AdmittedOpd) -> None:
@@ -527,7 +557,7 @@ def admitted_source(
 ) -> Prompts | PreScored:
     """The source of ``mode`` for the student ``loaded`` (with its run identity), checked against ``teacher``: what the
     effective config needs (the teacher's top-K bound), the revisions a checkpoint binds, the candidates."""
-    vocab = int(loaded.model.config.vocab_size)
+    vocab = int((getattr(loaded.config, "text_config", None) or loaded.config).vocab_size)
     tokenizer = raw_hex(run.identity.tokenizer_vocab_hash)
     if mode == "on_policy":
         return Prompts(request, teacher, loaded, vocab, tokenizer)

@@ -60,6 +60,7 @@ from kiln.trainers._admission import (
     AdmittedJob,
     TrainingContext,
     base_model,
+    planned_model,
     run_identity,
     with_targets,
 )
@@ -83,6 +84,7 @@ from kiln.training import (
     LORA_INIT_ALGORITHM,
     DataParallel,
     EffectiveConfig,
+    MemorySettings,
     StepSync,
     adapter_tensors,
     check_run_bounds,
@@ -154,6 +156,7 @@ def resolve_config(
     *,
     seed: int | None = None,
     checkpoint_interval: int | None = None,
+    memory: MemorySettings | None = None,
 ) -> EffectiveSftConfig:
     """The effective configuration of a (schema-valid) ``SftConfig``; refuses what the profile does not execute.
 
@@ -167,7 +170,12 @@ def resolve_config(
             f"{flag}: the post-training adapter smoke test is not available yet", code="training_backend_unsupported"
         )
     common = common_members(
-        config, "SftConfig", adapter_name=adapter_name, seed=seed, checkpoint_interval=checkpoint_interval
+        config,
+        "SftConfig",
+        adapter_name=adapter_name,
+        seed=seed,
+        checkpoint_interval=checkpoint_interval,
+        memory=memory,
     )
     return EffectiveSftConfig(
         **common,
@@ -231,21 +239,6 @@ class AdmittedSft(AdmittedJob[EffectiveSftConfig]):
             for step, loss in enumerate(self.resume.loop_state["loss_history"], start=1)
         ]
 
-    def memory_estimate(self) -> int:
-        """A private copy of the weights, LoRA with gradients and two optimizer slots, activations of a micro-batch
-        of the longest row and the loss route's buffers, for each data-parallel rank."""
-        model = self.loaded.model
-        weights = sum(p.numel() * p.element_size() for p in model.parameters())
-        config = model.config
-        hidden, layers = int(config.hidden_size), int(config.num_hidden_layers)
-        intermediate = int(getattr(config, "intermediate_size", hidden))
-        lora = layers * len(self.config.targets) * self.config.lora_rank * (hidden + intermediate) * 4 * 4
-        longest = max(len(ex.input_ids) for ex in self.ingestion.examples) * self.config.micro_batch_size
-        activations = longest * hidden * layers * 4 * 32
-        vocab = int(config.vocab_size)
-        loss = (self.loss_route.chunk_size or vocab) * vocab * 4 + longest * hidden * 4 * 2
-        return (weights + lora + activations + loss) * self.data_parallel.world_size  # each rank holds all of it
-
     def identity_manifest(self, *, lora_init_position: int = 0) -> JsonObject:
         cfg, examples = self.config, self.ingestion.examples
         record = {k: v for k, v in self.ingestion.record.items() if k != "source_locator"}
@@ -263,7 +256,10 @@ class AdmittedSft(AdmittedJob[EffectiveSftConfig]):
                 "lora-init": {"algorithm": LORA_INIT_ALGORITHM, "seed": cfg.seed, "position": lora_init_position},
             },
             planning=planning_identity(
-                device="cpu", sft_loss_route=self.route, data_parallel=self.data_parallel.plan()
+                device="cpu",
+                sft_loss_route=self.route,
+                data_parallel=self.data_parallel.plan(),
+                segments=self.checkpoint_segments,
             ),
             auxiliary={
                 "ingestion_receipt_sha256": json_sha256(record),
@@ -289,14 +285,14 @@ def admit_request(request: Request[SftRequest], *, adapter_name: str, context: T
         adapter_name,
         seed=None if point is None else point.seed,
         checkpoint_interval=context.checkpoint_interval,
+        memory=context.memory,
     )
     claim_target(registry, adapter_name, point)
-    loaded = base_model(context)
-    head_of_model = model_head(loaded.model)
-    cfg = _with_max_seq_len(cfg, loaded)
+    opened = base_model(context)  # tokenizer, config and weight headers: no weight is loaded before the plan
+    cfg = _with_max_seq_len(cfg, opened)
     start = time.perf_counter()
     ingestion = ingest_sft(
-        tokenizer=loaded.tokenizer,
+        tokenizer=opened.tokenizer,
         examples=request.rows("examples"),
         dataset_path=None if request.model.dataset_path is None else str(Path(request.model.dataset_path).resolve()),
         invalid_row_policy=cfg.invalid_row_policy,
@@ -304,23 +300,30 @@ def admit_request(request: Request[SftRequest], *, adapter_name: str, context: T
         overlong_row_policy=cfg.overlong_row_policy,
     )
     tokenize_ms = (time.perf_counter() - start) * 1000
-    _check_data(cfg, ingestion.examples, loaded)
-    cfg = with_targets(cfg, loaded)
-    head = loaded.model.get_output_embeddings().weight
-    choice = choose_loss_route(
-        "cpu",
-        torch.float32,
-        # a micro-batch's supervised rows, at most: its rows' supervised tokens, the largest first
-        max_rows=sum(sorted((ex.supervised_tokens for ex in ingestion.examples), reverse=True)[: cfg.micro_batch_size]),
-        vocab=head.shape[0],
-        hidden=head.shape[1],
+    _check_data(cfg, ingestion.examples, opened)
+    vocab, hidden = _head_shape(opened)
+    # a micro-batch's supervised rows, at most: its rows' supervised tokens, the largest first
+    max_rows = sum(sorted((ex.supervised_tokens for ex in ingestion.examples), reverse=True)[: cfg.micro_batch_size])
+    choice = choose_loss_route("cpu", torch.float32, max_rows=max_rows, vocab=vocab, hidden=hidden)
+    loaded, cfg, plan = planned_model(
+        opened,
+        cfg,
+        context,
+        tokens=max(len(ex.input_ids) for ex in ingestion.examples),
+        loss_rows=choice.chunk_size or max_rows,
+        point=point,
+        segments=None if config.grad_checkpoint_segments is None else config.grad_checkpoint_segments.root,
+        seq_len_field="max_seq_len",
     )
+    head_of_model = model_head(loaded.model)
+    cfg = with_targets(cfg, loaded)
     job = AdmittedSft(
         adapter_name=adapter_name,
         registry=registry,
         config=cfg,
         loaded=loaded,
-        run=run_identity(loaded, cfg.optimizer, context.data_parallel),
+        run=run_identity(loaded, cfg.optimizer, context.data_parallel, cfg.precision),
+        memory_plan=plan,
         ingestion=ingestion,
         tokenize_ms=tokenize_ms,
         loss_route=choice,
@@ -381,6 +384,12 @@ def _with_max_seq_len(cfg: EffectiveSftConfig, loaded: LoadedModel) -> Effective
             hint=f"use at most {context}, or omit max_seq_len for the context length",
         )
     return dataclasses.replace(cfg, max_seq_len=context if requested is None else requested)
+
+
+def _head_shape(loaded: LoadedModel) -> tuple[int, int]:
+    """(vocabulary, hidden width) of the model's output head, from its config."""
+    text = getattr(loaded.config, "text_config", None) or loaded.config
+    return int(text.vocab_size), int(getattr(text, "hidden_size", None) or text.n_embd)
 
 
 def _check_data(cfg: EffectiveSftConfig, examples: tuple[SftExample, ...], loaded: LoadedModel) -> None:

@@ -28,8 +28,10 @@ from kiln.training._lora import (
     module_of,
     target_modules,
 )
+from kiln.training._memory import MemoryBudget, MemoryPlan, MemorySettings, ModelShape, memory_budget, plan_memory
 from kiln.training._optim import AdamW, Muon, Optimizer, Sgd, resolve_optimizer
 from kiln.training._receipt import receipt_base
+from kiln.training._recompute import checkpoint_layers
 from kiln.training._schedule import Schedule
 from kiln.training._seeds import resolve_seed
 from kiln.training._state import (
@@ -59,7 +61,11 @@ __all__ = [
     "DataParallel",
     "Echo",
     "EffectiveConfig",
+    "MemoryBudget",
+    "MemoryPlan",
+    "MemorySettings",
     "ModelHead",
+    "ModelShape",
     "Muon",
     "Optimizer",
     "RanksDivergedError",
@@ -71,6 +77,7 @@ __all__ = [
     "auxiliary_identity",
     "backend_for",
     "check_run_bounds",
+    "checkpoint_layers",
     "classify_failure",
     "common_members",
     "context_length",
@@ -80,9 +87,11 @@ __all__ = [
     "lora_delta_norms",
     "lora_grad_norms",
     "lora_parameters",
+    "memory_budget",
     "model_head",
     "module_of",
     "optimizer_tensors",
+    "plan_memory",
     "planning_identity",
     "receipt_base",
     "refuse",

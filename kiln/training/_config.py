@@ -28,16 +28,20 @@ from kiln_contracts.models.kiln_common_v1_schema import U64, DecimalU64, NonEmpt
 from kiln_contracts.models.kiln_control_plane_v1_schema import (
     AdamWOptimizer,
     EchoConfig,
+    GradientCheckpointing,
     LearningRate,
     LoraTargetModules,
     LrScheduler,
     MuonOptimizer,
+    Quantization,
     SgdOptimizer,
+    TrainingPrecision,
 )
 
 from kiln.documents.jsonio import JsonObject
 from kiln.errors import InternalError, RequestError
 from kiln.training._defaults import default_by
+from kiln.training._memory import MemorySettings
 from kiln.training._optim import Optimizer, resolve_optimizer
 from kiln.training._schedule import Schedule
 from kiln.training._seeds import resolve_seed
@@ -109,6 +113,9 @@ class CommonMembers(TypedDict):
     checkpoint_interval: int | None
     micro_batch_size: int
     gradient_accumulation_steps: int
+    precision: str
+    gradient_checkpointing: str
+    quantization: str
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -128,6 +135,11 @@ class EffectiveConfig:
     checkpoint_interval: int | None
     micro_batch_size: int
     gradient_accumulation_steps: int
+    # the memory settings: as requested (or the caller's default, possibly "auto") until admission resolves them
+    # against the model and the memory planner: precision fp32 | bf16, gradient_checkpointing on | off
+    precision: str
+    gradient_checkpointing: str
+    quantization: str
 
     @property
     def targets(self) -> list[str]:
@@ -157,6 +169,9 @@ class EffectiveConfig:
             "optimizer": self.optimizer.to_json(),
             "micro_batch_size": self.micro_batch_size,
             "gradient_accumulation_steps": self.gradient_accumulation_steps,
+            "precision": self.precision,
+            "gradient_checkpointing": self.gradient_checkpointing,
+            "quantization": self.quantization,
         }
 
     def to_json(self) -> JsonObject:
@@ -190,15 +205,28 @@ class ConfigModel(Protocol):
     def micro_batch_size(self) -> int: ...
     @property
     def gradient_accumulation_steps(self) -> int: ...
+    @property
+    def precision(self) -> TrainingPrecision | None: ...
+    @property
+    def gradient_checkpointing(self) -> GradientCheckpointing | None: ...
+    @property
+    def quantization(self) -> Quantization | None: ...
 
 
 def common_members(
-    config: ConfigModel, definition: str, *, adapter_name: str, seed: int | None, checkpoint_interval: int | None
+    config: ConfigModel,
+    definition: str,
+    *,
+    adapter_name: str,
+    seed: int | None,
+    checkpoint_interval: int | None,
+    memory: MemorySettings | None = None,
 ) -> CommonMembers:
     """The shared members of a config ``model`` of ``definition`` (``SftConfig``, ``GrpoConfig``, ``OpdConfig``).
 
     ``seed``: the checkpoint's when resuming (authoritative), else the request's or a fresh one is drawn.
     ``checkpoint_interval``: what a request without one gets (the server's ``training.checkpoint_interval``).
+    ``memory``: the precision, activation checkpointing and quantization a request without them gets.
     The LoRA scale guardrail refuses ``lora_alpha / lora_rank`` above 2 unless ``allow_high_lora_scale``."""
     optimizer = resolve_optimizer(config.optimizer)
     try:
@@ -220,6 +248,7 @@ def common_members(
     )
     targets = config.lora_target_modules
     interval = config.checkpoint_interval
+    defaults = memory or MemorySettings()
     base = config.base_adapter
     return CommonMembers(
         output_name=adapter_name,
@@ -235,6 +264,13 @@ def common_members(
         checkpoint_interval=checkpoint_interval if interval is None else int(interval.root),
         micro_batch_size=config.micro_batch_size,
         gradient_accumulation_steps=config.gradient_accumulation_steps,
+        precision=defaults.precision if config.precision is None else config.precision.value,
+        gradient_checkpointing=(
+            defaults.gradient_checkpointing
+            if config.gradient_checkpointing is None
+            else config.gradient_checkpointing.value
+        ),
+        quantization=defaults.quantization if config.quantization is None else config.quantization.value,
     )
 
 
@@ -272,6 +308,6 @@ def context_length(loaded: LoadedModel) -> int | None:
     from kiln.model import max_positions
 
     try:
-        return max_positions(loaded.model, loaded.tokenizer)
+        return max_positions(loaded.config, loaded.tokenizer)
     except InternalError:
         return None

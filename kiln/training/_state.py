@@ -25,9 +25,8 @@ ADAPTER_FILE = "adapter.safetensors"
 OPTIMIZER_FILE = "optimizer.safetensors"
 LORA_INIT_ALGORITHM = "kiln.seeded-lora-init.v1"
 SLOT_SEPARATOR = "#"
-# Kiln's PyTorch trainers keep every activation (no recomputation, no boundary replay);
-# these constants are what the planning identity records for that plan.
-GRADIENT_CHECKPOINT_PLAN: list[Any] = []
+# Activation checkpointing recomputes whole decoder layers, one segment each (kiln.training._recompute), and there is
+# no boundary replay; the planning identity records the segment count and this boundary policy.
 BOUNDARY_POLICY = {
     "recompute_mode": "disabled",
     "recompute_threshold_tokens": 4096,
@@ -143,14 +142,26 @@ def _host_memory_bytes() -> int:
         return 1
 
 
+def gradient_checkpoint_plan(segments: int | None) -> list[list[int]]:
+    """The layer ranges recomputed in the backward pass, ``[first, end)`` each: one per decoder layer when activation
+    checkpointing is on (``segments`` layers), none when it is off."""
+    return [[layer, layer + 1] for layer in range(segments or 0)]
+
+
 def planning_identity(
-    *, device: str, sft_loss_route: str | None = None, data_parallel: dict[str, Any] | None = None
+    *,
+    device: str,
+    sft_loss_route: str | None = None,
+    data_parallel: dict[str, Any] | None = None,
+    segments: int | None = None,
 ) -> dict[str, Any]:
     """Planning identity v3 (GRPO, OPD) or, with an SFT loss route, v4 (with the data-parallel plan of a run over
-    several ranks)."""
+    several ranks). ``segments``: the decoder layers recomputed one by one under activation checkpointing (None:
+    checkpointing off)."""
+    policy = {"mode": "explicit_segments", "segments": segments} if segments else {"mode": "disabled", "segments": None}
     record: dict[str, Any] = {
         "schema": "kiln.training-checkpoint-planning.v4" if sft_loss_route else "kiln.training-checkpoint-planning.v3",
-        "gradient_checkpoint_policy": {"mode": "disabled", "segments": None},
+        "gradient_checkpoint_policy": policy,
         "checkpoint_boundary_policy": dict(BOUNDARY_POLICY),
         "runtime_device": device,
         "effective_memory": {
@@ -189,6 +200,10 @@ def auxiliary_identity(
             "intra_op_threads": torch.get_num_threads() if threads is None else threads,
         },
         "kiln_train_version": __version__,
-        "gradient_checkpoint_plan_sha256": json_sha256(GRADIENT_CHECKPOINT_PLAN),
+        "gradient_checkpoint_plan_sha256": json_sha256(
+            gradient_checkpoint_plan(planning["gradient_checkpoint_policy"].get("segments"))
+            if planning["gradient_checkpoint_policy"]["mode"] == "explicit_segments"
+            else []
+        ),
         "training_precision_policy": precision,
     }
