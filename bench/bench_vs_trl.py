@@ -44,22 +44,27 @@ model_dir, data, out, targets = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[
 rows = [json.loads(line) for line in open(data)]
 ds = Dataset.from_list([{"prompt": r["messages"][:-1], "completion": r["messages"][-1:]} for r in rows])
 tok = AutoTokenizer.from_pretrained(model_dir)
-model = AutoModelForCausalLM.from_pretrained(model_dir, dtype="float32")
+dtype = sys.argv[7] if len(sys.argv) > 7 else "float32"  # float32 | bfloat16
+checkpointing = len(sys.argv) > 8 and sys.argv[8] == "on"
+model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
 batch, accumulation = int(sys.argv[5]), int(sys.argv[6])
 cfg = SFTConfig(output_dir=out, per_device_train_batch_size=batch, gradient_accumulation_steps=accumulation,
-                num_train_epochs=1,
+                num_train_epochs=1, bf16=dtype == "bfloat16", gradient_checkpointing=checkpointing,
                 learning_rate=1e-4, lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=0.0,
                 optim="adamw_torch", weight_decay=0.0, logging_steps=1000, save_strategy="no", report_to=[],
                 max_length=None, completion_only_loss=True, use_cpu=True, seed=1, dataloader_num_workers=0,
                 disable_tqdm=True)
 peft_cfg = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=targets, task_type="CAUSAL_LM")
 trainer = SFTTrainer(model=model, args=cfg, train_dataset=ds, processing_class=tok, peft_config=peft_cfg)
-trainer.train()
+metrics = trainer.train().metrics
 trainer.save_model(out)
+print("TRL_METRICS " + json.dumps(metrics), flush=True)
 """
 
 
-def make_model(path: Path) -> list[str]:
+def make_model(path: Path, **shape: object) -> list[str]:
+    """A Qwen2-shaped model with random weights (seed 0) and the tiny tokenizer: 2 layers at H=896, V=151,936, or
+    what ``shape`` overrides (``bench_real_size.py``: Qwen2.5-0.5B's whole configuration)."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -79,6 +84,8 @@ def make_model(path: Path) -> list[str]:
         eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"),
         pad_token_id=tok.convert_tokens_to_ids("<|endoftext|>"),
     )
+    for key, value in shape.items():
+        setattr(config, key, value)
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(config)
     model.save_pretrained(path, safe_serialization=True)
@@ -113,8 +120,8 @@ def make_data(path: Path, tokenizer_dir: Path, n: int, seq_len: int) -> None:
             fh.write(json.dumps(row) + "\n")
 
 
-def run_child(cmd: list[str], env: dict[str, str]) -> tuple[float, float]:
-    """Wall seconds and peak RSS (MiB) of one child process."""
+def run_child(cmd: list[str], env: dict[str, str], lines: list[str] | None = None) -> tuple[float, float]:
+    """Wall seconds and peak RSS (MiB) of one child process (``lines``: receives the child's stdout lines)."""
     # ru_maxrss of RUSAGE_CHILDREN is the max over all children so far: run each in its own shell
     # wrapper so the peak is this child's alone
     wrapped = [sys.executable, "-c",
@@ -124,7 +131,10 @@ def run_child(cmd: list[str], env: dict[str, str]) -> tuple[float, float]:
     start = time.perf_counter()
     proc = subprocess.run(wrapped, env=env, capture_output=True, text=True, check=False)
     wall = time.perf_counter() - start
-    code, peak_kib = json.loads(proc.stdout.strip().splitlines()[-1])
+    *printed, last = proc.stdout.strip().splitlines()
+    code, peak_kib = json.loads(last)
+    if lines is not None:
+        lines.extend(printed)
     if code != 0:
         raise RuntimeError(f"{cmd[:4]} failed:\n{proc.stderr[-4000:]}")
     return wall, peak_kib / 1024

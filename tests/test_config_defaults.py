@@ -43,6 +43,10 @@ WHY_NO_SCHEMA_DEFAULT = {
     "output_name": "the adapter's registry name: the caller passes it (the server picks a fresh one when omitted)",
     "seed": "drawn at admission (a fresh random u64) when omitted, then recorded",
     "learning_rate": "depends on the optimizer kind: x-kiln-default-by, checked below",
+    "precision": "the server's training.precision (auto unless configured), resolved against the model at admission",
+    "gradient_checkpointing": "the server's training.gradient_checkpointing (auto unless configured), resolved by "
+    "the memory planner at admission",
+    "quantization": "the server's training.quantization (none unless configured)",
 }
 NO_SCHEMA_DEFAULT = {
     "SftConfig": WHY_NO_SCHEMA_DEFAULT,

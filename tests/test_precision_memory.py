@@ -393,3 +393,101 @@ def test_a_freshly_written_shard_is_not_cached(tmp_path, tiny_model_dir):
     cache = digest_cache_dir(tmp_path / "home")
     build_base_weight_manifest(model, cache_dir=cache)
     assert not cache.exists() or not list(cache.iterdir())
+
+
+# ----------------------------------------------------------------------------- QLoRA
+
+
+def test_nf4_quantizes_the_base_trains_fp32_lora_and_resumes_byte_identically(tmp_path, tiny_model_dir, data_file):
+    config = _sft_config(quantization="nf4")
+    job = admit_sft(adapter_name="bot", registry=tmp_path / "A", config=config, dataset_path=data_file,
+                    model_path=str(tiny_model_dir))  # fmt: skip
+    kinds = {type(m).__name__ for m in job.loaded.model.modules()}
+    assert "Linear4bit" in kinds
+    assert job.memory_plan.run.quantization == "nf4"
+    whole = run_sft(job, keep_final_state=True)
+    assert whole.status == "success", whole.receipt.get("failure_message")
+    assert whole.receipt["config"]["quantization"] == "nf4"
+    assert whole.receipt["runtime"]["memory_plan"]["quantization"] == "nf4"
+    cut = _sft(tmp_path / "B", data_file, tiny_model_dir, config, cancel_at=4)
+    assert cut.cancelled
+    with pytest.raises(CheckpointError) as info:  # the quantization is bound: a resume without it is refused
+        admit_sft(adapter_name="bot", registry=tmp_path / "B", dataset_path=data_file, model_path=str(tiny_model_dir),
+                  config={**config, "quantization": "none", "resume_checkpoint": cut.checkpoints[-1].name})  # fmt: skip
+    assert "effective_config.quantization" in info.value.message
+    resumed = _sft(tmp_path / "B", data_file, tiny_model_dir, {**config, "resume_checkpoint": cut.checkpoints[-1].name})
+    assert_same_run(whole, resumed)
+
+
+def test_nf4_without_bitsandbytes_is_refused_before_loading(tmp_path, tiny_model_dir, data_file, monkeypatch):
+    from importlib import metadata
+
+    real = metadata.version
+
+    def missing(name):
+        if name == "bitsandbytes":
+            raise metadata.PackageNotFoundError(name)
+        return real(name)
+
+    monkeypatch.setattr(metadata, "version", missing)
+    with pytest.raises(RequestError) as info:
+        admit_sft(adapter_name="q", registry=tmp_path, config=_sft_config(quantization="nf4"), dataset_path=data_file,
+                  model_path=str(tiny_model_dir))  # fmt: skip
+    assert info.value.code == "training_backend_unsupported"
+    assert info.value.pointer == "/config/quantization"
+    assert "bitsandbytes" in info.value.message
+
+
+# ----------------------------------------------------------------------------- the command line
+
+
+@pytest.mark.parametrize("kind", ["sft", "grpo", "opd"])
+def test_every_kind_takes_the_memory_flags_and_its_resume_command_carries_them(kind, tmp_path):
+    import shlex
+
+    from kiln import contracts
+    from kiln.cli import build_parser
+    from kiln.cli._requests import build_request, resume_command, training_config
+
+    data = tmp_path / "rows.jsonl"
+    data.write_text(json.dumps(ROWS[0]) + "\n", encoding="utf-8")
+    flags = ["--precision", "bf16", "--gradient-checkpointing", "on", "--quantization", "nf4"]
+    teacher = ["--teacher", "tutor"] if kind == "opd" else []
+    argv = ["train", kind, "--local", "-f", str(data), "--adapter", "bot", *teacher, *flags]
+    args = build_parser().parse_args(argv)
+    config = training_config(args)
+    assert (config["precision"], config["gradient_checkpointing"], config["quantization"]) == ("bf16", "on", "nf4")
+    if kind == "sft":
+        assert contracts.problems("SftConfig", build_request(args, data)["config"]) == []
+    resume = shlex.split(resume_command(args, "bot-checkpoint-step-00000001.kiln-checkpoint", None))
+    again = build_parser().parse_args(resume[1:])
+    assert {k: training_config(again)[k] for k in ("precision", "gradient_checkpointing", "quantization")} == {
+        "precision": "bf16",
+        "gradient_checkpointing": "on",
+        "quantization": "nf4",
+    }
+
+
+def test_the_planner_reads_the_weights_the_model_loads_from_the_headers_alone(tiny_model_dir):
+    from kiln.model import load_weights, open_base_model
+    from kiln.training import ModelShape, target_modules
+
+    opened = open_base_model(tiny_model_dir)
+    assert opened.model is None
+    shape = ModelShape.of(opened.config, opened.weights)
+    loaded = load_weights(opened)
+    model = loaded.model
+    assert shape.parameters == sum(p.numel() for p in model.parameters())
+    assert shape.stored_bytes == (tiny_model_dir / "model.safetensors").stat().st_size - _header_bytes(tiny_model_dir)
+    layers = model.config.num_hidden_layers
+    for leaf in target_modules(model):
+        assert shape.projections[leaf][1] == layers, leaf
+        module = next(m for name, m in model.named_modules() if ".layers.0." in name and name.endswith(f".{leaf}"))
+        assert shape.projections[leaf][0] == layers * (module.in_features + module.out_features), leaf
+
+
+def _header_bytes(model_dir):
+    import struct
+
+    with (model_dir / "model.safetensors").open("rb") as handle:
+        return 8 + struct.unpack("<Q", handle.read(8))[0]

@@ -47,6 +47,20 @@ class LoadedModel:
     precision: str = "fp32"  # what the loaded weights are held in: fp32 | bf16
     quantization: str = "none"  # none | nf4
 
+    @property
+    def vocab_size(self) -> int:
+        """The output head's vocabulary, from the config (a multimodal config's text part)."""
+        return int(_text_config(self.config).vocab_size)
+
+    @property
+    def hidden_size(self) -> int:
+        text = _text_config(self.config)
+        return int(getattr(text, "hidden_size", None) or text.n_embd)
+
+
+def _text_config(config: Any) -> Any:
+    return getattr(config, "text_config", None) or config
+
 
 def resolve_model_path(
     path: str | os.PathLike[str] | None = None, *, settings: Settings | None = None
@@ -137,6 +151,12 @@ def load_weights(loaded: LoadedModel, *, precision: str = "fp32", quantization: 
     model.eval()
     for param in model.parameters():
         param.requires_grad_(False)
+    if quantization == "nf4":
+        for module in model.modules():
+            # bitsandbytes repacks a 4-bit weight in place for its AVX512-bf16 inference kernel the first time a
+            # forward runs without gradient, and only for widths divisible by 32: one weight format, one path
+            if hasattr(module, "support_avx512bf16_for_cpu"):
+                module.support_avx512bf16_for_cpu = False
     return dataclasses.replace(loaded, model=model, config=model.config, precision=precision, quantization=quantization)
 
 

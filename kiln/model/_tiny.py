@@ -11,6 +11,7 @@ tokenizer but not the weights.
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -68,6 +69,9 @@ def quiet_hub() -> None:
 
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
+    # bitsandbytes (the quantization extra), imported by peft when installed, warns at import about an optional
+    # kernel package for its CPU backend; Kiln does not use that kernel
+    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
 
 
 def tiny_corpus() -> list[str]:

@@ -36,6 +36,7 @@ _DTYPES = {
     "BOOL": ("bool", 1),
 }
 _FLOATS = ("f64", "f32", "bf16", "f16", "f8")
+_WIDTHS = dict(_DTYPES.values())
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,11 @@ class WeightsInfo:
     @property
     def parameters(self) -> int:
         return sum(self.numel(name) for name in self.shapes)
+
+    @property
+    def stored_bytes(self) -> int:
+        """The tensors' bytes in the files."""
+        return sum(self.numel(name) * _WIDTHS[dtype] for name, dtype in self.dtypes.items())
 
     @property
     def stored_dtype(self) -> str:

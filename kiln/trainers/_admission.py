@@ -10,7 +10,8 @@ cheap checks:
 * ``planned_model``: once the data is read (its longest sequence known), the precision resolved (``auto``: the
   checkpoint's own dtype), the memory planned and held to the budget (``kiln.training.plan_memory``; refusal:
   ``memory_budget_exceeded`` naming the settings that fit), activation checkpointing resolved (``auto``: on exactly
-  when needed; a resume keeps its checkpoint's), and the weights loaded in that precision (NF4 when quantized);
+  when needed; a resume keeps its checkpoint's), the C heap's mmap threshold fixed (``kiln.host.allocator``), and
+  the weights loaded in that precision (NF4 when quantized);
 * ``run_identity``: deterministic algorithms, the precision policy and the identity of everything the run depends on
   (which records that determinism); ``with_targets`` resolves the LoRA targets against the model.
 """
@@ -26,6 +27,7 @@ from typing import TYPE_CHECKING, ClassVar, Generic, TypeVar
 from kiln.checkpoints import LoadedCheckpoint
 from kiln.documents.jsonio import JsonObject
 from kiln.errors import RequestError
+from kiln.host.allocator import fix_mmap_threshold
 from kiln.training import DataParallel, EffectiveConfig, MemoryPlan, MemorySettings, Optimizer
 
 if TYPE_CHECKING:
@@ -193,7 +195,7 @@ def planned_model(
     context: TrainingContext,
     *,
     tokens: int,
-    loss_rows: int,
+    loss_logits: int,
     point: ResumePoint | None,
     segments: int | None = None,
     seq_len_field: str | None = None,
@@ -201,8 +203,7 @@ def planned_model(
 ) -> tuple[LoadedModel, E, MemoryPlan]:
     """The run's memory settings resolved, its memory planned, and its base weights loaded accordingly.
 
-    ``tokens``: the longest sequence one forward sees; ``loss_rows``: the rows of vocabulary logits the loss holds at
-    once; ``point``: the checkpoint resumed (its activation checkpointing is kept when the request says ``auto``);
+    ``tokens``: the longest sequence one forward sees; ``loss_logits``: the float32 logits the loss holds at once; ``point``: the checkpoint resumed (its activation checkpointing is kept when the request says ``auto``);
     ``segments``: the request's ``grad_checkpoint_segments``; ``check``: refuse a plan over budget (a dry run trains
     nothing and is not held to one)."""
     from kiln.model import resolve_precision
@@ -242,7 +243,7 @@ def planned_model(
         optimizer_kind=cfg.optimizer.kind,
         micro_batch_size=cfg.micro_batch_size,
         tokens=tokens,
-        loss_rows=loss_rows,
+        loss_logits=loss_logits,
         budget=memory_budget(context.memory.memory_limit_bytes),
         seq_len_field=seq_len_field,
         processes=context.data_parallel.world_size,
@@ -250,6 +251,7 @@ def planned_model(
     if check:
         plan.check()
     cfg = dataclasses.replace(cfg, precision=precision, gradient_checkpointing=plan.run.gradient_checkpointing)
+    fix_mmap_threshold()  # freed activations go back to the system: the second step's peak stays at the first's
     return load_weights_for(loaded, cfg), cfg, plan
 
 

@@ -415,7 +415,7 @@ def admit_request(request: Request[GrpoRequest], *, adapter_name: str, context: 
         cfg,
         context,
         tokens=longest,
-        loss_rows=longest * cfg.micro_batch_size,  # a micro-batch's selected positions, at most
+        loss_logits=longest * cfg.micro_batch_size * opened.vocab_size,  # a micro-batch's selected positions, at most
         point=point,
         segments=None if config.grad_checkpoint_segments is None else config.grad_checkpoint_segments.root,
         check=not model.dry_run,

@@ -435,7 +435,7 @@ def admit_request(request: Request[OpdRequest], *, adapter_name: str, context: T
         cfg,
         context,
         tokens=longest,
-        loss_rows=longest * cfg.micro_batch_size,  # a micro-batch's scored positions, at most
+        loss_logits=longest * cfg.micro_batch_size * opened.vocab_size,  # a micro-batch's scored positions
         point=point,
         segments=cfg.grad_checkpoint_segments,
     )
@@ -557,7 +557,7 @@ def admitted_source(
 ) -> Prompts | PreScored:
     """The source of ``mode`` for the student ``loaded`` (with its run identity), checked against ``teacher``: what the
     effective config needs (the teacher's top-K bound), the revisions a checkpoint binds, the candidates."""
-    vocab = int((getattr(loaded.config, "text_config", None) or loaded.config).vocab_size)
+    vocab = loaded.vocab_size
     tokenizer = raw_hex(run.identity.tokenizer_vocab_hash)
     if mode == "on_policy":
         return Prompts(request, teacher, loaded, vocab, tokenizer)

@@ -275,6 +275,7 @@ def admit_request(request: Request[SftRequest], *, adapter_name: str, context: T
 
     from kiln.data import ingest_sft
     from kiln.kernels import choose_loss_route
+    from kiln.model import resolve_precision
 
     refuse_gate(request.model.post_eval)
     config = request.model.config or SftConfig()
@@ -301,16 +302,17 @@ def admit_request(request: Request[SftRequest], *, adapter_name: str, context: T
     )
     tokenize_ms = (time.perf_counter() - start) * 1000
     _check_data(cfg, ingestion.examples, opened)
-    vocab, hidden = _head_shape(opened)
+    vocab = opened.vocab_size
     # a micro-batch's supervised rows, at most: its rows' supervised tokens, the largest first
     max_rows = sum(sorted((ex.supervised_tokens for ex in ingestion.examples), reverse=True)[: cfg.micro_batch_size])
-    choice = choose_loss_route("cpu", torch.float32, max_rows=max_rows, vocab=vocab, hidden=hidden)
+    dtype = torch.bfloat16 if resolve_precision(cfg.precision, opened) == "bf16" else torch.float32
+    choice = choose_loss_route("cpu", dtype, max_rows=max_rows, vocab=vocab, hidden=opened.hidden_size)
     loaded, cfg, plan = planned_model(
         opened,
         cfg,
         context,
         tokens=max(len(ex.input_ids) for ex in ingestion.examples),
-        loss_rows=choice.chunk_size or max_rows,
+        loss_logits=max_rows * min(vocab, choice.chunk_size or vocab),
         point=point,
         segments=None if config.grad_checkpoint_segments is None else config.grad_checkpoint_segments.root,
         seq_len_field="max_seq_len",
@@ -384,12 +386,6 @@ def _with_max_seq_len(cfg: EffectiveSftConfig, loaded: LoadedModel) -> Effective
             hint=f"use at most {context}, or omit max_seq_len for the context length",
         )
     return dataclasses.replace(cfg, max_seq_len=context if requested is None else requested)
-
-
-def _head_shape(loaded: LoadedModel) -> tuple[int, int]:
-    """(vocabulary, hidden width) of the model's output head, from its config."""
-    text = getattr(loaded.config, "text_config", None) or loaded.config
-    return int(text.vocab_size), int(getattr(text, "hidden_size", None) or text.n_embd)
 
 
 def _check_data(cfg: EffectiveSftConfig, examples: tuple[SftExample, ...], loaded: LoadedModel) -> None:

@@ -14,8 +14,12 @@ holds it to a budget: ``training.memory_limit_bytes`` when configured, else the 
   backward pass (``ACTIVATION_WIDTHS``: so many hidden-width, intermediate-width and key/value-width tensors, in the
   activation dtype, plus float32 copies of LoRA inputs under bf16). With checkpointing, each layer keeps only its
   input, and one layer's activations exist again while it is recomputed;
-* the loss route's working set: float32 logits (and their gradient) of a chunk of rows over the vocabulary;
+* the loss route's working set: the float32 logits it holds at once (SFT's fused route: the supervised rows times
+  one vocabulary chunk; GRPO and OPD: the scored positions times the vocabulary), their softmax and gradient;
 * the process's fixed cost (``RUNTIME_BYTES``: Python, torch, transformers, the tokenizer).
+
+The estimate is the larger of that sum and the loading peak: while weights stored in another dtype (or quantized)
+load, the mapped files and the converted weights are both resident.
 
 ``MemoryPlan.check()`` refuses a run that does not fit with ``memory_budget_exceeded``, naming the estimate, the
 budget and the settings that would fit (activation checkpointing, bf16, NF4, a shorter sequence, a smaller
@@ -45,10 +49,10 @@ __all__ = [
 ]
 
 GIB = 2**30
-RUNTIME_BYTES = 700 * 2**20  # Python + torch + transformers + peft + a tokenizer, resident before any weight
+RUNTIME_BYTES = 480 * 2**20  # Python + torch + transformers + peft + a tokenizer, resident before any weight
 # tensors autograd keeps per token and decoder layer, in units of the hidden width, the MLP's intermediate width and
 # the key/value width (measured: bench/bench_real_size.py --calibrate)
-ACTIVATION_WIDTHS = {"hidden": 12.0, "intermediate": 5.0, "kv": 4.0}
+ACTIVATION_WIDTHS = {"hidden": 8.0, "intermediate": 3.5, "kv": 4.0}
 NF4_BLOCK = 64
 OPTIMIZER_SLOTS = {"adam_w": 2, "muon": 1, "sgd": 0}
 DTYPE_BYTES = {"fp32": 4, "bf16": 2}
@@ -121,6 +125,7 @@ class ModelShape:
     kv_width: int
     vocab: int
     parameters: int  # every stored parameter
+    stored_bytes: int  # the weight files' tensor bytes
     linear_parameters: int  # the decoder layers' 2-D projection weights (what NF4 quantizes)
     projections: dict[str, tuple[int, int]]  # leaf name -> (sum over layers of in + out, count)
 
@@ -151,6 +156,7 @@ class ModelShape:
             kv_width=kv_heads * head_dim,
             vocab=int(_first(text, ("vocab_size",), 0)),
             parameters=int(weights.parameters),
+            stored_bytes=int(weights.stored_bytes),
             linear_parameters=linear,
             projections=projections,
         )
@@ -176,7 +182,7 @@ class PlanInputs:
     optimizer_kind: str
     micro_batch_size: int
     tokens: int  # the longest sequence a forward sees
-    loss_rows: int  # rows of logits the loss route holds at once
+    loss_logits: int  # float32 logits the loss route holds at once (rows x vocabulary columns)
 
 
 def estimate(shape: ModelShape, run: PlanInputs) -> dict[str, int]:
@@ -207,7 +213,7 @@ def estimate(shape: ModelShape, run: PlanInputs) -> dict[str, int]:
     else:
         activations = tokens * shape.layers * per_layer
     activations += tokens * shape.hidden * 4 * 4  # embeddings, final norm, the hidden states the head reads
-    loss = min(run.loss_rows, tokens) * shape.vocab * 4 * 3  # logits, their softmax and gradient, float32
+    loss = run.loss_logits * 4 * 3  # logits, their softmax and gradient, float32
     return {
         "weights_bytes": int(weights),
         "lora_bytes": int(lora_values * 4 * 2),
@@ -230,8 +236,18 @@ class MemoryPlan:
     processes: int = 1  # processes on this machine that each hold all of it (data-parallel ranks)
 
     @property
+    def loading_peak_bytes(self) -> int:
+        """The peak while the weights load: the runtime and the weights, plus the mapped weight files when the
+        weights are converted on the way in (another dtype, or NF4)."""
+        c = self.components
+        stored = 4 * self.shape.parameters if self.run.precision == "fp32" else 2 * self.shape.parameters
+        converted = self.run.quantization != "none" or self.shape.stored_bytes != stored
+        return c["runtime_bytes"] + c["weights_bytes"] + (self.shape.stored_bytes if converted else 0)
+
+    @property
     def estimate_bytes(self) -> int:
-        return sum(self.components.values()) * self.processes
+        """The larger of the training peak (every component) and the loading peak, for every process."""
+        return max(sum(self.components.values()), self.loading_peak_bytes) * self.processes
 
     @property
     def fits(self) -> bool:
@@ -245,6 +261,7 @@ class MemoryPlan:
         """The receipt's ``runtime.memory_plan``."""
         return {
             "estimate_bytes": self.estimate_bytes,
+            "loading_peak_bytes": self.loading_peak_bytes,
             "processes": self.processes,
             "budget_bytes": self.budget.bytes,
             "budget_source": self.budget.source,
@@ -338,7 +355,7 @@ def plan_memory(
     optimizer_kind: str,
     micro_batch_size: int,
     tokens: int,
-    loss_rows: int,
+    loss_logits: int,
     budget: MemoryBudget,
     seq_len_field: str | None = None,
     processes: int = 1,
@@ -353,7 +370,7 @@ def plan_memory(
         optimizer_kind=optimizer_kind,
         micro_batch_size=micro_batch_size,
         tokens=max(1, tokens),
-        loss_rows=max(1, loss_rows),
+        loss_logits=max(1, loss_logits),
     )
     plan = MemoryPlan(shape, run, estimate(shape, run), budget, seq_len_field, max(1, processes))
     if gradient_checkpointing == "auto" and not plan.fits:
