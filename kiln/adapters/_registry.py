@@ -28,6 +28,7 @@ from kiln.adapters._directory import (
     problem_text,
     read_canary_status,
 )
+from kiln.artifacts.adapter_files import SIGNATURE_FILE
 from kiln.documents.digests import raw_hex
 from kiln.documents.jsonio import read_json_file
 from kiln.errors import KilnError, Problem
@@ -65,6 +66,16 @@ def _receipt_only(directory: Path) -> str:
     if receipt.get("status") == "failed":
         return f" (a failed run, {receipt.get('failure_reason')}: only its receipt is kept)"
     return " (only a receipt is here)"
+
+
+def _signature(directory: Path) -> dict[str, Any] | None:
+    """The signature's facts as read (never verified: listing never rehashes); None when it is unreadable."""
+    from kiln.adapters.signing import signature_facts
+
+    try:
+        return signature_facts(directory)
+    except KilnError:
+        return None
 
 
 def adapter_entry(directory: Path, *, loaded: bool = False) -> dict[str, Any]:
@@ -147,6 +158,7 @@ def adapter_entry(directory: Path, *, loaded: bool = False) -> dict[str, Any]:
         "adapter_manifest_error": manifest_error,
         "last_load_error": None,
         "error": error,
+        "signature": _signature(directory) if SIGNATURE_FILE in files else None,
     }
     unfit = contracts.problems("AdapterDiskEntry", entry)
     if unfit:  # a fact that does not fit the schema: report the directory as invalid, never hide it

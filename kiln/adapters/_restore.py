@@ -79,8 +79,12 @@ def restore_adapter(
     *,
     name: str | None = None,
     overwrite: bool = False,
+    public_key: str | os.PathLike[str] | None = None,
 ) -> dict[str, Any]:
     """Restore the adapter described by ``manifest_path`` into ``registry``; return the receipt.
+
+    A signed adapter's ``model.sig`` is carried across and must match the restored files (a signature that would
+    not verify on the copy is refused, naming the file); with ``public_key`` it is verified cryptographically too.
 
     The receipt is the ``AdapterRestoreReceipt`` dict ``{status, manifest_path,
     source_adapter_dir, restored_adapter_dir, adapter_name, copied_files, verified_hashes}``
@@ -128,6 +132,7 @@ def restore_adapter(
         _write_manifest_copy(staging / MANIFEST_FILE, raw, manifest)
         copied.append(MANIFEST_FILE)
         _check_layout(staging, manifest, sources)
+        copied.extend(_copy_signature(source_dir, staging, public_key))
         problems = contracts.problems("AdapterRestoreReceipt", receipt)
         if problems:  # a bug, not a bad input: say so before touching the registry
             raise InternalError(f"the restore receipt is invalid: {'; '.join(map(str, problems))}")
@@ -179,6 +184,28 @@ def _copy_lineage(source_dir: Path, staging: Path) -> list[str]:
                                f"expected {link[field]}, got {got}")  # fmt: skip
         copied.append(file_name)
     return copied
+
+
+def _copy_signature(source_dir: Path, staging: Path, public_key: str | os.PathLike[str] | None) -> list[str]:
+    """``model.sig`` copied when the source is signed, and checked on the copy: it lists exactly the restored files
+    with their digests (and verifies with ``public_key`` when one is given)."""
+    from kiln.adapters.signing import SIGNATURE_FILE, verify_signature
+
+    source = source_dir / SIGNATURE_FILE
+    if not source.is_file():
+        if public_key is not None:
+            raise AdapterError(f"{source_dir} is not signed (no {SIGNATURE_FILE}), but a public key was given")
+        return []
+    _copy_hashing(source, staging / SIGNATURE_FILE)
+    try:
+        verify_signature(staging, public_key=public_key)
+    except AdapterError as exc:
+        raise AdapterError(
+            f"the signature of {source_dir} cannot come along: {exc.message.replace(str(staging), 'the copy')}",
+            hint="re-sign the restored adapter (kiln adapters sign), or restore from a directory whose signature "
+            "covers exactly its manifest's files",
+        ) from None
+    return [SIGNATURE_FILE]
 
 
 def _refuse_existing(target: Path) -> None:

@@ -55,7 +55,7 @@ from kiln.adapters._directory import (
     parse_lora_config,
     problem_text,
 )
-from kiln.artifacts.adapter_bodies import MANIFEST_CHECK, OFFLINE_CHECKS, SERVER_CHECKS
+from kiln.artifacts.adapter_bodies import MANIFEST_CHECK, OFFLINE_CHECKS, SERVER_CHECKS, SIGNATURE_CHECK
 from kiln.artifacts.adapter_manifest import load_adapter_manifest
 from kiln.documents.digests import file_sha256, prefixed
 from kiln.documents.jsonio import read_json_file
@@ -83,12 +83,16 @@ def verify_adapter(
     url: str | None = None,
     prompt: str | None = None,
     api_key: str | None = None,
+    public_key: str | os.PathLike[str] | None = None,
+    certificate_chain: tuple[str | os.PathLike[str], ...] = (),
 ) -> dict[str, Any]:
     """The ``AdapterVerifyReceipt`` of one adapter (``status`` is ``ok`` or ``failed``).
 
     ``name_or_path`` is an existing directory, else an adapter name (``kiln.host.fs.name_problem``) in ``registry``
     (``None``: the configured registry). With ``url`` the server checks run against that
     server (``api_key`` as its bearer key); ``prompt`` is used only by their generations.
+    ``public_key`` / ``certificate_chain``: the ``signature`` check verifies ``model.sig`` with them (it must
+    exist); without, a signed directory's signature is checked against its files only.
     """
     given = os.fspath(name_or_path)
     if not given:
@@ -106,7 +110,11 @@ def verify_adapter(
         "tensor_summary": None,
         "logit_delta_summary": None,
     }
-    passed = _offline(receipt, adapter_path) and _manifest(receipt, adapter_path)
+    passed = (
+        _offline(receipt, adapter_path)
+        and _manifest(receipt, adapter_path)
+        and _signature(receipt, adapter_path, public_key, certificate_chain)
+    )
     if passed and url is not None:
         _server(receipt, url.rstrip("/"), api_key, prompt or DEFAULT_PROMPT)
     receipt["status"] = "ok" if all(check["pass"] for check in receipt["checks"]) else "failed"
@@ -309,6 +317,31 @@ def _summary(tensors: dict[str, dict[str, Any]], pairs: list[tuple[str, str]], l
 
 
 # --- manifest -------------------------------------------------------------------------------
+
+
+def _signature(
+    receipt: dict[str, Any],
+    path: Path,
+    public_key: str | os.PathLike[str] | None,
+    chain: tuple[str | os.PathLike[str], ...],
+) -> bool:
+    """``signature`` when the directory is signed or a key was given (True when neither)."""
+    from kiln.adapters.signing import SIGNATURE_FILE, verify_signature
+
+    keyed = public_key is not None or bool(chain)
+    if not keyed and not (path / SIGNATURE_FILE).exists():
+        return True
+    try:
+        found = verify_signature(path, public_key=public_key, certificate_chain=chain)
+    except KilnError as exc:
+        return _record(receipt, SIGNATURE_CHECK, False, exc.message)
+    who = f"signed by {found['method'].replace('_', ' ')} {found['key_fingerprint'] or '(no fingerprint)'}"
+    how = {
+        "key": "verified with the given public key",
+        "certificate": "verified with the given certificate chain",
+        "binding": "its files match the signed digests (no key given: not verified cryptographically)",
+    }[found["verified"]]
+    return _record(receipt, SIGNATURE_CHECK, True, f"{SIGNATURE_FILE} {who}; {how}")
 
 
 def _manifest(receipt: dict[str, Any], path: Path) -> bool:

@@ -48,8 +48,9 @@ OFFLINE_CHECKS = (
     "measurable",
 )
 MANIFEST_CHECK = "manifest_hashes"
+SIGNATURE_CHECK = "signature"
 SERVER_CHECKS = ("server_load", "server_listed", "server_generation")
-CHECK_ORDER = (*OFFLINE_CHECKS, MANIFEST_CHECK, *SERVER_CHECKS)
+CHECK_ORDER = (*OFFLINE_CHECKS, MANIFEST_CHECK, SIGNATURE_CHECK, *SERVER_CHECKS)
 
 __all__ = [
     "load_adapter_canary_status",
@@ -281,10 +282,10 @@ def _allowed_next(previous: str | None) -> tuple[str, ...]:
     """The checks that may run right after ``previous`` passed (None: the first check)."""
     if previous is None:
         return (CHECK_ORDER[0],)
-    if previous == OFFLINE_CHECKS[-1]:
-        return (MANIFEST_CHECK, SERVER_CHECKS[0])
+    if previous == OFFLINE_CHECKS[-1]:  # the manifest and signature checks run only when there is one
+        return (MANIFEST_CHECK, SIGNATURE_CHECK, SERVER_CHECKS[0])
     if previous == MANIFEST_CHECK:
-        return (SERVER_CHECKS[0],)
+        return (SIGNATURE_CHECK, SERVER_CHECKS[0])
     index = CHECK_ORDER.index(previous)
     return CHECK_ORDER[index + 1 : index + 2]
 
@@ -327,7 +328,7 @@ def _verify_order(doc: dict[str, Any], at: str) -> Iterable[Problem]:
             return
         previous = name
     last = checks[-1]
-    if last["pass"] and last["name"] not in (OFFLINE_CHECKS[-1], MANIFEST_CHECK, SERVER_CHECKS[-1]):
+    if last["pass"] and last["name"] not in (OFFLINE_CHECKS[-1], MANIFEST_CHECK, SIGNATURE_CHECK, SERVER_CHECKS[-1]):
         yield Problem(
             "inconsistent_fields",
             ptr(at, "checks", len(checks) - 1, "name"),

@@ -69,14 +69,19 @@ def add_adapters_parser(sub: Any) -> None:
         help="replace an existing adapter of that name: DELETES the existing directory once the new copy "
         "is verified (its files are gone for good)",
     )
+    p.add_argument(
+        "--public-key",
+        metavar="PEM",
+        help="the source is signed: verify its model.sig with this public key (a signed source's signature is "
+        "always carried across and checked against the restored files)",
+    )
     p.set_defaults(func=cmd_restore)
 
     p = verbs.add_parser(
         "verify",
         help="offline checks of an adapter (layout, config, tensors, manifest hashes); exit 1 unless ok",
     )
-    p.add_argument("adapter", help="adapter name in the registry, or a directory path")
-    p.add_argument("--adapter-dir", help="adapter registry directory (default: $KILN_HOME/adapters)")
+    _add_target(p)
     p.add_argument(
         "--url",
         help="also check against a running Kiln server at this URL: it serves the adapter for a completion, lists "
@@ -84,8 +89,64 @@ def add_adapters_parser(sub: Any) -> None:
     )
     p.add_argument("--api-key", metavar="KEY", help="bearer key of that server (default: $KILN_API_KEY)")
     p.add_argument("--prompt", help="prompt for the server's base-versus-adapter generation check")
+    p.add_argument(
+        "--public-key",
+        metavar="PEM",
+        help="verify model.sig with this public key as well (without it a signed directory's signature is only "
+        "checked against its files)",
+    )
+    _add_key_options(
+        p, chain_help="verify a certificate-signed model.sig against this chain (repeat for each)", private=False
+    )
     p.add_argument("--json", action="store_true", help="print the JSON check receipt")
     p.set_defaults(func=cmd_verify)
+
+    p = verbs.add_parser(
+        "sign",
+        help="sign an adapter directory (OpenSSF model signing: model.sig beside its files)",
+        description="Write model.sig in the adapter directory: a Sigstore bundle signing every file's SHA-256 "
+        "(the model-signing library's format; needs the kiln[signing] extra). The upstream verifier checks it "
+        "unchanged: model_signing verify key DIR --signature DIR/model.sig --public_key PUB.pem. Signing changes no "
+        "byte the adapter manifest binds.",
+    )
+    _add_target(p)
+    p.add_argument("--key", required=True, metavar="PEM", help="elliptic-curve private key (PEM)")
+    p.add_argument("--certificate", metavar="PEM", help="sign with this signing certificate for the key")
+    _add_key_options(p, chain_help="a certificate of the signing certificate's chain (repeat for each)", private=True)
+    p.add_argument("--json", action="store_true", help="print the signature's facts as JSON")
+    p.set_defaults(func=cmd_sign)
+
+    p = verbs.add_parser(
+        "attest",
+        help="what produced an adapter: an in-toto Statement with the SLSA Provenance v1 predicate",
+        description="Print (or write to --out, atomically) an in-toto Statement v1 whose subjects are the adapter's "
+        "files and digests and whose SLSA Provenance v1 predicate is derived from its receipt: the effective "
+        "config, the base-weight shards, tokenizer, template, training data, base adapter or OPD teacher, the loss "
+        'route and precision, Kiln\'s version and commit (docs/adapters.md, "Attestation"). --key wraps it in a '
+        "DSSE envelope signed with an elliptic-curve key.",
+    )
+    _add_target(p)
+    p.add_argument("--out", metavar="FILE", help="write to this file instead of printing")
+    p.add_argument("--key", metavar="PEM", help="sign the statement as a DSSE envelope with this private key")
+    p.add_argument("--password-env", metavar="VAR", help="environment variable holding the key's password, if any")
+    p.set_defaults(func=cmd_attest)
+
+    p = verbs.add_parser(
+        "export",
+        help="a directory ready to upload to a model hub (files, receipt, signature, a model card)",
+        description="Copy the adapter's serving files, manifest, receipt, request lineage and signature (if any) "
+        "into OUT_DIR, every digest checked, with a generated README.md model card (library_name: peft, base_model, "
+        "tags, the training data's digest). OUT_DIR must not exist; it appears complete or not at all.",
+    )
+    _add_target(p)
+    p.add_argument("out_dir", metavar="OUT_DIR", help="the new directory to write")
+    p.add_argument("--format", choices=("hf",), default="hf", help="the layout to write (hf: a Hugging Face repo)")
+    p.add_argument(
+        "--base-model",
+        metavar="HUB_ID",
+        help="the base model's hub id for the model card (default: the local path the adapter was trained from)",
+    )
+    p.set_defaults(func=cmd_export)
 
     p = verbs.add_parser(
         "delete",
@@ -100,6 +161,19 @@ def add_adapters_parser(sub: Any) -> None:
     p.add_argument("--dry-run", action="store_true", help="print what would be removed locally (implies --local)")
     add_client_options(p, json_help="print the server's DeleteAdapterResponse (locally: what was removed)")
     p.set_defaults(func=cmd_delete)
+
+
+def _add_target(p: argparse.ArgumentParser) -> None:
+    """The adapter a verb works on: a registry name or a directory, and the registry."""
+    p.add_argument("adapter", help="adapter name in the registry, or a directory path")
+    p.add_argument("--adapter-dir", help="adapter registry directory (default: $KILN_HOME/adapters)")
+
+
+def _add_key_options(p: argparse.ArgumentParser, *, chain_help: str, private: bool) -> None:
+    """``--certificate-chain`` (repeatable) and, for a private key, ``--password-env``."""
+    p.add_argument("--certificate-chain", metavar="PEM", action="append", default=[], help=chain_help)
+    if private:
+        p.add_argument("--password-env", metavar="VAR", help="environment variable holding the key's password, if any")
 
 
 def _registry(args: argparse.Namespace) -> Path:
@@ -187,7 +261,13 @@ def cmd_restore(args: argparse.Namespace) -> int:
     from kiln.adapters import restore_adapter
 
     try:
-        receipt = restore_adapter(Path(args.manifest), _registry(args), name=args.name, overwrite=args.overwrite)
+        receipt = restore_adapter(
+            Path(args.manifest),
+            _registry(args),
+            name=args.name,
+            overwrite=args.overwrite,
+            public_key=args.public_key,
+        )
     except KilnError as exc:
         return _error(exc)
     print(json.dumps(receipt, indent=2, ensure_ascii=False))
@@ -204,6 +284,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
             url=args.url,
             prompt=args.prompt,
             api_key=args.api_key or os.environ.get("KILN_API_KEY") or None,
+            public_key=args.public_key,
+            certificate_chain=tuple(args.certificate_chain),
         )
     except KilnError as exc:
         return _error(exc)
@@ -218,6 +300,65 @@ def cmd_verify(args: argparse.Namespace) -> int:
             print(f"  LoRA update bound sum |A||B| = {summary['lora_update_l2_upper_bound']:.6g}")
         print(f"{receipt['status']}: {receipt.get('adapter_path') or receipt.get('input')}")
     return 0 if receipt["status"] == "ok" else 1
+
+
+def cmd_sign(args: argparse.Namespace) -> int:
+    from kiln.adapters.signing import locate, sign_adapter
+
+    password = os.environ.get(args.password_env) if args.password_env else None
+    if args.password_env and password is None:
+        print(f"error: the environment variable {args.password_env} (--password-env) is not set", file=sys.stderr)
+        return 2
+    try:
+        where = locate(args.adapter, _registry(args))
+        facts = sign_adapter(
+            where,
+            private_key=args.key,
+            password=password,
+            certificate=args.certificate,
+            certificate_chain=tuple(args.certificate_chain),
+        )
+    except KilnError as exc:
+        return _error(exc)
+    if args.json:
+        print(json.dumps(facts, indent=2, ensure_ascii=False))
+    else:
+        print(f"Signed {len(facts['signed_files'])} files: {where / facts['file']}")
+        print(f"Key:      {facts['key_fingerprint']}")
+    return 0
+
+
+def cmd_attest(args: argparse.Namespace) -> int:
+    from kiln.adapters.attest import attestation, dsse_envelope
+    from kiln.adapters.signing import locate
+    from kiln.host.fs import atomic_write_bytes
+
+    password = os.environ.get(args.password_env) if args.password_env else None
+    try:
+        document = attestation(locate(args.adapter, _registry(args)))
+        if args.key:
+            document = dsse_envelope(document, args.key, password)
+    except KilnError as exc:
+        return _error(exc)
+    text = json.dumps(document, indent=2, ensure_ascii=False, sort_keys=True) + "\n"
+    if args.out:
+        atomic_write_bytes(args.out, text.encode("utf-8"))
+        print(f"Wrote {args.out}")
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from kiln.adapters.attest import export_hf
+    from kiln.adapters.signing import locate
+
+    try:
+        found = export_hf(locate(args.adapter, _registry(args)), args.out_dir, base_model=args.base_model)
+    except KilnError as exc:
+        return _error(exc)
+    print(f"Exported {len(found['files'])} files to {found['directory']}: {', '.join(found['files'])}")
+    return 0
 
 
 def _confirmed(args: argparse.Namespace) -> bool:
