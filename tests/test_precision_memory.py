@@ -277,8 +277,10 @@ def test_local_run_over_budget_is_refused_before_loading_naming_what_fits(
         raise AssertionError("the weights were loaded for a run the planner refuses")
 
     monkeypatch.setattr("kiln.model._loader.load_weights", no_weights)
+    monkeypatch.setattr("kiln.model.load_weights", no_weights)
     argv = ["train", "sft", "--local", "-f", str(data_file), "--adapter", "big", "--model", str(tiny_model_dir)]
-    code = main([*argv, "--gradient-checkpointing", "off", "--precision", "fp32"])
+    # the run _plan_bounds planned: the optimizer's slots are part of the estimate
+    code = main([*argv, "--optimizer", "adam_w", "--gradient-checkpointing", "off", "--precision", "fp32"])
     err = capsys.readouterr().err
     assert code != 0
     assert "memory_budget_exceeded" in err

@@ -15,6 +15,7 @@ One module per command group; each adds its parsers (``add_*_parser``) and holds
     _replay        ``kiln replay verify|show``: an adapter's request lineage
     _teachers      ``kiln teachers add|list|remove``
     _evals         ``kiln eval suites|run|status|cancel|compare``
+    _parser        the parser class: no abbreviations, "did you mean", a group's own help, defaults in --help
 
 Imports run one way, with no cycle even counting the imports inside functions: this package imports every
 command module, ``_train`` imports ``_jobs``, both import ``_requests``, and the client commands import
@@ -37,6 +38,7 @@ from kiln import __version__
 from kiln.cli._adapters import add_adapters_parser
 from kiln.cli._checkpoints import add_checkpoints_parser
 from kiln.cli._evals import add_eval_parser
+from kiln.cli._parser import KilnParser, leaf_parser
 from kiln.cli._replay import add_replay_parser
 from kiln.cli._server import add_health_parser, add_serve_parser
 from kiln.cli._teachers import add_teachers_parser
@@ -47,7 +49,7 @@ __all__ = ["build_parser", "main"]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = KilnParser(
         prog="kiln",
         description="Train LoRA adapters for local language models; every result comes with a receipt, "
         "a content-bound manifest and exact-resume checkpoints.",
@@ -70,8 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if not getattr(args, "func", None):
-        parser.print_help()
+    if not getattr(args, "func", None):  # a command group alone (`kiln train`): its own help
+        leaf_parser(parser).print_help()
         return 2
     try:
         code = int(args.func(args))

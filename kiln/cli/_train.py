@@ -50,9 +50,11 @@ def add_train_parser(sub: Any) -> None:
     p.add_argument("--epochs", type=int, default=1, help="passes over the data (default 1)")
     p.add_argument("--seed", help="effective seed (default: a fresh random 64-bit seed, printed)")
     p.add_argument("--lr", type=float, help="learning rate (default: muon 1e-3, adam_w/sgd 1e-4)")
-    p.add_argument("--optimizer", choices=OPTIMIZERS, default="muon")
-    p.add_argument("--lora-rank", type=int, default=16)
-    p.add_argument("--lora-alpha", type=float, default=32.0)
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default="muon", help="the optimizer of the LoRA parameters")
+    p.add_argument("--lora-rank", type=int, default=16, metavar="R", help="LoRA rank r")
+    p.add_argument(
+        "--lora-alpha", type=float, default=32.0, metavar="A", help="LoRA alpha (alpha / rank above 2 is refused)"
+    )
     _add_schedule(p)
     _add_target_modules(p)
     _add_memory_options(p)
@@ -65,7 +67,12 @@ def add_train_parser(sub: Any) -> None:
         action="store_true",
         help="order each window of 50 steps' conversations longest first, so micro-batches pad little",
     )
-    p.add_argument("--invalid-row-policy", choices=("fail", "skip"), default="fail")
+    p.add_argument(
+        "--invalid-row-policy",
+        choices=("fail", "skip"),
+        default="fail",
+        help="a row that is not a valid conversation: refuse the job naming it (fail), or drop it (skip)",
+    )
     p.add_argument(
         "--max-seq-len",
         type=int,
@@ -260,9 +267,11 @@ def _add_kind_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--adapter-dir", help="--local: adapter registry directory (default: $KILN_HOME/adapters)")
     p.add_argument("--seed", help="effective seed (default: a fresh random 64-bit seed, printed)")
     p.add_argument("--lr", type=float, help="learning rate (default: the optimizer's)")
-    p.add_argument("--optimizer", choices=OPTIMIZERS)
-    p.add_argument("--lora-rank", type=int)
-    p.add_argument("--lora-alpha", type=float)
+    p.add_argument("--optimizer", choices=OPTIMIZERS, help="the optimizer of the LoRA parameters (default: muon)")
+    p.add_argument("--lora-rank", type=int, metavar="R", help="LoRA rank r (default: 16)")
+    p.add_argument(
+        "--lora-alpha", type=float, metavar="A", help="LoRA alpha (default: 32; alpha / rank above 2 is refused)"
+    )
     _add_schedule(p)
     _add_target_modules(p)
     _add_memory_options(p)
