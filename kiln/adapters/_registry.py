@@ -50,6 +50,19 @@ def _config_facts(path: Path) -> tuple[dict[str, Any], str | None]:
     return config, None
 
 
+def _dry_run_record(directory: Path) -> bool:
+    """Whether a directory's lone receipt is a successful dry run's (read, never trusted)."""
+    try:
+        receipt = read_json_file(directory / RECEIPT_FILE)
+    except KilnError:
+        return False
+    if not isinstance(receipt, dict):
+        return False
+    data = receipt.get("training_data")
+    source = data.get("source") if isinstance(data, dict) else None
+    return receipt.get("status") == "success" and isinstance(source, str) and source.endswith("_dry_run")
+
+
 def _receipt_only(directory: Path) -> str:
     """Why a directory holds a receipt but no serving files, as its receipt tells it (read, never trusted)."""
     try:
@@ -58,11 +71,6 @@ def _receipt_only(directory: Path) -> str:
         return f" (its {RECEIPT_FILE} is unreadable)"
     if not isinstance(receipt, dict):
         return ""
-    source = (
-        (receipt.get("training_data") or {}).get("source") if isinstance(receipt.get("training_data"), dict) else None
-    )
-    if receipt.get("status") == "success" and isinstance(source, str) and source.endswith("_dry_run"):
-        return " (a dry run: its receipt only, no weights by design)"
     if receipt.get("status") == "failed":
         return f" (a failed run, {receipt.get('failure_reason')}: only its receipt is kept)"
     return " (only a receipt is here)"
@@ -121,8 +129,13 @@ def adapter_entry(directory: Path, *, loaded: bool = False) -> dict[str, Any]:
     canary: dict[str, Any] = {"status": "unknown", "failure_reason": None, "warnings": [], "checks": []}
     if CANARY_FILE in files:
         canary = read_canary_status(directory / CANARY_FILE)
+    dry_run = not has_config and not has_weights and RECEIPT_FILE in files and _dry_run_record(directory)
+    if dry_run:  # a dry run's receipt alone is what a dry run leaves, by design: not an invalid adapter
+        error = None
     status = (
-        "invalid"
+        "dry_run"
+        if dry_run
+        else "invalid"
         if error
         else "loaded"
         if loaded

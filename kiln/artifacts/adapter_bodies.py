@@ -107,12 +107,18 @@ def _canary_checks(doc: dict[str, Any], at: str) -> Iterable[Problem]:
 def _entry_validity(doc: dict[str, Any], at: str) -> Iterable[Problem]:
     complete = doc["has_config"] and doc["has_weights"]
     status, error = doc["status"], doc["error"]
-    if not complete and status != "invalid":
+    if status == "dry_run" and (doc["has_config"] or doc["has_weights"]):
+        yield Problem(
+            "inconsistent_fields",
+            ptr(at, "status"),
+            "status is 'dry_run' but the directory has serving files: a dry run's directory holds its receipt only",
+        )
+    elif not complete and status not in ("invalid", "dry_run"):
         yield Problem(
             "inconsistent_fields",
             ptr(at, "status"),
             f"status is {status!r} but has_config is {doc['has_config']} and has_weights is {doc['has_weights']}: "
-            "a directory without both serving files is 'invalid'",
+            "a directory without both serving files is 'invalid' (or a dry run's receipt, 'dry_run')",
         )
     if status == "invalid" and error is None:
         yield Problem("inconsistent_fields", ptr(at, "error"), "an 'invalid' entry must say why in error")
