@@ -92,6 +92,22 @@ def rank_flags_problem(args: argparse.Namespace) -> str | None:
     return None
 
 
+def precheck(args: argparse.Namespace, kind: str, path: Path) -> None:
+    """What can be checked without torch or a model: the request the file and flags make (read as the kind reads
+    it), the adapter name, and an SFT JSONL file's every row (JSON and conversation shape). Raises what admission
+    would."""
+    from kiln.host.fs import name_problem
+
+    why = name_problem(args.adapter, kind="adapter")
+    if why is not None:
+        raise ValueError(f"--adapter {args.adapter!r}: {why}")
+    build_request(args, path)
+    if kind == "sft" and path.suffix == ".jsonl":
+        from kiln.data.sft import precheck_sft_rows
+
+        precheck_sft_rows(path, invalid_row_policy=args.invalid_row_policy)
+
+
 def _ranks(args: argparse.Namespace) -> int:
     """The world size of the flags: ``--nproc-per-node`` x ``--nnodes`` (1 for the kinds without them)."""
     return int(getattr(args, "nproc_per_node", None) or 1) * int(getattr(args, "nnodes", None) or 1)
@@ -218,16 +234,21 @@ def _run_ranks(
 
 def cmd_train_local(args: argparse.Namespace, kind: str) -> int:
     """Admit, train (in this process, or over several ranks), print where the adapter, receipt and manifest are (or
-    why it failed)."""
-    from kiln.jobs.worker import train_admitted
-    from kiln.trainers import TRAINERS
-
+    why it failed). Mistakes that need no model -- the flags, the file, an SFT file's rows -- are answered before
+    torch is imported."""
     path = Path(args.file)
-    text = TRAINERS[kind].texts
     problem = rank_flags_problem(args)
     if problem is not None:
         print(f"error: {problem}", file=sys.stderr)
         return 2
+    refused = prepare(path, lambda: precheck(args, kind, path))
+    if refused is not None:  # the exit status of a refusal
+        return int(refused)
+
+    from kiln.jobs.worker import train_admitted
+    from kiln.trainers import TRAINERS
+
+    text = TRAINERS[kind].texts
     admitted = prepare(path, lambda: _admit(args, kind, path))
     if isinstance(admitted, int):
         return admitted

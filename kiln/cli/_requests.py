@@ -10,6 +10,8 @@ checkpoint (``--local`` or on the server). No torch, no SDK: the JSON reader is 
 from __future__ import annotations
 
 import argparse
+import json
+import re
 import shlex
 import sys
 from collections.abc import Callable, Iterable
@@ -29,17 +31,54 @@ __all__ = [
 ]
 
 
+# the training config members a `kiln train` flag sets: what a refusal names, said as the flag the person typed
+FLAG_OF = {
+    "output_name": "--adapter",
+    "learning_rate": "--lr",
+    "invalid_row_policy": "--invalid-row-policy",
+    "max_seq_len": "--max-seq-len",
+    "overlong_row_policy": "--overlong-row-policy",
+    "lora_rank": "--lora-rank",
+    "lora_alpha": "--lora-alpha",
+    "lora_target_modules": "--lora-target-modules",
+    "checkpoint_interval": "--checkpoint-interval",
+    "resume_checkpoint": "--resume-checkpoint",
+    "micro_batch_size": "--micro-batch-size",
+    "gradient_accumulation_steps": "--gradient-accumulation-steps",
+    "group_by_length": "--group-by-length",
+    "epochs": "--epochs",
+    "seed": "--seed",
+    "precision": "--precision",
+    "gradient_checkpointing": "--gradient-checkpointing",
+    "quantization": "--quantization",
+    "max_tokens": "--max-tokens",
+}
+_SET_TO = re.compile(r'set (\w+) to "([^"]*)"')
+_POINTER = re.compile(r"/config/(\w+)")
+_LEADING = re.compile(r"^(\w+):")
+
+
+def in_cli_terms(text: str) -> str:
+    """A refusal's text as the command line says it: ``/config/output_name`` is ``--adapter``, ``set
+    invalid_row_policy to "skip"`` is ``pass --invalid-row-policy skip``, a message that starts with a member's name
+    starts with its flag. Members without a flag stay as they are (the request's own words)."""
+    text = _SET_TO.sub(lambda m: f"pass {FLAG_OF[m[1]]} {m[2]}" if m[1] in FLAG_OF else m[0], text)
+    text = _POINTER.sub(lambda m: FLAG_OF.get(m[1], m[0]), text)
+    return _LEADING.sub(lambda m: f"{FLAG_OF[m[1]]}:" if m[1] in FLAG_OF else m[0], text)
+
+
 def print_refusal(exc: KilnError) -> int:
-    """A request refused before it ran or was sent: ``error [<code>: <reason>]``, the problems, the hint; exit 2."""
+    """A request refused before it ran or was sent: ``error [<code>: <reason>]``, the problems, the hint -- in the
+    command line's terms (``in_cli_terms``); exit 2."""
     reason = getattr(exc, "reason", exc.code)
     label = exc.code if reason == exc.code else f"{exc.code}: {reason}"
-    print(f"error [{label}]: {exc.message}", file=sys.stderr)
+    print(f"error [{label}]: {in_cli_terms(exc.message)}", file=sys.stderr)
     problems = getattr(exc, "problems", [])
     if exc.code == "checkpoint_incompatible" and len(problems) > 1:
         for problem in problems:
             print(f"  - {problem.message}", file=sys.stderr)
     if exc.hint:
-        print(f"hint: {exc.hint}", file=sys.stderr)
+        print(f"hint: {in_cli_terms(exc.hint)}", file=sys.stderr)
     return 2
 
 
@@ -57,6 +96,19 @@ def prepare(path: Path, step: Callable[[], Any]) -> Any:
         return 2
 
 
+def _holds_json_lines(path: Path) -> bool:
+    """Whether a file is JSON lines: at least two non-blank lines, the first two each a JSON object."""
+    try:
+        with path.open("rb") as handle:
+            lines = [line for line in (handle.readline() for _ in range(64)) if line.strip()][:2]
+    except OSError:
+        return False
+    try:
+        return len(lines) == 2 and all(isinstance(json.loads(line), dict) for line in lines)
+    except ValueError:
+        return False
+
+
 def _read_file(path: Path, inline_key: str, whole_request: bool) -> dict[str, Any]:
     """The request a data file describes: a ``.jsonl`` file is sent as its absolute ``dataset_path``; a ``.json`` file
     holds a bare array sent under ``inline_key``, or a request object -- taken whole when ``whole_request`` (GRPO,
@@ -65,7 +117,15 @@ def _read_file(path: Path, inline_key: str, whole_request: bool) -> dict[str, An
         return {"dataset_path": str(path.resolve())}
     from kiln.documents.jsonio import read_json_file
 
-    value = read_json_file(path)
+    try:
+        value = read_json_file(path)
+    except KilnError:
+        if _holds_json_lines(path):
+            raise ValueError(
+                f"{path} holds one JSON value per line (JSON lines), but a .json file is read as one JSON document "
+                f"(an array of {inline_key}); rename it to .jsonl to read it line by line"
+            ) from None
+        raise
     if isinstance(value, list):
         return {inline_key: value}
     if isinstance(value, dict) and whole_request:

@@ -45,6 +45,7 @@ from kiln.data.sft import (
     SftExample,
     SftIngestion,
     ingest_sft,
+    precheck_sft_rows,
 )
 
 __all__ = [
@@ -73,6 +74,7 @@ __all__ = [
     "ingest_sft",
     "iter_dataset_groups",
     "match_skeleton",
+    "precheck_sft_rows",
     "read_groups",
     "read_off_policy_file",
     "read_prompts",

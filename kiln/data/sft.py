@@ -94,6 +94,7 @@ __all__ = [
     "SftExample",
     "SftIngestion",
     "ingest_sft",
+    "precheck_sft_rows",
 ]
 
 SFT_INGESTION_SCHEMA = "kiln.sft-ingestion.v1"
@@ -257,12 +258,7 @@ def _read_rows(
         except InvalidRowError as bad:
             row_hash = row_hash or sft_raw_row_hash(line)
             if policy == "fail":
-                raise RequestError(
-                    f"row {index} ({row_hash}) is invalid: {bad.reason}: {bad.detail}",
-                    code="training_invalid_request",
-                    hint=f'fix row {index}{_where(locator)}, or set invalid_row_policy to "skip" '
-                    "to train on the valid rows and record the rejected ones",
-                ) from None
+                raise _row_refusal(index, row_hash, bad, locator) from None
             rejected.append({"row_index": index, "row_sha256": row_hash, "reason": bad.reason})
             continue
         fitted = limit.fit(index, row_hash, input_ids, labels, locator)
@@ -273,6 +269,37 @@ def _read_rows(
         supervised = sum(1 for label in labels[1:] if label != IGNORE_INDEX)
         kept.append(SftExample(index, row_hash, input_ids, labels, supervised, text))
     return rows_read, kept, rejected
+
+
+def _row_refusal(index: int, row_hash: str, bad: InvalidRowError, locator: str | None) -> RequestError:
+    return RequestError(
+        f"row {index} ({row_hash}) is invalid: {bad.reason}: {bad.detail}",
+        code="training_invalid_request",
+        hint=f'fix row {index}{_where(locator)}, or set invalid_row_policy to "skip" '
+        "to train on the valid rows and record the rejected ones",
+    )
+
+
+def precheck_sft_rows(path: str | os.PathLike[str], *, invalid_row_policy: str = "fail") -> int:
+    """The rows of a JSONL file checked as far as they can be without a tokenizer -- JSON, an object, a non-empty
+    ``messages`` array of well-formed messages -- so a command line refuses a bad row before it loads torch or a
+    model. Under ``fail`` the first invalid row is refused exactly as ingestion would refuse it (``skip`` refuses
+    nothing here). Returns the rows read."""
+    source = dataset_file(path, hint='point the file at JSON lines, one {"messages": [...]} object per line')
+    rows = 0
+    with contextlib.closing(_file_rows(source)) as lines:
+        for index, line in enumerate(lines, start=1):
+            rows = index
+            if invalid_row_policy != "fail":
+                continue
+            row_hash = None
+            try:
+                value = _parse_row(line)
+                row_hash = sft_parsed_row_hash(value)
+                _normalise_messages(value)
+            except InvalidRowError as bad:
+                raise _row_refusal(index, row_hash or sft_raw_row_hash(line), bad, str(source)) from None
+    return rows
 
 
 def _where(locator: str | None) -> str:
