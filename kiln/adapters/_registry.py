@@ -171,8 +171,10 @@ def adapter_entry(directory: Path, *, loaded: bool = False) -> dict[str, Any]:
         "adapter_manifest_error": manifest_error,
         "last_load_error": None,
         "error": error,
-        "signature": _signature(directory) if SIGNATURE_FILE in files else None,
     }
+    signature = _signature(directory) if SIGNATURE_FILE in files else None
+    if signature is not None:  # a Kiln extension of the entry: present only for a signed adapter
+        entry["signature"] = signature
     unfit = contracts.problems("AdapterDiskEntry", entry)
     if unfit:  # a fact that does not fit the schema: report the directory as invalid, never hide it
         entry.update(status="invalid", error=f"cannot describe this directory: {unfit[0]}")

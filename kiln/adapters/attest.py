@@ -36,9 +36,11 @@ from pathlib import Path
 from typing import Any
 
 from kiln import __version__
-from kiln.adapters._directory import MANIFEST_FILE, RECEIPT_FILE, AdapterDirectory
+from kiln.adapters._directory import CONFIG_FILE, MANIFEST_FILE, RECEIPT_FILE, WEIGHTS_FILE, AdapterDirectory
 from kiln.adapters.signing import UNSIGNED_FILES
 from kiln.artifacts.adapter_files import SIGNATURE_FILE
+from kiln.artifacts.lineage import LINEAGE_FILE
+from kiln.artifacts.replay_log import REPLAY_LOG
 from kiln.documents.digests import file_sha256, json_sha256, raw_hex
 from kiln.documents.jsonio import canonical_json
 from kiln.errors import AdapterError, ConflictError
@@ -50,7 +52,7 @@ STATEMENT_TYPE = "https://in-toto.io/Statement/v1"
 PREDICATE_TYPE = "https://slsa.dev/provenance/v1"
 BUILD_TYPE = "urn:kiln:build-type:lora-training:v1"
 BUILDER_ID = "urn:kiln:builder:kiln-train"
-LINEAGE_FILES = ("replay.jsonl", "lineage.json")
+LINEAGE_FILES = (REPLAY_LOG, LINEAGE_FILE)
 
 
 def _hex(value: object) -> str | None:
@@ -108,7 +110,7 @@ def attestation(directory: str | os.PathLike[str]) -> dict[str, Any]:
             },
         ),
         _dependency(
-            "base_adapter/adapter_model.safetensors",
+            f"base_adapter/{WEIGHTS_FILE}",
             (receipt.get("adapters") or {}).get("base", {}).get("adapter_model_sha256"),
             annotations={"path": (receipt.get("adapters") or {}).get("base", {}).get("path")},
         ),
@@ -215,7 +217,7 @@ def model_card(directory: str | os.PathLike[str], *, base_model: str | None = No
             "training_kind": hyper["mode"],
             "training_data_sha256": data.get("sha256"),
             "base_model_content_sha256": content,
-            "adapter_model_sha256": "sha256:" + files["adapter_model.safetensors"],
+            "adapter_model_sha256": "sha256:" + files[WEIGHTS_FILE],
             "manifest_sha256": "sha256:" + files[MANIFEST_FILE],
         },
     }
@@ -236,8 +238,8 @@ def model_card(directory: str | os.PathLike[str], *, base_model: str | None = No
         f"| training data | {data.get('source')}, {data.get('sha256')} |",
         f"| base model content | {content} |",
         "",
-        "`train_receipt.json` records the whole run (configuration, data and model digests, timings, the execution",
-        "environment); `adapter_manifest.json` binds the weights, config and receipt by SHA-256.",
+        f"`{RECEIPT_FILE}` records the whole run (configuration, data and model digests, timings, the execution",
+        f"environment); `{MANIFEST_FILE}` binds the weights, config and receipt by SHA-256.",
         "",
         "## Verify",
         "",
@@ -259,7 +261,7 @@ def model_card(directory: str | os.PathLike[str], *, base_model: str | None = No
 
 
 def _base_model_name(path: Path) -> str:
-    config = json.loads((path / "adapter_config.json").read_bytes())
+    config = json.loads((path / CONFIG_FILE).read_bytes())
     name = config.get("base_model_name_or_path")
     return name if isinstance(name, str) and name else "unknown"
 
