@@ -45,8 +45,8 @@ def test_the_data_package_exports_its_ingestion_entry_points_and_shared_componen
         "GrpoSourcePosition", "IGNORE_INDEX", "OFF_POLICY_SOURCE", "OffPolicyFile", "OffPolicyRow", "OpdPromptItem",
         "OpdPrompts", "PROMPTS_SOURCE", "REJECTION_REASONS", "ROLES", "SEGMENT_KINDS", "SFT_INGESTION_SCHEMA",
         "SftExample", "SftIngestion", "check_unchanged", "dataset_sha256", "ingest_sft", "iter_dataset_groups",
-        "match_skeleton", "read_groups", "read_off_policy_file", "read_prompts", "refused_ingestion", "template_errors",
-        "tokenize_response",
+        "match_skeleton", "precheck_sft_rows", "read_groups", "read_off_policy_file", "read_prompts", "refused_ingestion",
+        "template_errors", "tokenize_response",
     ]  # fmt: skip
     assert sorted(kiln.data.chat.__all__) == [
         "ChatTemplate", "InvalidRowError", "ROLES", "json_type", "match_skeleton", "normalise_message",
