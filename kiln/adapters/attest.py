@@ -204,7 +204,11 @@ def model_card(directory: str | os.PathLike[str], *, base_model: str | None = No
     trained, how, and how to verify it. ``base_model``: the base model's hub id (Kiln knows only the local path it
     trained from, which the adapter config records)."""
     path = Path(directory)
-    receipt, files = _bound(path)
+    return _card(path, *_bound(path), base_model=base_model)
+
+
+def _card(path: Path, receipt: dict[str, Any], files: dict[str, str], *, base_model: str | None) -> str:
+    """``model_card`` of an adapter already read and bound (its receipt and its files' digests)."""
     config, hyper = receipt["config"], receipt["hyperparameters"]
     base = base_model or _base_model_name(path)
     data = receipt["training_data"]
@@ -290,8 +294,8 @@ def export_hf(
     target = Path(os.path.abspath(out))
     if target.exists() or target.is_symlink():
         raise ConflictError(f"{target} already exists", code="adapter_exists", hint="export into a new directory")
-    _, files = _bound(source)
-    card = model_card(source, base_model=base_model)
+    receipt, files = _bound(source)  # read, bound and hashed once: the card and the copy's checks use it
+    card = _card(source, receipt, files, base_model=base_model)
     names = sorted(files)
     if (source / SIGNATURE_FILE).is_file():
         names.append(SIGNATURE_FILE)

@@ -59,6 +59,7 @@ __all__ = [
     "Policy",
     "Progress",
     "Run",
+    "RunProgress",
     "RunTexts",
     "TrainResult",
     "artifact_lines",
@@ -138,6 +139,22 @@ class Run(Protocol):
 
     @property
     def checkpoints(self) -> list[Path]: ...
+
+
+class RunProgress:
+    """What every run object reports the same way: the losses of its loop so far and the checkpoints its cadence
+    published (none before the cadence exists)."""
+
+    loop: Any  # the kind's loop state, with its losses
+    cadence: Cadence | None
+
+    @property
+    def losses(self) -> list[float]:
+        return list(self.loop.losses)
+
+    @property
+    def checkpoints(self) -> list[Path]:
+        return self.cadence.published if self.cadence is not None else []
 
 
 def guarded(run: Run) -> TrainResult:

@@ -88,6 +88,7 @@ from kiln.trainers._kit import (
     OnCheckpoint,
     Policy,
     Progress,
+    RunProgress,
     RunTexts,
     TrainResult,
     artifact_lines,
@@ -760,7 +761,7 @@ class DryRun:
         return receipt(self.job, self.started, self.kept, self.counts, None, failure=failure, dry_run=True)
 
 
-class GrpoRun:
+class GrpoRun(RunProgress):
     """One run of an admitted GRPO job; ``train`` reads setup -> loop over the planned steps -> publication."""
 
     def __init__(
@@ -781,14 +782,6 @@ class GrpoRun:
         self.delta_norms: list[JsonObject] = []
         self.cadence: Cadence | None = None
         self.group_refs: dict[int, list[tuple[GrpoCompletion, float, torch.Tensor | None]]] = {}
-
-    @property
-    def losses(self) -> list[float]:
-        return list(self.loop.losses)
-
-    @property
-    def checkpoints(self) -> list[Path]:
-        return self.cadence.published if self.cadence is not None else []
 
     def train(self) -> TrainResult:
         job, cfg, loop = self.job, self.job.config, self.loop

@@ -100,6 +100,7 @@ from kiln.trainers._kit import (
     OnCheckpoint,
     Policy,
     Progress,
+    RunProgress,
     RunTexts,
     TrainResult,
     artifact_lines,
@@ -895,7 +896,7 @@ def run_opd(
             run.scorer.close()
 
 
-class OpdRun:
+class OpdRun(RunProgress):
     """One run of an admitted OPD job; ``train`` reads setup -> loop over the steps of candidates -> publication."""
 
     def __init__(
@@ -913,14 +914,6 @@ class OpdRun:
         self.delta_norms: list[JsonObject] = []
         self.cadence: Cadence | None = None
         self.scorer: TeacherScorer | None = None
-
-    @property
-    def losses(self) -> list[float]:
-        return list(self.loop.losses)
-
-    @property
-    def checkpoints(self) -> list[Path]:
-        return self.cadence.published if self.cadence is not None else []
 
     def train(self) -> TrainResult:
         job, cfg = self.job, self.job.config

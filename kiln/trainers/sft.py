@@ -71,6 +71,7 @@ from kiln.trainers._kit import (
     OnCheckpoint,
     Policy,
     Progress,
+    RunProgress,
     RunTexts,
     TrainResult,
     artifact_lines,
@@ -424,7 +425,7 @@ def run_sft(
     return guarded(run)
 
 
-class SftRun:
+class SftRun(RunProgress):
     """One run of an admitted SFT job; ``train`` reads setup -> loop -> publication."""
 
     def __init__(
@@ -446,14 +447,6 @@ class SftRun:
         self.timings: dict[str, float] = {}
         self.delta_norms: list[JsonObject] = []
         self.cadence: Cadence | None = None
-
-    @property
-    def losses(self) -> list[float]:
-        return list(self.loop.losses)
-
-    @property
-    def checkpoints(self) -> list[Path]:
-        return self.cadence.published if self.cadence is not None else []
 
     def train(self) -> TrainResult:
         import torch
