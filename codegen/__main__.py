@@ -7,6 +7,7 @@ import difflib
 import hashlib
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -127,9 +128,15 @@ def _union_root_model(name: str, schema: dict[str, Any], module_text: str) -> st
     return f'\n\nclass {name}(RootModel[{union}]):\n    """{doc}"""\n\n    root: {union}\n'
 
 
-def render(schema_dir: Path) -> dict[str, str]:
-    """Return ``{relative path under generated/: text}`` for the whole generated tree."""
+def _quiet(_: str) -> None:
+    pass
+
+
+def render(schema_dir: Path, say: Callable[[str], None] = _quiet) -> dict[str, str]:
+    """Return ``{relative path under generated/: text}`` for the whole generated tree; ``say`` hears each step."""
+    say(f"reading the schemas in {schema_dir}")
     docs = load_sources(schema_dir)
+    say(f"bundling the definitions of {len(docs)} schema files and building the OpenAPI document")
     digests = {name: "sha256:" + hashlib.sha256((schema_dir / name).read_bytes()).hexdigest() for name in docs}
     definitions, owner = bundle_definitions(docs)
     _check_acyclic(definitions)
@@ -170,6 +177,7 @@ def render(schema_dir: Path) -> dict[str, str]:
     openapi["x-kiln-generated"] = stamp
     files[base + "openapi.json"] = _canonical(openapi)
 
+    say("generating the typed models (datamodel-code-generator)")
     models = generate_models(docs)
     module_docs = {module_name(name) + ".py": name for name in docs}
     for module_file, text in models.items():
@@ -187,6 +195,7 @@ def render(schema_dir: Path) -> dict[str, str]:
         text = files.get(key, "")
         if f"\nclass {name}(" not in text:
             files[key] = text + _union_root_model(name, definitions[name], text)
+    say("generating the client")
     model_texts = {spec[: -len(".py")]: files[base + "models/" + spec] for spec in models}
     files[base + "client.py"] = generate_client(routes, route_files, owner, model_texts, digests)
     init_lines = [f'"""Generated pydantic models (schemas set {combined[:16]}). Do not edit."""', ""]
@@ -209,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=ROOT / "generated")
     args = parser.parse_args(argv)
     try:
-        files = render(args.schemas)
+        files = render(args.schemas, lambda step: print(f"codegen: {step}…", file=sys.stderr, flush=True))
     except SchemaSourceError as exc:
         print(f"codegen: {exc}", file=sys.stderr)
         return 2

@@ -114,7 +114,7 @@ def test_sft_from_a_jsonl_file_is_uploaded_submitted_as_the_stored_path_and_foll
     assert lines[2] == "Effective seed: 5"
     assert lines[3].startswith(f"Check status: kiln train status --job-id {job_id}")
     assert f"✓ job {job_id} completed: adapter from-jsonl" in out
-    assert "%|" in err  # the progress bar
+    assert f"{job_id}: 100%" in err  # the progress, as whole lines in a non-terminal
     detail = _json(capsys, "TrainingJobDetail", "train", "status", "--job-id", job_id, "--url", server.url)
     digest = hashlib.sha256(data.read_bytes()).hexdigest()
     stored = server.home / "data" / "uploads" / f"{digest}.jsonl"  # the server reads only inside its data roots
@@ -279,7 +279,7 @@ def test_ctrl_c_during_wait_stops_watching_and_leaves_the_job_running(server, tm
         [sys.executable, "-m", "kiln.cli", *argv], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE
     ) as proc:
         seen = bytearray()
-        while not re.search(rb"%\|.*, (queued|running)", seen):  # the bar, updated from the job's detail
+        while not re.search(rb"job-\w+: \d+%, (queued|running)", seen):  # progress lines from the job's detail
             chunk = proc.stderr.read1(4096)
             assert chunk, seen.decode(errors="replace")
             seen.extend(chunk)

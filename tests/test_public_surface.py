@@ -45,7 +45,7 @@ def test_the_data_package_exports_its_ingestion_entry_points_and_shared_componen
         "GrpoSourcePosition", "IGNORE_INDEX", "OFF_POLICY_SOURCE", "OffPolicyFile", "OffPolicyRow", "OpdPromptItem",
         "OpdPrompts", "PROMPTS_SOURCE", "REJECTION_REASONS", "ROLES", "SEGMENT_KINDS", "SFT_INGESTION_SCHEMA",
         "SftExample", "SftIngestion", "check_unchanged", "dataset_sha256", "ingest_sft", "iter_dataset_groups",
-        "match_skeleton", "precheck_sft_rows", "read_groups", "read_off_policy_file", "read_prompts", "refused_ingestion",
+        "match_skeleton", "precheck_dataset_file", "precheck_sft_rows", "read_groups", "read_off_policy_file", "read_prompts", "refused_ingestion",
         "template_errors", "tokenize_response",
     ]  # fmt: skip
     assert sorted(kiln.data.chat.__all__) == [
@@ -53,7 +53,7 @@ def test_the_data_package_exports_its_ingestion_entry_points_and_shared_componen
         "template_errors",
     ]  # fmt: skip
     assert sorted(kiln.data.jsonl.__all__) == [
-        "check_unchanged", "dataset_file", "dataset_sha256", "file_lines", "is_blank",
+        "check_unchanged", "dataset_file", "dataset_sha256", "file_lines", "is_blank", "json_words", "precheck_lines",
     ]  # fmt: skip
     assert sorted(kiln.data.trajectory.__all__) == [
         "ACTION", "CONTEXT", "ItemError", "OBSERVATION", "PROMPT", "Segment", "TrajectoryTokenizer", "WARNING",

@@ -76,7 +76,7 @@ def test_the_readme_first_run_runs_verbatim_in_a_fresh_home(tmp_path):
     home.mkdir()
     env = _env(home)
     resume = None
-    for command in commands("first-run"):
+    for index, command in enumerate(commands("first-run")):
         if "--checkpoint-interval" in command:
             resume = _interrupted(command, env, home)
             continue
@@ -84,6 +84,15 @@ def test_the_readme_first_run_runs_verbatim_in_a_fresh_home(tmp_path):
         assert run.returncode == 0, f"{command}\n{run.stdout}\n{run.stderr}"
         assert run.stdout.strip(), command
         assert "Traceback" not in run.stderr, f"{command}\n{run.stderr}"
+        waits = []  # every wait of more than a moment is announced on stderr before it starts
+        if index == 0:  # the first command in a fresh home builds the tiny model
+            waits += ["building the built-in tiny model", "training the tiny model's tokenizer", "drawing its weights"]
+        if command.startswith(("kiln train", "kiln models create-tiny")):
+            waits += ["importing torch"] if "create-tiny" in command else ["opening the model", "loading the weights"]
+        if command.startswith("python -m codegen"):
+            waits += ["codegen: generating the typed models"]
+        for wait in waits:
+            assert wait in run.stderr, f"{command}: no '{wait}…' line\n{run.stderr}"
     assert resume is not None
     run = run_bash(resume, env)
     assert run.returncode == 0, f"{resume}\n{run.stdout}\n{run.stderr}"

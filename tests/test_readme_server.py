@@ -36,6 +36,11 @@ def test_the_walkthrough_parses_into_commands():
 
 def test_the_readme_server_walkthrough_runs_verbatim(tmp_path, tiny_model_dir):
     with ServerProcess(tmp_path / "home", tiny_model_dir) as proc:
+        started = "".join(proc.output)  # what a person sees while the server starts, step by step
+        steps = ("Loading the base model", "opening the model", "loading the weights of", "hashing", "Ready on")
+        at = [started.find(step) for step in steps]
+        assert -1 not in at, started
+        assert at == sorted(at), started
         env = {
             **os.environ,
             "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",

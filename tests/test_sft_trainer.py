@@ -190,7 +190,7 @@ def test_the_cli_reports_admission_errors_on_stderr(tmp_path, tiny_model_dir, ca
     assert code == 2
     err = capsys.readouterr().err
     assert "training_invalid_request" in err
-    assert "empty_messages" in err
+    assert f'{data} line 1: "messages" is empty' in err  # the file and its line, in words
 
 
 def test_a_base_adapter_warm_starts_the_lora_weights(tmp_path, tiny_model_dir):

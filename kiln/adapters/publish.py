@@ -45,7 +45,8 @@ from kiln.adapters import (
     staged_adapter,
 )
 from kiln.documents.digests import file_sha256, prefixed
-from kiln.errors import STORAGE_ERRNOS, ConflictError, StorageFailureError, storage_condition
+from kiln.errors import STORAGE_ERRNOS, ConflictError, KilnError, StorageFailureError, storage_condition
+from kiln.host.config import resolve_settings
 from kiln.host.fs import file_mode
 
 __all__ = [
@@ -69,9 +70,17 @@ class PublishedAdapter:
 
 
 def _delete_hint(registry: Path, name: str) -> str:
+    """The command that deletes ``name``: ``--local`` in the configured registry (what the README shows),
+    ``--adapter-dir`` only for another one."""
+    try:
+        configured = resolve_settings().registry
+    except KilnError:  # a broken configuration must not hide the refusal being explained
+        configured = None
+    same = configured is not None and os.path.realpath(configured) == os.path.realpath(registry)
+    where = "--local" if same else f"--adapter-dir {shlex.quote(str(registry))}"
     return (
         f"choose another adapter name, or delete it first: on this machine "
-        f"`kiln adapters delete {shlex.quote(name)} --adapter-dir {shlex.quote(str(registry))}`, "
+        f"`kiln adapters delete {shlex.quote(name)} {where}`, "
         f"through a server `kiln adapters delete {shlex.quote(name)}` (both also delete its checkpoints)"
     )
 

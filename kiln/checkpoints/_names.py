@@ -72,14 +72,18 @@ def parse_checkpoint_staging_name(name: str) -> tuple[str, int, str] | None:
     return parsed[0], parsed[1], match["purpose"]
 
 
-def resolve_checkpoint_path(registry: str | os.PathLike[str], value: str) -> Path:
+def resolve_checkpoint_path(registry: str | os.PathLike[str], value: str, *, adapter: str | None = None) -> Path:
     """The checkpoint directory a ``resume_checkpoint`` value names, or ``CheckpointError``.
 
     Accepted: a canonical basename (looked up in ``registry``) or an absolute path whose
-    parent directory is ``registry``. Existence is checked by the loader, not here.
+    parent directory is ``registry``. Existence is checked by the loader, not here. The
+    hint's example is a checkpoint of ``adapter``, the adapter the run trains, when known.
     """
     registry_path = Path(registry)
-    hint = "pass the basename printed by `kiln checkpoints list`, e.g. support-bot-checkpoint-step-00000025.kiln-checkpoint"
+    example = checkpoint_name(adapter, 25) if adapter and name_problem(adapter, kind="adapter") is None else None
+    hint = "pass the basename printed by `kiln checkpoints list`" + (
+        f", e.g. {example}" if example else ": <adapter>-checkpoint-step-<8 digits>.kiln-checkpoint"
+    )
     if not isinstance(value, str) or not value:
         raise CheckpointError("resume_checkpoint is empty", reason="outside_registry", hint=hint)
     if "\\" in value or "\x00" in value:

@@ -44,6 +44,7 @@ from kiln.cli._server import add_health_parser, add_serve_parser
 from kiln.cli._teachers import add_teachers_parser
 from kiln.cli._train import add_models_parser, add_train_parser
 from kiln.cli._validate import add_validate_parsers
+from kiln.host.progress import show_stages
 
 __all__ = ["build_parser", "main"]
 
@@ -75,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):  # a command group alone (`kiln train`): its own help
         leaf_parser(parser).print_help()
         return 2
+    show_stages(True)  # every long step a command waits for is announced on stderr ("loading the weights…")
     try:
         code = int(args.func(args))
         sys.stdout.flush()
@@ -84,4 +86,6 @@ def main(argv: list[str] | None = None) -> int:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         return 128 + 13
+    finally:
+        show_stages(False)
     return code

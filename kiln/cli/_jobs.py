@@ -75,13 +75,12 @@ def _follow(client: Any, args: argparse.Namespace, job_id: str, kind: str) -> in
     with Interrupt() as interrupt:
         try:
             if not args.json:
-                from tqdm import tqdm
+                from kiln.host.progress import counter
 
-                bar = tqdm(
+                bar = counter(
                     total=BAR_STEPS,
                     desc=job_id,
-                    file=sys.stderr,
-                    dynamic_ncols=True,
+                    counts=False,  # a non-terminal prints the job's per cent, not its thousandths
                     bar_format="{desc}: {percentage:3.0f}%|{bar}| [{elapsed}{postfix}]",
                 )
             while not interrupt.event.is_set():
@@ -90,6 +89,7 @@ def _follow(client: Any, args: argparse.Namespace, job_id: str, kind: str) -> in
                     bar.n = round(detail["progress"] * BAR_STEPS)
                     loss = detail["current_loss"]
                     bar.set_postfix_str(detail["state"] + (f", loss {loss:.4f}" if loss is not None else ""))
+                    bar.refresh()
                 if detail["state"] in TERMINAL:
                     break
                 interrupt.event.wait(POLL_S)

@@ -93,19 +93,33 @@ def rank_flags_problem(args: argparse.Namespace) -> str | None:
 
 
 def precheck(args: argparse.Namespace, kind: str, path: Path) -> None:
-    """What can be checked without torch or a model: the request the file and flags make (read as the kind reads
-    it), the adapter name, and an SFT JSONL file's every row (JSON and conversation shape). Raises what admission
-    would."""
+    """Everything that needs no model, before torch is imported: the adapter name; the request the file and flags
+    make, loaded strictly as the kind's request document (schema, config bounds, semantic rules); the target in the
+    registry (an existing adapter); a resume checkpoint's name and metadata; and a ``dataset_path`` file's every
+    line as the kind reads it without a tokenizer. Raises what admission would."""
+    from kiln import contracts
+    from kiln.adapters.publish import check_target
+    from kiln.checkpoints import inspect_checkpoint, resolve_checkpoint_path
+    from kiln.data import precheck_dataset_file
+    from kiln.host.config import resolve_settings
     from kiln.host.fs import name_problem
+    from kiln.model import check_model_dir
 
     why = name_problem(args.adapter, kind="adapter")
     if why is not None:
         raise ValueError(f"--adapter {args.adapter!r}: {why}")
-    build_request(args, path)
-    if kind == "sft" and path.suffix == ".jsonl":
-        from kiln.data.sft import precheck_sft_rows
-
-        precheck_sft_rows(path, invalid_row_policy=args.invalid_row_policy)
+    request = build_request(args, path)
+    contracts.load(args.request_type, request, document=args.request_type)
+    settings = resolve_settings({"model.path": args.model, "model.adapter_dir": args.adapter_dir})
+    if settings.model.path is not None:
+        check_model_dir(settings.model.path)
+    registry = settings.registry
+    check_target(registry, args.adapter)
+    resume = request["config"].get("resume_checkpoint")
+    if isinstance(resume, str):
+        inspect_checkpoint(resolve_checkpoint_path(registry, resume, adapter=args.adapter))
+    if isinstance(request.get("dataset_path"), str):
+        precheck_dataset_file(kind, request["dataset_path"], request["config"])
 
 
 def _ranks(args: argparse.Namespace) -> int:
@@ -256,7 +270,7 @@ def cmd_train_local(args: argparse.Namespace, kind: str) -> int:
     ranks = _ranks(args)
     bar = None
     if not args.json and not job.dry_run:
-        from tqdm import tqdm
+        from kiln.host.progress import counter
 
         print(text.headline(job))
         if ranks > 1:
@@ -264,7 +278,7 @@ def cmd_train_local(args: argparse.Namespace, kind: str) -> int:
                   f"{job.data_parallel.backend}")  # fmt: skip
         if job.resume is not None:
             print(f"Resuming from {job.resume.path.name} (step {job.start_step} of {job.total_steps}, verified)")
-        bar = tqdm(unit=text.unit, dynamic_ncols=True, file=sys.stderr)
+        bar = counter(unit=text.unit)
     started = time.perf_counter()
     tokens = [0]
 

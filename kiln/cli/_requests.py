@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from kiln.errors import KilnError
+from kiln.errors import ContractError, KilnError
 
 __all__ = [
     "build_request",
@@ -72,8 +72,17 @@ def print_refusal(exc: KilnError) -> int:
     command line's terms (``in_cli_terms``); exit 2."""
     reason = getattr(exc, "reason", exc.code)
     label = exc.code if reason == exc.code else f"{exc.code}: {reason}"
-    print(f"error [{label}]: {in_cli_terms(exc.message)}", file=sys.stderr)
     problems = getattr(exc, "problems", [])
+    if isinstance(exc, ContractError) and str(exc.document).endswith("Request"):
+        # the request the flags and the file made: each problem at its flag, in its own words
+        print(f"error [{label}]: the {exc.document} this command line makes is invalid", file=sys.stderr)
+        for problem in problems:
+            where = problem.pointer or "/"
+            print(f"  {in_cli_terms(f'{where}: {problem.message}')}", file=sys.stderr)
+        if exc.hint:
+            print(f"hint: {in_cli_terms(exc.hint)}", file=sys.stderr)
+        return 2
+    print(f"error [{label}]: {in_cli_terms(exc.message)}", file=sys.stderr)
     if exc.code == "checkpoint_incompatible" and len(problems) > 1:
         for problem in problems:
             print(f"  - {problem.message}", file=sys.stderr)

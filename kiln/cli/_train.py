@@ -118,7 +118,9 @@ def add_train_parser(sub: Any) -> None:
         "TrainingJobDetail with --wait), or the local result with --local; no progress bar",
     )
     # what a data file is for this kind (kiln.cli._requests.build_request): a .json object gives its conversations
-    p.set_defaults(func=cmd_train_sft, inline_key="examples", whole_request=False, file_config={})
+    p.set_defaults(
+        func=cmd_train_sft, inline_key="examples", whole_request=False, file_config={}, request_type="SftRequest"
+    )
 
     p = kinds.add_parser(
         "grpo",
@@ -138,7 +140,9 @@ def add_train_parser(sub: Any) -> None:
         p,
         "groups per optimizer step (per_sample: completions of a group; default 1); the loss is the step's token mean",
     )
-    p.set_defaults(func=cmd_train_grpo, inline_key="groups", whole_request=True, file_config={})
+    p.set_defaults(
+        func=cmd_train_grpo, inline_key="groups", whole_request=True, file_config={}, request_type="GrpoRequest"
+    )
 
     p = kinds.add_parser(
         "opd",
@@ -160,7 +164,11 @@ def add_train_parser(sub: Any) -> None:
     )
     # a .jsonl file is a pre-scored teacher file: off_policy unless the file's config or the flags say otherwise
     p.set_defaults(
-        func=cmd_train_opd, inline_key="prompts", whole_request=True, file_config={"training_mode": "off_policy"}
+        func=cmd_train_opd,
+        inline_key="prompts",
+        whole_request=True,
+        file_config={"training_mode": "off_policy"},
+        request_type="OpdRequest",
     )
 
     p = kinds.add_parser(

@@ -12,6 +12,10 @@ after the messages, labelled prompt/action/observation/warning tokens, item refu
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
+from typing import Any
+
 from kiln.data.chat import ROLES, match_skeleton, template_errors
 from kiln.data.grpo import (
     BEHAVIOR_POLICIES,
@@ -23,6 +27,7 @@ from kiln.data.grpo import (
     GrpoIngestion,
     GrpoSourcePosition,
     iter_dataset_groups,
+    precheck_grpo_groups,
     read_groups,
     refused_ingestion,
 )
@@ -34,6 +39,7 @@ from kiln.data.opd import (
     OffPolicyRow,
     OpdPromptItem,
     OpdPrompts,
+    precheck_off_policy_file,
     read_off_policy_file,
     read_prompts,
     tokenize_response,
@@ -74,6 +80,7 @@ __all__ = [
     "ingest_sft",
     "iter_dataset_groups",
     "match_skeleton",
+    "precheck_dataset_file",
     "precheck_sft_rows",
     "read_groups",
     "read_off_policy_file",
@@ -82,3 +89,16 @@ __all__ = [
     "template_errors",
     "tokenize_response",
 ]
+
+
+def precheck_dataset_file(kind: str, path: str | os.PathLike[str], config: Mapping[str, Any]) -> int:
+    """A training request's ``dataset_path`` checked the way ``kind`` (``sft`` | ``grpo`` | ``opd``) will read it, as
+    far as that goes without a tokenizer or torch: what a command line runs before it loads a model. Returns the
+    rows, groups or scored rows read; an OPD file of prompts to roll out (not pre-scored) is only counted."""
+    if kind == "sft":
+        return precheck_sft_rows(path, invalid_row_policy=str(config.get("invalid_row_policy") or "fail"))
+    if kind == "grpo":
+        return precheck_grpo_groups(path)
+    if kind == "opd" and config.get("training_mode") == "off_policy":
+        return precheck_off_policy_file(path)
+    return 0

@@ -97,7 +97,7 @@ from pathlib import Path
 from typing import Any
 
 from kiln.data.chat import json_type
-from kiln.data.jsonl import check_unchanged, dataset_file, file_lines, is_blank
+from kiln.data.jsonl import check_unchanged, dataset_file, file_lines, is_blank, precheck_lines
 from kiln.data.trajectory import (
     ACTION,
     PROMPT,
@@ -375,6 +375,38 @@ def _file_groups(path: Path, renderer: _GroupReader, hasher: Any) -> Iterator[tu
             reason="zero_groups",
             hint="write one group per line; blank lines are not groups",
         )
+
+
+def precheck_grpo_groups(path: str | os.PathLike[str]) -> int:
+    """The groups of a JSONL file checked as far as they can be without a tokenizer -- JSON, the group's schema,
+    its messages, finite rewards -- so a command line refuses a bad line before it loads torch or a model
+    (``kiln.data.jsonl.precheck_lines``). Returns the groups read; a file without one is refused."""
+    source = dataset_file(path, hint="point the file at JSON lines, one group per line")
+
+    def check(value: Any, _: int) -> None:
+        inline_value(value)  # every number finite
+        key = _check_shape(value)
+        normalised_messages(value["messages"])
+        for number, rollout in enumerate(value[key]):
+            if not math.isfinite(float(rollout["reward"])):
+                raise ItemError(f"completion {number + 1}: reward: too large for a 64-bit float")
+
+    groups = precheck_lines(
+        source,
+        check,
+        refused=(ItemError, OverflowError),
+        fix=lambda number: (
+            f"fix line {number} of {source}; every line is one group with messages and 1 to 1024 "
+            "scored completions, each with at least one action token"
+        ),
+    )
+    if groups == 0:
+        raise TrainingDataError(
+            f"dataset_path {str(source)!r} has no groups",
+            reason="zero_groups",
+            hint="write one group per line; blank lines are not groups",
+        )
+    return groups
 
 
 # --- one group --------------------------------------------------------------------------

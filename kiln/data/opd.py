@@ -75,7 +75,7 @@ from typing import Any
 from kiln.artifacts.off_policy import MANIFEST, ROW
 from kiln.contracts import problems
 from kiln.data.chat import json_type
-from kiln.data.jsonl import dataset_file, file_lines, is_blank
+from kiln.data.jsonl import dataset_file, file_lines, is_blank, precheck_lines
 from kiln.data.trajectory import (
     ACTION,
     PROMPT,
@@ -290,6 +290,43 @@ def read_off_policy_file(
         )
     elapsed = (time.perf_counter() - started) * 1000.0
     return OffPolicyFile(path, prefixed(hasher.hexdigest()), manifest, json_sha256(manifest), rows, elapsed)
+
+
+def precheck_off_policy_file(dataset_path: str | os.PathLike[str]) -> int:
+    """A pre-scored teacher file checked as far as it can be without the student's tokenizer -- every line JSON, line
+    1 a schema-valid manifest, every later line a schema-valid row with well-formed messages, as many rows as the
+    manifest says -- so a command line refuses a bad line before it loads torch or a model. Returns the rows."""
+    path = _absolute_file(dataset_path)
+    count: list[int] = []  # the manifest's row_count, once line 1 is read
+
+    def check(value: Any, number: int) -> None:
+        if not count:
+            _schema(MANIFEST, value, "the off-policy distillation manifest")
+            count.append(int(value["row_count"]))
+            return
+        _schema(ROW, value, "the row")
+        normalised_messages(value["messages"], named=True)
+        normalised_messages(value.get("teacher_extra_messages", []), "teacher_extra_messages", named=True)
+
+    lines = precheck_lines(
+        path,
+        check,
+        refused=(ItemError,),
+        fix=lambda number: (
+            f"fix line {number} of {path}; line 1 is the manifest, every later non-blank line one scored row"
+        ),
+    )
+    if not count:
+        raise _refused(path, 1, ItemError("the file is empty; line 1 must be the off-policy distillation manifest"))
+    if lines - 1 != count[0]:
+        raise RequestError(
+            f"off-policy file {str(path)!r} is refused: it has {lines - 1} rows but the manifest's row_count "
+            f"(line 1) is {count[0]}",
+            code="training_invalid_request",
+            hint="write one row per scored response after the manifest line, and set row_count to their number",
+            pointer="/row_count",
+        )
+    return lines - 1
 
 
 def _absolute_file(dataset_path: str | os.PathLike[str]) -> Path:

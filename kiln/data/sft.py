@@ -81,7 +81,7 @@ from pathlib import Path
 from typing import Any
 
 from kiln.data.chat import ChatTemplate, InvalidRowError, json_type, normalise_message
-from kiln.data.jsonl import dataset_file, file_lines, is_blank
+from kiln.data.jsonl import dataset_file, file_lines, is_blank, precheck_lines
 from kiln.documents.digests import sft_kept_corpus_digest, sft_parsed_row_hash, sft_raw_row_hash
 from kiln.documents.jsonio import canonical_json, parse_json
 from kiln.errors import KilnError, RequestError
@@ -283,23 +283,27 @@ def _row_refusal(index: int, row_hash: str, bad: InvalidRowError, locator: str |
 def precheck_sft_rows(path: str | os.PathLike[str], *, invalid_row_policy: str = "fail") -> int:
     """The rows of a JSONL file checked as far as they can be without a tokenizer -- JSON, an object, a non-empty
     ``messages`` array of well-formed messages -- so a command line refuses a bad row before it loads torch or a
-    model. Under ``fail`` the first invalid row is refused exactly as ingestion would refuse it (``skip`` refuses
-    nothing here). Returns the rows read."""
+    model, as ``PATH line N: ...`` (``kiln.data.jsonl.precheck_lines``). ``skip`` refuses nothing here: ingestion
+    records what it skips. Returns the rows read."""
     source = dataset_file(path, hint='point the file at JSON lines, one {"messages": [...]} object per line')
-    rows = 0
-    with contextlib.closing(_file_rows(source)) as lines:
-        for index, line in enumerate(lines, start=1):
-            rows = index
-            if invalid_row_policy != "fail":
-                continue
-            row_hash = None
-            try:
-                value = _parse_row(line)
-                row_hash = sft_parsed_row_hash(value)
-                _normalise_messages(value)
-            except InvalidRowError as bad:
-                raise _row_refusal(index, row_hash or sft_raw_row_hash(line), bad, str(source)) from None
-    return rows
+    if invalid_row_policy != "fail":
+        with contextlib.closing(_file_rows(source)) as rows:
+            return sum(1 for _ in rows)
+
+    def check(value: Any, _: int) -> None:
+        if not isinstance(value, dict):
+            raise InvalidRowError("invalid_json", f"a row must be a JSON object, got {json_type(value)}")
+        _normalise_messages(value)
+
+    return precheck_lines(
+        source,
+        check,
+        refused=(InvalidRowError,),
+        fix=lambda number: (
+            f'fix line {number} of {source}, or set invalid_row_policy to "skip" to train on the '
+            "valid rows and record the rejected ones"
+        ),
+    )
 
 
 def _where(locator: str | None) -> str:

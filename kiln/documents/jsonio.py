@@ -42,6 +42,16 @@ _DECODER = json.JSONDecoder(
 )
 
 
+def decode_error(text: str) -> ValueError | None:
+    """Why ``text`` is not one strict JSON value -- the decoder's own exception (a ``json.JSONDecodeError`` carries
+    the position), a duplicate key, a non-finite number -- or None when it is one."""
+    try:
+        _DECODER.decode(text)
+    except ValueError as exc:
+        return exc
+    return None
+
+
 def parse_json(data: bytes | str, *, source: str | None = None, limit: int = MAX_DOCUMENT_BYTES) -> Any:
     """Parse one strict JSON document: UTF-8, no duplicate keys, no NaN/Infinity, bounded size."""
     if len(data) > limit:

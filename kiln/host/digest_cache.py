@@ -26,6 +26,7 @@ from pathlib import Path
 
 from kiln.documents.digests import file_sha256
 from kiln.host.fs import atomic_write_bytes
+from kiln.host.progress import human_bytes, stage
 
 __all__ = ["RACY_WINDOW_NS", "REHASH_ENV", "cached_file_sha256", "digest_cache_dir"]
 
@@ -63,6 +64,7 @@ def cached_file_sha256(path: Path, cache_dir: Path | None) -> tuple[str, int]:
             digest = cached.get("sha256")
             if isinstance(digest, str) and len(digest) == 64:
                 return digest, before.st_size
+    stage(f"hashing {Path(resolved).name} ({human_bytes(before.st_size)})")
     digest, size = file_sha256(resolved)
     after = os.stat(resolved)
     settled = time.time_ns() - after.st_mtime_ns >= RACY_WINDOW_NS

@@ -1,6 +1,7 @@
 """The model layer: find, materialise and load a base model, and capture its identity.
 
 ``resolve_model_path(cli)``  --model > model.path (kiln.host.config: KILN_MODEL_PATH > kiln.toml) > the tiny default
+``check_model_dir(path)``   a local model directory, or a refusal saying why not (missing, a Hub id, no config.json)
 ``load_base_model(path)``    a frozen Hugging Face causal LM and its tokenizer (local files only); in two halves,
                              ``open_base_model`` (tokenizer, config, weight headers) and ``load_weights`` (fp32,
                              bf16 or NF4)
@@ -15,6 +16,7 @@ from __future__ import annotations
 from kiln.model._identity import ModelIdentity, capture_identity, git_source, training_precision, weights_cache_dir
 from kiln.model._loader import (
     LoadedModel,
+    check_model_dir,
     load_base_model,
     load_weights,
     open_base_model,
@@ -32,6 +34,7 @@ __all__ = [
     "ModelIdentity",
     "WeightsInfo",
     "capture_identity",
+    "check_model_dir",
     "create_tiny",
     "ensure_default_tiny",
     "forward_logits",

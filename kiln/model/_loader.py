@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ from typing import Any
 from kiln.documents.jsonio import read_json_file
 from kiln.errors import KilnError, RequestError
 from kiln.host.config import Settings, resolve_settings
+from kiln.host.progress import human_bytes, stage
 from kiln.model._tiny import ensure_default_tiny, quiet_hub
 from kiln.model._weights import WeightsInfo, read_weights_info
 
@@ -72,14 +74,43 @@ def resolve_model_path(
         if configured.model.path is None:
             return ensure_default_tiny(configured.models_dir).resolve(), True
         path = configured.model.path
+    return check_model_dir(path), False
+
+
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")  # owner/name, as the Hugging Face Hub spells a model
+
+
+def check_model_dir(path: str | os.PathLike[str]) -> Path:
+    """``path`` resolved, once it is a local Hugging Face model directory (it holds ``config.json``); else a refusal
+    that says what is wrong with it -- missing, not a directory, a Hub id (Kiln never downloads), no config.json.
+    Touches only the file system: a command line checks ``--model`` with it before torch loads."""
     directory = Path(path).expanduser()
+    download = (
+        "Kiln reads models from disk and never downloads; download it first, e.g. "
+        f"`huggingface-cli download {path} --local-dir ~/models/{Path(str(path)).name}`, then pass --model with that "
+        "directory"
+    )
+    if not directory.exists():
+        hub = HUB_ID.fullmatch(str(path)) is not None and not str(path).startswith((".", "~"))
+        raise RequestError(
+            f"model path {directory} does not exist"
+            + (f" (it reads like a Hugging Face Hub id: {path})" if hub else ""),
+            code="training_invalid_request",
+            hint=download if hub else "pass --model with the directory of a model downloaded to this machine",
+        )
+    if not directory.is_dir():
+        raise RequestError(
+            f"model path {directory} is not a directory",
+            code="training_invalid_request",
+            hint="pass --model with the model's directory (config.json, *.safetensors and tokenizer files), not a file",
+        )
     if not (directory / "config.json").is_file():
         raise RequestError(
             f"model path {directory} is not a Hugging Face model directory (no config.json)",
             code="training_invalid_request",
             hint="pass --model with a local directory holding config.json, *.safetensors and tokenizer files",
         )
-    return directory.resolve(), False
+    return directory.resolve()
 
 
 def load_base_model(
@@ -91,6 +122,7 @@ def load_base_model(
 
 def open_base_model(path: Path, *, is_default: bool = False) -> LoadedModel:
     """The tokenizer, config and weight headers of a local model directory, its weights not loaded."""
+    stage(f"opening the model {path} (tokenizer, config, weight headers)")
     quiet_hub()
     from transformers import AutoConfig, AutoTokenizer
 
@@ -136,6 +168,8 @@ def load_weights(loaded: LoadedModel, *, precision: str = "fp32", quantization: 
         raise ValueError(f"precision {precision!r} is not one of {sorted(PRECISIONS)}")
     if loaded.model is not None and (loaded.precision, loaded.quantization) == (precision, quantization):
         return loaded
+    size = f"{human_bytes(loaded.weights.stored_bytes)}, " if loaded.weights is not None else ""
+    stage(f"loading the weights of {loaded.path.name} ({size}{precision}{', NF4' if quantization == 'nf4' else ''})")
     quiet_hub()
     import torch
     from transformers import AutoModelForCausalLM

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from kiln.host.fs import file_mode, publish_dir
+from kiln.host.progress import stage
 
 TINY_NAME = "kiln-tiny"
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
@@ -148,14 +149,17 @@ def create_tiny(path: str | os.PathLike[str], *, seed: int = 0, overwrite: bool 
     target = Path(path)
     if target.exists() and not overwrite:  # refused before torch and transformers are imported
         raise FileExistsError(f"{target} already exists; choose another path or remove it first")
+    stage("importing torch and transformers")
     import torch
     from transformers import Qwen2ForCausalLM
 
     quiet_hub()
     target.parent.mkdir(parents=True, exist_ok=True)
     with publish_dir(target, overwrite=overwrite) as staging:  # an existing target is replaced only once complete
+        stage("training the tiny model's tokenizer on its built-in corpus")
         tokenizer = build_tokenizer()
         config = tiny_config(len(tokenizer))
+        stage(f"drawing its weights (seed {seed}) and writing them to {target}")
         with torch.device("cpu"):
             model = Qwen2ForCausalLM(config)
         _init_weights(model, seed)
@@ -173,6 +177,7 @@ def ensure_default_tiny(models_root: Path) -> Path:
     target = models_root / TINY_NAME
     if (target / COMPLETE_MARKER).is_file():
         return target
+    stage(f"building the built-in tiny model under {target} (first use only)")
     try:
         return create_tiny(target, seed=0)
     except FileExistsError:

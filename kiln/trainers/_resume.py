@@ -59,7 +59,7 @@ def resume_metadata(
     if resume_value is None:
         return None
     check_target(registry, adapter_name)  # a path-safe name before it meets the file system
-    checkpoint_path = resolve_checkpoint_path(registry, resume_value)
+    checkpoint_path = resolve_checkpoint_path(registry, resume_value, adapter=adapter_name)
     info = inspect_checkpoint(checkpoint_path)  # metadata only: fail fast, before any model work
     manifest = info.manifest
     if manifest["training_kind"] != kind:
