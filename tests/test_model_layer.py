@@ -51,7 +51,11 @@ def test_an_explicit_model_wins_over_the_environment(tmp_path, tiny_model_dir, m
     assert not is_default
     with pytest.raises(RequestError) as info:
         resolve_model_path()
-    assert "not a Hugging Face model directory" in info.value.message
+    assert f"model path {tmp_path / 'nowhere'} does not exist" in info.value.message
+    (tmp_path / "nowhere").mkdir()
+    with pytest.raises(RequestError) as info:
+        resolve_model_path()
+    assert "not a Hugging Face model directory (no config.json)" in info.value.message
 
 
 def test_identity_records_validate_and_bind_the_model_files(tiny_model_dir):

@@ -22,6 +22,7 @@ from kiln.artifacts import (
     server_bodies,
     sft_ingestion,
     teachers,
+    training_audit,
     worker_spec,
 )
 from kiln.documents import rules
@@ -45,5 +46,6 @@ __all__ = [
     "server_bodies",
     "sft_ingestion",
     "teachers",
+    "training_audit",
     "worker_spec",
 ]

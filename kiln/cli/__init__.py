@@ -15,6 +15,7 @@ One module per command group; each adds its parsers (``add_*_parser``) and holds
     _replay        ``kiln replay verify|show``: an adapter's request lineage
     _teachers      ``kiln teachers add|list|remove``
     _evals         ``kiln eval suites|run|status|cancel|compare``
+    _audit         ``kiln audit``: re-execute a published run and compare its bytes
     _parser        the parser class: no abbreviations, "did you mean", a group's own help, defaults in --help
 
 Imports run one way, with no cycle even counting the imports inside functions: this package imports every
@@ -36,6 +37,7 @@ import sys
 
 from kiln import __version__
 from kiln.cli._adapters import add_adapters_parser
+from kiln.cli._audit import add_audit_parser
 from kiln.cli._checkpoints import add_checkpoints_parser
 from kiln.cli._evals import add_eval_parser
 from kiln.cli._parser import KilnParser, leaf_parser
@@ -67,6 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_health_parser(sub)
     add_teachers_parser(sub)
     add_eval_parser(sub)
+    add_audit_parser(sub)
     return parser
 
 

@@ -81,9 +81,10 @@ HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")  # owner/name, as the Hugging
 
 
 def check_model_dir(path: str | os.PathLike[str]) -> Path:
-    """``path`` resolved, once it is a local Hugging Face model directory (it holds ``config.json``); else a refusal
-    that says what is wrong with it -- missing, not a directory, a Hub id (Kiln never downloads), no config.json.
-    Touches only the file system: a command line checks ``--model`` with it before torch loads."""
+    """``path`` resolved, once it is a local Hugging Face model directory (``config.json`` and every weight file
+    transformers will open); else a refusal that says what is wrong with it -- missing, not a directory, a Hub id
+    (Kiln never downloads), no config.json, a missing weight shard. Touches only the file system: a command line
+    checks ``--model`` with it before torch loads."""
     directory = Path(path).expanduser()
     download = (
         "Kiln reads models from disk and never downloads; download it first, e.g. "
@@ -110,22 +111,12 @@ def check_model_dir(path: str | os.PathLike[str]) -> Path:
             code="training_invalid_request",
             hint="pass --model with a local directory holding config.json, *.safetensors and tokenizer files",
         )
+    _check_weight_files(directory)
     return directory.resolve()
 
 
-def load_base_model(
-    path: Path, *, is_default: bool = False, precision: str = "fp32", quantization: str = "none"
-) -> LoadedModel:
-    """Load model and tokenizer from a local directory; base weights are frozen."""
-    return load_weights(open_base_model(path, is_default=is_default), precision=precision, quantization=quantization)
-
-
-def open_base_model(path: Path, *, is_default: bool = False) -> LoadedModel:
-    """The tokenizer, config and weight headers of a local model directory, its weights not loaded."""
-    stage(f"opening the model {path} (tokenizer, config, weight headers)")
-    quiet_hub()
-    from transformers import AutoConfig, AutoTokenizer
-
+def _check_weight_files(path: Path) -> None:
+    """Refuse a model directory without safetensors weights, or missing a weight file transformers would open."""
     if not any(path.glob("*.safetensors")):
         raise RequestError(
             f"model directory {path} has no *.safetensors weights (Kiln never loads pickled weights)",
@@ -138,6 +129,22 @@ def open_base_model(path: Path, *, is_default: bool = False) -> LoadedModel:
             code="training_invalid_request",
             hint="restore the named file under that name, or use a complete copy of the model",
         )
+
+
+def load_base_model(
+    path: Path, *, is_default: bool = False, precision: str = "fp32", quantization: str = "none"
+) -> LoadedModel:
+    """Load model and tokenizer from a local directory; base weights are frozen."""
+    return load_weights(open_base_model(path, is_default=is_default), precision=precision, quantization=quantization)
+
+
+def open_base_model(path: Path, *, is_default: bool = False) -> LoadedModel:
+    """The tokenizer, config and weight headers of a local model directory, its weights not loaded."""
+    _check_weight_files(path)
+    stage(f"opening the model {path} (tokenizer, config, weight headers)")
+    quiet_hub()
+    from transformers import AutoConfig, AutoTokenizer
+
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     if not getattr(tokenizer, "chat_template", None):
         raise RequestError(f"the tokenizer in {path} has no chat template", code="training_invalid_request")

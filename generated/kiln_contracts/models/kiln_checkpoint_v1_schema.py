@@ -68,7 +68,7 @@ class CheckpointRelativePath(RootModel[StrictStr]):
     """
 
 
-class Kind2(StrEnum):
+class Kind3(StrEnum):
     """
     The schedule's shape after its warmup.
     """
@@ -478,7 +478,7 @@ class CheckpointSchedulerState(BaseModel):
     model_config = ConfigDict(
         extra="forbid",
     )
-    kind: Kind2
+    kind: Kind3
     """
     The schedule's shape after its warmup.
     """

@@ -1219,7 +1219,7 @@ class LossAggregation(StrEnum):
     token_level = "token_level"
 
 
-class Kind4(StrEnum):
+class Kind5(StrEnum):
     """
     The shape after the warmup: `constant` keeps the base rate, `linear` falls to `min_lr_ratio` × the base rate at the last step, `cosine` follows a half cosine down to it (the Hugging Face schedules' factors).
     """
@@ -1244,7 +1244,7 @@ class LrScheduler(BaseModel):
     model_config = ConfigDict(
         extra="forbid",
     )
-    kind: Kind4
+    kind: Kind5
     """
     The shape after the warmup: `constant` keeps the base rate, `linear` falls to `min_lr_ratio` × the base rate at the last step, `cosine` follows a half cosine down to it (the Hugging Face schedules' factors).
     """
@@ -1784,7 +1784,7 @@ class TrainingStatusList(RootModel[list[TrainingStatus]]):
     """
 
 
-class Kind5(Enum):
+class Kind6(Enum):
     """
     Whether the segment is trained: `action` tokens (written by the policy) carry the policy loss; `observation` tokens (returned by the environment or a tool) feed only the ECHO term; `context` is never supervised. When omitted, assistant segments are actions, tool segments are observations and all others are context.
     """
@@ -1806,7 +1806,7 @@ class TurnSegmentInput(BaseModel):
     """
     The segment text.
     """
-    kind: Kind5 | None = None
+    kind: Kind6 | None = None
     """
     Whether the segment is trained: `action` tokens (written by the policy) carry the policy loss; `observation` tokens (returned by the environment or a tool) feed only the ECHO term; `context` is never supervised. When omitted, assistant segments are actions, tool segments are observations and all others are context.
     """
