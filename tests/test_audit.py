@@ -226,3 +226,34 @@ def test_spot_check_segments_follow_from_the_recorded_seed_alone():
     assert len(draw_segments(7, 10, 3)) == 3
     assert draw_segments(7, 4, 9) == [0, 1, 2, 3]  # more than there are: every segment
     assert len({tuple(draw_segments(seed, 10, 3)) for seed in range(20)}) > 10  # the seed decides
+
+
+def test_a_data_parallel_run_is_cannot_audit_in_one_process(sft_run, tmp_path):
+    adapter = _copy(sft_run, tmp_path)
+    receipt = json.loads((adapter / "train_receipt.json").read_text())
+    receipt["runtime"]["data_parallel"] = {
+        "world_size": 2,
+        "backend": "gloo",
+        "sharding": "kiln.sft-step-round-robin.v1",
+    }
+    (adapter / "train_receipt.json").write_text(json.dumps(receipt))
+    record = _checked(audit(adapter))
+    assert record["verdict"] == "cannot_audit"
+    assert record["cannot_audit"]["field"] == "runtime.data_parallel"
+    assert record["segments"] == []  # nothing was re-executed
+
+
+def test_an_honest_off_policy_opd_run_is_reproduced_from_its_recorded_file(tmp_path, tiny_model_dir, teacher_dir):
+    from _opd_fixture import off_policy_teacher
+
+    responses = [("Name a colour.", "Blue."), ("Name a tree.", "An oak."), ("Name a bird.", "A robin.")]
+    path, root = off_policy_teacher(tmp_path, tiny_model_dir, teacher_dir, responses)
+    config = {"seed": 11, "top_k": 16, "training_mode": "off_policy", "epochs": 2, "checkpoint_interval": 2,
+              "optimizer": {"kind": "adam_w"}, "learning_rate": 0.01}  # fmt: skip
+    request = {"teacher": "scored", "dataset_path": str(path), "config": config}
+    adapter = _train(tmp_path / "adapters", "opd", request, tiny_model_dir, root)
+    sources = AuditSources(teachers_root=root)
+    record = _checked(audit(adapter, sources=sources))
+    assert record["verdict"] == "reproduced", (record["first_difference"], record["cannot_audit"])
+    assert record["sources"]["data"] == {"dataset_path": str(path)}
+    assert _checked(audit(adapter, segments=2, seed=4, sources=sources))["verdict"] == "reproduced"

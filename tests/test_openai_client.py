@@ -415,3 +415,36 @@ def test_streams_arrive_as_server_sent_events_over_a_real_socket(tmp_path, tiny_
     assert "".join(c.choices[0].text for c in text[:-1]) == _complete(client, TEXT, max_tokens=6).choices[0].text
     assert text[-1].choices == []
     assert text[-1].usage.prompt_tokens == _complete(client, TEXT, max_tokens=6).usage.prompt_tokens
+
+
+@pytest.mark.parametrize("route", ["chat", "completions"])
+def test_a_failure_after_the_stream_started_reaches_the_openai_client_as_an_error(served, client, monkeypatch, route):
+    """The stream used to stop after its first chunk with no error and no [DONE]: the client saw one chunk with
+    finish_reason None and no exception. Now the stream ends with an error event, then [DONE]."""
+    from kiln.server import _openai
+
+    name = "chat_chunks" if route == "chat" else "completion_chunks"
+    original = getattr(_openai, name)
+
+    def failing(*args, **kwargs):
+        chunks = original(*args, **kwargs)
+        yield next(chunks)
+        raise RuntimeError("injected failure mid-stream")
+
+    monkeypatch.setattr(_openai, name, failing)
+    stream = (
+        client.chat.completions.create(model=BASE, messages=MESSAGES, max_tokens=6, stream=True)
+        if route == "chat"
+        else client.completions.create(model=BASE, prompt=TEXT, max_tokens=6, stream=True)
+    )
+    with pytest.raises(openai.APIError) as info:
+        list(stream)
+    assert "injected failure mid-stream" in str(info.value)
+    _, http = served
+    body = {"model": BASE, "max_tokens": 6, "stream": True}
+    body |= {"messages": MESSAGES} if route == "chat" else {"prompt": TEXT}
+    raw = http.post("/v1/chat/completions" if route == "chat" else "/v1/completions", json=body)
+    events = [line.removeprefix("data: ") for line in raw.text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert (error["code"], error["type"], error["param"]) == ("internal_error", "server_error", None)

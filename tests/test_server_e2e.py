@@ -500,3 +500,23 @@ def test_a_renamed_weight_shard_stops_serve_and_local_admission_naming_the_missi
     assert err.startswith("error [training_invalid_request]: ")
     assert missing in err.splitlines()[0]
     assert not (tmp_path / "kiln-home" / "adapters" / "shard-bot").exists()
+
+
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/completions"])
+def test_a_schema_valid_tiny_temperature_is_answered_plain_and_streamed(server, route):
+    """Any temperature below about 1.2e-38 used to make the sampler see inf/NaN: a 500, and mid-stream a dropped
+    connection. It is greedy now, on both routes, streamed or not."""
+    body = {"max_tokens": 4, "temperature": 1e-40, "seed": 1}
+    body |= (
+        {"messages": [{"role": "user", "content": "How do I reset my password?"}]}
+        if route.endswith("chat/completions")
+        else {"prompt": "How do I reset", "model": "kiln-tiny"}
+    )
+    with server.client() as http:
+        plain = http.post(route, json=body)
+        assert plain.status_code == 200, plain.text
+        with http.stream("POST", route, json={**body, "stream": True}) as streamed:
+            assert streamed.status_code == 200
+            lines = [line for line in streamed.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    assert all('"error"' not in line for line in lines)

@@ -128,6 +128,16 @@ def _published(target: Path) -> _Published:
         config, kind = receipt["config"], receipt["hyperparameters"]["mode"]
         provenance = receipt["runtime"]["execution_provenance"]
         base = receipt["model"]["base_weight_shard_manifest"]["aggregate_sha256"]
+    if parsed is not None:
+        ranks = manifest["auxiliary_state"].get("training_runtime_planning_identity", {}).get("data_parallel")
+    else:
+        ranks = receipt["runtime"].get("data_parallel") if receipt is not None else None
+    if ranks:
+        raise _CannotAuditError(
+            "runtime.data_parallel",
+            f"the run trained over {ranks['world_size']} ranks; an audit re-executes in one process, and a "
+            "data-parallel step is bit-identical only at its own world size",
+        )
     interval = config.get("checkpoint_interval")
     run = _Published(
         target=target,

@@ -1,8 +1,9 @@
 """Token sampling shared by serving and OPD rollouts.
 
-``pick_token`` draws one id from logits: greedy at temperature 0, else softmax(logits /
-temperature) with nucleus filtering to ``top_p`` (a stable descending sort; the most
-likely token is always kept) and one draw from an explicit ``torch.Generator``.
+``pick_token`` draws one id from logits: greedy at temperature 0 (and at a temperature so small that
+logits / temperature overflows), else softmax(logits / temperature) with nucleus filtering to ``top_p``
+(a stable descending sort; the most likely token is always kept) and one draw from an explicit
+``torch.Generator``. No schema-valid temperature or top_p gives a NaN.
 ``stop_token_ids`` are the model's end-of-sequence ids plus the end-of-turn specials its
 tokenizer declares. ``sample(...)`` runs a KV-cached rollout with them; ``sample_batch(...)`` runs several
 together (one left-padded prefill, then one cached step for all unfinished rows per token), drawing each step's
@@ -19,14 +20,24 @@ END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<end_of_turn>",
 
 
 def pick_token(logits: Any, temperature: float, top_p: float, generator: Any) -> int:
+    """One id from ``logits``: the first maximum at temperature 0, else a draw from softmax(logits / temperature)
+    cut to the nucleus ``top_p``. Finite for every temperature in [0, 2] and top_p in (0, 1]: when logits /
+    temperature overflows (a temperature below about 1e-37), the logits are first shifted so their maximum is 0 --
+    every scaled value is then 0 or -inf, never +inf or NaN -- and such a temperature is greedy (the first maximum),
+    as temperature 0 is. Any other temperature draws exactly as softmax(logits / temperature) does."""
     import torch
 
-    if temperature == 0:
+    top = logits.max()
+    if temperature == 0 or not bool(torch.isfinite(top)):
         return int(torch.argmax(logits))
-    probs = torch.softmax(logits / temperature, dim=-1)
+    scaled = logits / temperature
+    if not bool(torch.isfinite(scaled.max())):  # the temperature underflows: all the mass is on the maximum
+        return int(torch.argmax(logits))
+    probs = torch.softmax(scaled, dim=-1)
     if top_p < 1:
         ordered, order = torch.sort(probs, descending=True, stable=True)
-        keep = (torch.cumsum(ordered, dim=-1) - ordered) < top_p  # always keeps the most likely token
+        keep = (torch.cumsum(ordered, dim=-1) - ordered) < top_p
+        keep[0] = True  # the most likely token is always kept, however small top_p is
         probs = torch.zeros_like(probs).scatter(0, order, ordered * keep)
     return int(torch.multinomial(probs, 1, generator=generator))
 

@@ -22,6 +22,7 @@ import resource
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -575,15 +576,42 @@ def _first_then_rest(chunks: Any) -> Any:
 
 
 def _sse(pulled: Any) -> Any:
+    """The server-sent events of a stream. A failure after the stream started (the status line and the first chunk
+    are sent) ends it the way vLLM does, so a client sees it instead of a connection that just stops: one
+    ``data: {"error": {...}}`` event -- Kiln's code, message, hint and pointer with OpenAI's ``type`` and ``param``
+    -- then ``data: [DONE]``; the failure is logged with the stream's id, which the message names."""
     first, rest = pulled
+    stream_id = str(first.get("id") or f"stream-{uuid.uuid4().hex[:12]}") if isinstance(first, dict) else "stream"
 
     def events() -> Any:
         yield f"data: {json.dumps(first, separators=(',', ':'))}\n\n"
-        for chunk in rest:
-            yield f"data: {json.dumps(chunk, separators=(',', ':'))}\n\n"
+        try:
+            for chunk in rest:
+                yield f"data: {json.dumps(chunk, separators=(',', ':'))}\n\n"
+        except Exception as exc:
+            log.exception("stream %s failed after it started", stream_id)
+            yield f"data: {json.dumps(stream_error(exc, stream_id), separators=(',', ':'))}\n\n"
         yield "data: [DONE]\n\n"
 
     return events()
+
+
+def stream_error(exc: Exception, stream_id: str) -> dict[str, Any]:
+    """The error event of a stream that failed after it started (``_sse``)."""
+    error: dict[str, Any]
+    if isinstance(exc, KilnError):
+        envelope = exc.as_envelope()["error"]
+        error = dict(envelope) if isinstance(envelope, dict) else {"code": exc.code, "message": exc.message}
+    else:
+        error = {"code": "internal_error", "message": f"{type(exc).__name__}: {exc}", "hint": None}
+    error["message"] = f"{error['message']} (stream {stream_id} ended after it started)"
+    status = _HTTP_STATUS.get(str(error["code"]), 500)
+    pointer = error.get("pointer")
+    error["type"] = "invalid_request_error" if 400 <= status < 500 else "server_error"
+    error["param"] = (
+        ".".join(pointer.strip("/").split("/")) if isinstance(pointer, str) and pointer.strip("/") else None
+    )
+    return {"error": error}
 
 
 # ----------------------------------------------------------------------------- bodies

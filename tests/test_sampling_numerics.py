@@ -1,0 +1,67 @@
+"""Sampling numerics over the whole schema range (issue "Serving that real clients can rely on"): no temperature in
+[0, 2] and no top_p in (0, 1] makes ``pick_token`` see inf or NaN; a temperature so small that logits / temperature
+overflows is greedy, as 0 is; every other temperature draws exactly as softmax(logits / temperature) does. Checked
+as a property (fixed seed, derandomized) and end to end on the served model: chat, completions and a stream."""
+
+from __future__ import annotations
+
+import hypothesis.strategies as st
+import pytest
+import torch
+from hypothesis import given, settings
+
+from kiln.model import pick_token
+
+LOGITS = st.lists(st.floats(-1e4, 1e4, allow_nan=False, width=32), min_size=1, max_size=40)
+TEMPERATURE = st.one_of(
+    st.floats(0, 2, allow_subnormal=True),
+    st.sampled_from([0.0, 5e-324, 1e-45, 1.2e-38, 1e-38, 1e-37, 1e-30, 2.0]),
+)
+TOP_P = st.one_of(st.floats(0, 1, exclude_min=True, allow_subnormal=True), st.sampled_from([5e-324, 1e-300, 1.0]))
+
+
+@settings(max_examples=400, deadline=None, derandomize=True)
+@given(logits=LOGITS, temperature=TEMPERATURE, top_p=TOP_P)
+def test_every_schema_valid_setting_draws_a_token(logits, temperature, top_p):
+    values = torch.tensor(logits, dtype=torch.float32)
+    token = pick_token(values, temperature, top_p, torch.Generator().manual_seed(0))
+    assert 0 <= token < len(logits)
+    if temperature == 0 or not torch.isfinite((values / temperature).max()):
+        assert token == int(torch.argmax(values))  # greedy: the first maximum
+
+
+def test_ordinary_temperatures_draw_exactly_as_softmax_of_logits_over_temperature():
+    values = torch.tensor([1.0, 0.5, -0.25, 2.0])
+    for temperature in (0.3, 1.0, 1.7):
+        drawn = [pick_token(values, temperature, 1.0, torch.Generator().manual_seed(s)) for s in range(50)]
+        expected = [
+            int(
+                torch.multinomial(
+                    torch.softmax(values / temperature, -1), 1, generator=torch.Generator().manual_seed(s)
+                )
+            )
+            for s in range(50)
+        ]
+        assert drawn == expected
+
+
+@pytest.mark.parametrize("temperature", [1e-40, 1.1e-38, 5e-324])
+def test_a_tiny_temperature_answers_greedily_on_chat_and_its_stream(
+    trained_adapter, tiny_model_dir, tmp_path, temperature
+):
+    import shutil
+
+    from kiln.model import load_base_model
+    from kiln.server._generation import Generator
+    from kiln.server._openai import chat_chunks, chat_completion
+
+    registry = tmp_path / "adapters"
+    shutil.copytree(trained_adapter, registry / "bot")
+    gen = Generator(load_base_model(tiny_model_dir), registry, "kiln-tiny")
+    body = {"messages": [{"role": "user", "content": "How do I reset my password?"}], "max_tokens": 6}
+    greedy = chat_completion(gen, {**body, "temperature": 0})["choices"][0]["message"]["content"]
+    tiny = chat_completion(gen, {**body, "temperature": temperature, "seed": 3})["choices"][0]["message"]["content"]
+    assert tiny == greedy
+    chunks = list(chat_chunks(gen, {**body, "temperature": temperature, "stream": True}))
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]) == greedy
+    assert chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length")
