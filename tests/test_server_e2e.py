@@ -520,3 +520,47 @@ def test_a_schema_valid_tiny_temperature_is_answered_plain_and_streamed(server, 
             lines = [line for line in streamed.iter_lines() if line.startswith("data: ")]
     assert lines[-1] == "data: [DONE]"
     assert all('"error"' not in line for line in lines)
+
+
+def test_an_audit_job_reproduces_a_served_run_in_a_worker_process_and_can_be_cancelled(server, capsys):
+    """``POST /v1/audits``: the run a served job published is re-executed in a worker process and reproduced;
+    ``kiln audit NAME --url`` does the same through the SDK; a queued or running audit is cancelled; what cannot be
+    audited is refused before it is queued."""
+    data = "".join(json.dumps(r) + "\n" for r in ROWS).encode("utf-8")
+    config = {"output_name": "audited", "epochs": 3, "checkpoint_interval": 4, "seed": 3, "auto_load": False}
+    with server.client() as http:
+        uploaded = http.post("/v1/datasets", content=data, headers={"Content-Type": "application/jsonl"})
+        assert uploaded.status_code == 200, uploaded.text
+        trained = http.post("/v1/train/sft", json={"dataset_path": uploaded.json()["dataset_path"], "config": config})
+        assert trained.status_code == 200, trained.text
+        assert _finished(http, trained.json()["job_id"])["state"] == "completed"
+
+        queued = http.post("/v1/audits", json={"adapter": "audited"})
+        assert queued.status_code == 200, queued.text
+        job = _valid("AuditJobDetail", queued.json())
+        done = wait_for(
+            lambda: (d := http.get(f"/v1/audits/{job['job_id']}").json())["state"] in ("completed", "failed") and d,
+            timeout=300,
+        )
+        _valid("AuditJobDetail", done)
+        assert done["state"] == "completed", done.get("error")
+        record = done["record"]
+        assert record["verdict"] == "reproduced", (record["first_difference"], record["cannot_audit"])
+        assert [c["global_step"] for c in record["checkpoints"]] == [4, 8]
+        assert [j["job_id"] for j in _valid("AuditJobList", http.get("/v1/audits").json())][-1] == job["job_id"]
+        assert http.get(f"/v1/train/jobs/{job['job_id']}").status_code == 404  # an audit is not a training job
+
+        missing = http.post("/v1/audits", json={"adapter": "nobody"})
+        assert (missing.status_code, missing.json()["error"]["code"]) == (404, "adapter_not_found")
+        seedless = http.post("/v1/audits", json={"adapter": "audited", "seed": 4})
+        assert (seedless.status_code, seedless.json()["error"]["code"]) == (400, "inconsistent_fields")
+
+        stopped = http.post("/v1/audits", json={"adapter": "audited"}).json()
+        cancelled = http.delete(f"/v1/audits/{stopped['job_id']}")
+        assert cancelled.status_code == 200, cancelled.text
+        final = wait_for(lambda: (d := http.get(f"/v1/audits/{stopped['job_id']}").json())["state"] == "failed" and d)
+        assert final["error"].startswith("cancelled")
+        assert final["record"] is None
+
+    assert main(["audit", "audited", "--url", server.url, "--segments", "1", "--seed", "2"]) == 0
+    assert "✓ reproduced" in capsys.readouterr().out

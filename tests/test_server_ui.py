@@ -441,6 +441,15 @@ def test_the_dashboard_views_loads_unloads_and_deletes_an_adapter_and_shows_the_
         expect(row).to_have_attribute("data-manifest", "present")
         expect(row).to_have_attribute("data-active", "false")
         expect(row).to_have_attribute("data-canary", "unknown")
+        expect(row).to_have_attribute("data-audit", "none")
+        # an audit job's verdict shows on the adapter's row, whatever it is
+        audit = http.post("/v1/audits", json={"adapter": "bot"}).json()
+        ended = wait_for(
+            lambda: (d := http.get(f"/v1/audits/{audit['job_id']}").json())["state"] in ("completed", "failed") and d,
+            timeout=300,
+        )
+        assert ended["state"] == "completed", ended.get("error")
+        expect(row).to_have_attribute("data-audit", ended["record"]["verdict"])
         listed = {a["name"]: a for a in http.get("/v1/adapters").json()["available"]}["bot"]
 
         row.locator('button[data-action="receipt"]').click()

@@ -3,7 +3,8 @@
 ``load_training_audit`` (strict: schema, numbers, the rules below, typed model) and ``write_training_audit``
 (canonical JSON, atomic). The rules bind the verdict to what backs it: ``not_reproduced`` exactly when a first
 difference is named and some segment is not reproduced, ``cannot_audit`` exactly when its reason is given,
-``reproduced`` only with a reproduced segment; a seed exactly for a spot check.
+``reproduced`` only with a reproduced segment; a seed exactly for a spot check. The audit request
+(``POST /v1/audits``) takes a seed only with segments.
 """
 
 from __future__ import annotations
@@ -58,6 +59,16 @@ def _mode(doc: dict[str, Any], at: str) -> Iterable[Problem]:
             "inconsistent_fields",
             ptr(at, "seed"),
             f"mode {doc['mode']!r} with seed {doc['seed']!r}: a spot check records its seed, a full audit has none",
+        )
+
+
+@semantic_rule("AuditRequest", "audit-request.seed")
+def _request_seed(doc: dict[str, Any], at: str) -> Iterable[Problem]:
+    if doc.get("seed") is not None and doc.get("segments") is None:
+        yield Problem(
+            "inconsistent_fields",
+            ptr(at, "seed"),
+            "seed draws spot-check segments; give segments with it (a full audit draws nothing)",
         )
 
 

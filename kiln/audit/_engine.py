@@ -224,7 +224,10 @@ def _check_standing(run: _Published, job: Any) -> JsonObject:
         found = first_field_difference(run.provenance.get(part), mine.get(part), f"execution_provenance.{part}")
         if found is not None:
             where, theirs, ours = found
-            raise _CannotAuditError(where, f"{where} is {theirs!r} for the run and {ours!r} here")
+            hint = (
+                "; re-execute with the run's thread count (kiln audit --threads N)" if "threads" in str(theirs) else ""
+            )
+            raise _CannotAuditError(where, f"{where} is {theirs!r} for the run and {ours!r} here{hint}")
     weights = job.identity.base_weight_shard_manifest["aggregate_sha256"]
     if run.base_weights is not None and weights != run.base_weights:
         raise _CannotAuditError(
@@ -371,14 +374,33 @@ def audit(
     seed: int | None = None,
     start: str | None = None,
     sources: AuditSources | None = None,
+    threads: int | None = None,
     say: Callable[[str], None] = stage,
 ) -> JsonObject:
     """Audit the run that published ``target`` (an adapter directory or a checkpoint): re-execute it in full (from
     step 0, or from the published checkpoint ``start``), or ``segments`` randomly chosen segments (the choice seeded
-    with ``seed``, drawn now when None); return the ``kiln.training-audit.v1`` record."""
-    sources = sources or AuditSources()
+    with ``seed``, drawn now when None), with ``threads`` intra-op threads (None: this process's setting); return the
+    ``kiln.training-audit.v1`` record."""
+    import torch
+
+    before = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        return _audit(Path(target), segments, seed, start, sources or AuditSources(), say)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _audit(
+    path: Path,
+    segments: int | None,
+    seed: int | None,
+    start: str | None,
+    sources: AuditSources,
+    say: Callable[[str], None],
+) -> JsonObject:
     began, started_at = time.perf_counter(), _now()
-    path = Path(target)
     record: JsonObject = {
         "schema": AUDIT_SCHEMA,
         "target": {"path": str(path.resolve()), "kind": None, "adapter_name": None, "manifest_sha256": None},

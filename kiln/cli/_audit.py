@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ from kiln.errors import KilnError
 __all__ = ["add_audit_parser"]
 
 EXIT = {"reproduced": 0, "not_reproduced": 1, "cannot_audit": 2}
+POLL_S = 0.5  # how often --url asks the server about the job
 
 
 def add_audit_parser(sub: Any) -> None:
@@ -60,18 +62,37 @@ def add_audit_parser(sub: Any) -> None:
     )
     p.add_argument("--model", metavar="DIR", help="the base model directory (default: the path the run recorded)")
     p.add_argument("--teacher", metavar="ALIAS", help="OPD: the teacher alias (default: the one the run recorded)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        metavar="N",
+        help="intra-op threads to re-execute with: the run's own count (its receipt's execution_provenance.backend."
+        "device says it; a server's training workers use training.worker_threads); default: torch's for this machine",
+    )
     p.add_argument("--json", action="store_true", help="print the kiln.training-audit.v1 record")
     p.add_argument("--out", metavar="FILE", help="also write the record to FILE (atomically)")
+    p.add_argument(
+        "--url",
+        metavar="URL",
+        help="audit on this Kiln server instead (PATH is then an adapter name in its registry): queued as an audit "
+        "job, run in a worker process of its own, followed here until it ends (Ctrl-C stops watching)",
+    )
+    p.add_argument("--api-key", metavar="KEY", help="bearer key of the server (default: $KILN_API_KEY)")
     p.set_defaults(func=cmd_audit)
 
 
 def cmd_audit(args: argparse.Namespace) -> int:
+    if args.threads is not None and args.threads < 1:
+        print(f"error: --threads {args.threads}: must be at least 1", file=sys.stderr)
+        return 2
     if args.segments is not None and args.segments < 1:
         print(f"error: --segments {args.segments}: must be at least 1", file=sys.stderr)
         return 2
     if args.start is not None and args.segments is not None:
         print("error: --from starts a full audit; spot checks (--segments) draw their own starts", file=sys.stderr)
         return 2
+    if args.url is not None:
+        return _on_server(args)
     path = Path(args.path)
     if not path.exists():
         print(f"error: {path} does not exist", file=sys.stderr)
@@ -86,13 +107,29 @@ def cmd_audit(args: argparse.Namespace) -> int:
         model=args.model,
         teacher=args.teacher,
     )
+    previous = signal.signal(signal.SIGTERM, _stop)  # a terminated audit still removes its temporary registry
     try:
-        record = audit(path, segments=args.segments, seed=args.seed, start=args.start, sources=sources)
+        record = audit(
+            path, segments=args.segments, seed=args.seed, start=args.start, sources=sources, threads=args.threads
+        )
     except KilnError as exc:
         print(f"error [{exc.code}]: {exc.message}", file=sys.stderr)
         if exc.hint:
             print(f"hint: {exc.hint}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("✗ audit stopped before a verdict; nothing of it remains", file=sys.stderr)
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    return _report(args, record)
+
+
+def _stop(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+def _report(args: argparse.Namespace, record: dict[str, Any]) -> int:
     if args.out is not None:
         from kiln.artifacts.training_audit import write_training_audit
 
@@ -102,6 +139,39 @@ def cmd_audit(args: argparse.Namespace) -> int:
     else:
         _print(record)
     return EXIT[record["verdict"]]
+
+
+def _on_server(args: argparse.Namespace) -> int:
+    """``kiln audit NAME --url URL``: submit an audit job, follow it, report its record as a local audit would."""
+    from kiln.cli._client import Interrupt, body, run
+
+    local = (args.start, args.file, args.model, args.teacher, args.threads)
+    if any(value is not None for value in local):
+        print("error: --from, --file, --model, --teacher and --threads audit locally; a server audits with its own",
+              file=sys.stderr)  # fmt: skip
+        return 2
+
+    def follow(client: Any) -> int:
+        request: dict[str, Any] = {"adapter": args.path}
+        if args.segments is not None:
+            request["segments"] = args.segments
+        if args.seed is not None:
+            request["seed"] = args.seed
+        job = body(client.submit_audit(request))
+        print(f"audit job {job['job_id']} queued for adapter {args.path!r}", file=sys.stderr)
+        with Interrupt() as interrupt:
+            while job["state"] not in ("completed", "failed") and not interrupt.event.is_set():
+                interrupt.event.wait(POLL_S)
+                job = body(client.get_audit(job["job_id"]))
+        if job["state"] == "completed":
+            return _report(args, job["record"])
+        if job["state"] == "failed":
+            print(f"error: audit job {job['job_id']} failed: {job.get('error')}", file=sys.stderr)
+            return 2
+        print(f"stopped watching; audit job {job['job_id']} keeps running on the server", file=sys.stderr)
+        return 130
+
+    return int(run(args, follow))
 
 
 def _print(record: dict[str, Any]) -> None:

@@ -48,8 +48,8 @@ from kiln.errors import (
 )
 from kiln.host.config import Settings, resolve_settings
 from kiln.host.fs import writable_problem
-from kiln.server import _datasets, _evals, _openai, _training
-from kiln.server._jobs import Job, JobManager, JobStore, Outcome, Runner
+from kiln.server import _audits, _datasets, _evals, _openai, _training
+from kiln.server._jobs import Job, JobManager, JobStore, Outcome, Runner, family
 
 log = logging.getLogger("kiln.server")
 STATIC = Path(__file__).parent / "static"
@@ -184,6 +184,7 @@ def build_server(settings: Settings) -> Server:
             {
                 **{kind: partial(_training.run, engine) for kind in TRAINERS},
                 "eval": lambda job, cancel, _report: _evals.run_job(engine, job, cancel),
+                "audit": lambda job, cancel, _report: _audits.run_job(engine, job, cancel),
             }
         ),
         on_terminal=_notify(settings, ref),
@@ -334,7 +335,7 @@ def create_app(server: Server, *, own_lifecycle: bool = True) -> FastAPI:
 
     @app.get("/v1/train/status")
     def list_status() -> JSONResponse:
-        return JSONResponse([job.status() for job in server.jobs.ordered(evaluation=False)])
+        return JSONResponse([job.status() for job in server.jobs.ordered(kind="training")])
 
     @app.get("/v1/train/jobs/{job_id}")
     def job_detail(job_id: str) -> JSONResponse:
@@ -348,9 +349,11 @@ def create_app(server: Server, *, own_lifecycle: bool = True) -> FastAPI:
                 "running": running.status() if running else None,
                 "queued": [
                     {"job_id": j.job_id, "job_type": j.job_type, "adapter_name": j.adapter_name, "position": i}
-                    for i, j in enumerate((j for j in server.jobs.queued() if j.job_type != "eval"), start=1)
+                    for i, j in enumerate(
+                        (j for j in server.jobs.queued() if family(j.job_type) == "training"), start=1
+                    )
                 ],
-                "completed": [j.status() for j in server.jobs.ordered(evaluation=False) if j.terminal],
+                "completed": [j.status() for j in server.jobs.ordered(kind="training") if j.terminal],
             }
         )
 
@@ -447,15 +450,15 @@ def create_app(server: Server, *, own_lifecycle: bool = True) -> FastAPI:
 
     @app.get("/v1/eval/jobs")
     def eval_jobs() -> JSONResponse:
-        return JSONResponse([_evals.eval_detail(job) for job in server.jobs.ordered(evaluation=True)])
+        return JSONResponse([_evals.eval_detail(job) for job in server.jobs.ordered(kind="eval")])
 
     @app.get("/v1/eval/jobs/{job_id}")
     def eval_job(job_id: str) -> JSONResponse:
-        return JSONResponse(_evals.eval_detail(server.jobs.get(job_id, evaluation=True)))
+        return JSONResponse(_evals.eval_detail(server.jobs.get(job_id, kind="eval")))
 
     @app.delete("/v1/eval/jobs/{job_id}")
     def cancel_eval(job_id: str) -> JSONResponse:
-        job = server.jobs.get(job_id, evaluation=True)
+        job = server.jobs.get(job_id, kind="eval")
         if job.role not in (None, "standalone"):
             from kiln.errors import ConflictError
 
@@ -465,7 +468,7 @@ def create_app(server: Server, *, own_lifecycle: bool = True) -> FastAPI:
                 hint=f"cancel the training job instead: DELETE /v1/train/queue/{job.linked_training_job_id}",
             )
         if not job.terminal:
-            server.jobs.cancel(job_id, evaluation=True)
+            server.jobs.cancel(job_id, kind="eval")
         return JSONResponse(_evals.eval_detail(job))
 
     # ------------------------------------------------------------------ teachers
@@ -503,6 +506,28 @@ def create_app(server: Server, *, own_lifecycle: bool = True) -> FastAPI:
                 hint=f"wait for it or cancel it first: DELETE /v1/train/queue/{user.job_id}",
             )
         return JSONResponse(server.teachers.remove(alias))
+
+    # ------------------------------------------------------------------ audits
+
+    @app.post("/v1/audits")
+    async def submit_audit(request: Request) -> JSONResponse:
+        body = await _body(request, server)
+        return JSONResponse(await _threaded(_audits.submit, server, body))
+
+    @app.get("/v1/audits")
+    def audits() -> JSONResponse:
+        return JSONResponse([_audits.audit_detail(job) for job in server.jobs.ordered(kind="audit")])
+
+    @app.get("/v1/audits/{job_id}")
+    def audit(job_id: str) -> JSONResponse:
+        return JSONResponse(_audits.audit_detail(server.jobs.get(job_id, kind="audit")))
+
+    @app.delete("/v1/audits/{job_id}")
+    def cancel_audit(job_id: str) -> JSONResponse:
+        job = server.jobs.get(job_id, kind="audit")
+        if not job.terminal:
+            server.jobs.cancel(job_id, kind="audit")
+        return JSONResponse(_audits.audit_detail(job))
 
     # ------------------------------------------------------------------ generation
 
@@ -662,6 +687,8 @@ def interrupted_reason(registry: Path, job: Any) -> str:
     checkpoint, or -- when it published none -- a fresh submission of its replay request."""
     from kiln.server._worker_process import continuation
 
+    if family(job.job_type) == "audit":
+        return "interrupted: the server stopped while this audit ran; nothing of it remains -- submit it again"
     return f"interrupted: the server stopped while this job was running; {continuation(registry, job.adapter_name)}"
 
 

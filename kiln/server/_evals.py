@@ -181,11 +181,7 @@ def eval_detail(job: Any) -> dict[str, Any]:
         "submitted_unix_ms": job.submitted_ms,
         "result": job.result,
     }
-    if job.finished_ms is not None:
-        out["finished_unix_ms"] = job.finished_ms
-    if job.state == "failed" and job.error:
-        out["error"] = job.error
-    return out
+    return {**out, **job.ending()}
 
 
 def delete_suite(server: Any, name: str) -> dict[str, Any]:

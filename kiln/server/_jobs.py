@@ -49,6 +49,19 @@ def _rfc3339(ms: int) -> str:
     return datetime.fromtimestamp(ms / 1000, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
+# a job's family: the training kinds, evaluations and audits are listed, fetched and cancelled on routes of their own
+FAMILY_ROUTES = {
+    "training": ("training", "/v1/train/status"),
+    "eval": ("evaluation", "/v1/eval/jobs"),
+    "audit": ("audit", "/v1/audits"),
+}
+
+
+def family(job_type: str) -> str:
+    """``eval`` and ``audit`` jobs are their own families; every other type is a training kind."""
+    return job_type if job_type in ("eval", "audit") else "training"
+
+
 @dataclass
 class Job:
     """One training job; ``request`` is the replay request (every default resolved)."""
@@ -106,6 +119,11 @@ class Job:
             "submitted_unix_ms": self.submitted_ms,
             "job_type": self.job_type,
         }
+        return {**out, **self.ending()}
+
+    def ending(self) -> dict[str, Any]:
+        """What every job body adds once the job ended: ``finished_unix_ms``, and ``error`` when it failed."""
+        out: dict[str, Any] = {}
         if self.finished_ms is not None:
             out["finished_unix_ms"] = self.finished_ms
         if self.state == "failed" and self.error:
@@ -406,10 +424,10 @@ class JobManager:
                 )
 
     def writer_of(self, adapter_name: str) -> Job | None:
-        """The queued or running job that will write ``adapter_name``, if any (evaluations write none)."""
+        """The queued or running job that will write ``adapter_name``, if any (evaluations and audits write none)."""
         with self._cond:
             for job in self.jobs.values():
-                if not job.terminal and job.job_type != "eval" and job.adapter_name == adapter_name:
+                if not job.terminal and family(job.job_type) == "training" and job.adapter_name == adapter_name:
                     return job
         return None
 
@@ -419,12 +437,14 @@ class JobManager:
             self.check_capacity()
             clash = (
                 None
-                if fields["job_type"] == "eval"
+                if family(fields["job_type"]) != "training"
                 else next(
                     (
                         j
                         for j in self.jobs.values()
-                        if not j.terminal and j.job_type != "eval" and j.adapter_name == fields["adapter_name"]
+                        if not j.terminal
+                        and family(j.job_type) == "training"
+                        and j.adapter_name == fields["adapter_name"]
                     ),
                     None,
                 )
@@ -436,7 +456,7 @@ class JobManager:
                     hint="choose another config.output_name, or wait for that job to finish",
                 )
             self._seq += 1
-            prefix = "eval" if fields["job_type"] == "eval" else "job"
+            prefix = {"training": "job", "eval": "eval", "audit": "audit"}[family(fields["job_type"])]
             job = Job(job_id=f"{prefix}-{uuid.uuid4().hex[:12]}", seq=self._seq, **fields)
             self.store.save(job)
             self.jobs[job.job_id] = job
@@ -475,18 +495,18 @@ class JobManager:
             job.finished_ms = _now_ms()
             self.store.save(job)
 
-    def get(self, job_id: str, *, evaluation: bool = False) -> Job:
-        """A training job (or, with ``evaluation``, an evaluation job); the other kind is not found here."""
+    def get(self, job_id: str, *, kind: str = "training") -> Job:
+        """A job of the family ``kind`` (``training``, ``eval``, ``audit``); another family's is not found here."""
         job = self.jobs.get(job_id)
-        if job is None or (job.job_type == "eval") != evaluation:
-            what, where = ("evaluation", "/v1/eval/jobs") if evaluation else ("training", "/v1/train/status")
+        if job is None or family(job.job_type) != kind:
+            what, where = FAMILY_ROUTES[kind]
             raise NotFoundError(f"no {what} job {job_id!r}", code="not_found", hint=f"list jobs with GET {where}")
         return job
 
-    def cancel(self, job_id: str, *, evaluation: bool = False) -> str:
+    def cancel(self, job_id: str, *, kind: str = "training") -> str:
         """``cancelled`` for a queued job (removed now) or ``cancelling`` for the running one."""
         with self._cond:
-            job = self.get(job_id, evaluation=evaluation)
+            job = self.get(job_id, kind=kind)
             if job.state == "queued":
                 self.queue.remove(job_id)
                 job.state, job.finished_ms = "failed", _now_ms()
@@ -519,11 +539,11 @@ class JobManager:
             shutil.rmtree(self.store.job_directory(job_id), ignore_errors=True)  # its worker's spec, events, log
             return self.store.delete(job_id)
 
-    def ordered(self, *, evaluation: bool | None = None) -> list[Job]:
-        """Jobs in submission order: all, training only (``evaluation=False``) or evaluations only."""
+    def ordered(self, *, kind: str | None = None) -> list[Job]:
+        """Jobs in submission order: all, or one family's (``training``, ``eval``, ``audit``)."""
         with self._cond:
             jobs = sorted(self.jobs.values(), key=lambda j: j.seq)
-        return jobs if evaluation is None else [j for j in jobs if (j.job_type == "eval") == evaluation]
+        return jobs if kind is None else [j for j in jobs if family(j.job_type) == kind]
 
     def queued(self) -> list[Job]:
         with self._cond:
