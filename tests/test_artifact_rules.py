@@ -335,3 +335,24 @@ def test_register_teacher_request_rules_report_every_misplaced_member():
     with pytest.raises(ContractError) as info:
         teachers.load_register_teacher_request(doc)
     assert {p for _, p in found(info)} == {"/model_id", "/provider", "/url", "/credential_id", "/adapter"}
+
+
+def test_rules_reading_members_that_may_hold_any_json_report_problems_instead_of_raising(tmp_path):
+    """A reader-open auxiliary state may hold any JSON where a rule looks a value up in a table: a list there was a
+    TypeError (unhashable) out of the strict loader, not a refusal. So was a replay record whose type is a list."""
+    import copy
+
+    from kiln.artifacts.replay_log import load_replay_log
+    from kiln.errors import ContractError
+
+    manifest = json.loads((ROOT / "examples" / "checkpoint_manifest.json").read_text(encoding="utf-8"))
+    for kind, member in (("opd", "prompt_source"), ("grpo", "route")):
+        doc = copy.deepcopy(manifest)
+        doc["training_kind"] = kind
+        doc["auxiliary_state"][member] = ["not", "a", "name"]
+        assert contracts.problems("TrainingCheckpointManifest", doc)  # problems, never an exception
+    log = tmp_path / "replay.jsonl"
+    log.write_text(json.dumps({"record_type": ["request"]}) + "\n", encoding="utf-8")
+    with pytest.raises(ContractError) as info:
+        load_replay_log(log)
+    assert info.value.code == "value_not_allowed"

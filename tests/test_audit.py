@@ -257,3 +257,26 @@ def test_an_honest_off_policy_opd_run_is_reproduced_from_its_recorded_file(tmp_p
     assert record["verdict"] == "reproduced", (record["first_difference"], record["cannot_audit"])
     assert record["sources"]["data"] == {"dataset_path": str(path)}
     assert _checked(audit(adapter, segments=2, seed=4, sources=sources))["verdict"] == "reproduced"
+
+
+def test_a_full_audit_can_start_at_a_published_checkpoint(sft_run, capsys):
+    start = "bot-checkpoint-step-00000012.kiln-checkpoint"
+    record = _checked(audit(sft_run, start=start))
+    assert record["verdict"] == "reproduced"
+    assert [(s["from_step"], s["to_step"]) for s in record["segments"]] == [(12, 18), (18, None)]
+    assert main(["audit", str(sft_run), "--from", "bot-checkpoint-step-00000099.kiln-checkpoint"]) == 2
+    assert "is not one of the run's published checkpoints" in capsys.readouterr().err
+
+
+def test_a_checkpoint_left_by_another_run_of_the_name_is_not_taken_for_this_runs(sft_run, tmp_path, tiny_model_dir):
+    other_registry = tmp_path / "other" / "adapters"
+    config = {"seed": 8, "epochs": 2, "checkpoint_interval": 6}  # another seed: another run
+    _train(other_registry, "sft", {"dataset_path": str(SFT_DATA), "config": config}, tiny_model_dir)
+    adapter = _copy(sft_run, tmp_path)
+    name = "bot-checkpoint-step-00000018.kiln-checkpoint"
+    shutil.rmtree(adapter.parent / name)
+    shutil.copytree(other_registry / name, adapter.parent / name)
+    record = _checked(audit(adapter))
+    assert record["verdict"] == "cannot_audit"  # this run's step 18 is missing; the other run's is not compared
+    assert record["cannot_audit"]["field"] == "checkpoints.18"
+    assert [c["global_step"] for c in record["checkpoints"]] == [6, 12]

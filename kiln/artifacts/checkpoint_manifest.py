@@ -638,11 +638,13 @@ def _data_source_kind(doc: dict[str, Any], at: str) -> Iterable[Problem]:
         expected, why = {SFT_SOURCE_KIND}, "sft"
     elif kind == "grpo":
         route = aux.get("route")
-        expected = {GRPO_SOURCE_KINDS[route]} if route in GRPO_SOURCE_KINDS else set(GRPO_SOURCE_KINDS.values())
+        known = isinstance(route, str) and route in GRPO_SOURCE_KINDS  # a schema-valid reader may hold any JSON
+        expected = {GRPO_SOURCE_KINDS[route]} if known else set(GRPO_SOURCE_KINDS.values())
         why = f"grpo with auxiliary_state.route {route!r}"
     elif kind == "opd":
         source = aux.get("prompt_source")
-        expected = {OPD_SOURCE_KINDS[source]} if source in OPD_SOURCE_KINDS else set(OPD_SOURCE_KINDS.values())
+        known = isinstance(source, str) and source in OPD_SOURCE_KINDS
+        expected = {OPD_SOURCE_KINDS[source]} if known else set(OPD_SOURCE_KINDS.values())
         why = f"opd with auxiliary_state.prompt_source {source!r}"
     else:
         return

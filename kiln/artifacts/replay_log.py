@@ -87,7 +87,7 @@ def _outcome_status(doc: dict[str, Any], at: str) -> Iterable[Problem]:
 
 def _kind_of(value: Any, document: str | None) -> str:
     kind = value.get("record_type") if isinstance(value, dict) else None
-    if kind not in KINDS:
+    if not isinstance(kind, str) or kind not in KINDS:  # any JSON may stand there: a list is not hashable
         raise ContractError(
             [
                 Problem(

@@ -145,7 +145,7 @@ def _published(target: Path) -> _Published:
         adapter=adapter,
         registry=registry,
         kind=kind,
-        config={k: v for k, v in config.items() if k != "resume_checkpoint"},
+        config=_settings(config),
         receipt=receipt,
         provenance=provenance,
         base_weights=base,
@@ -155,9 +155,16 @@ def _published(target: Path) -> _Published:
     for listing in checkpoints:
         step = listing.global_step
         on_grid = bool(interval) and step % int(interval) == 0
+        if listing.info is not None and _settings(listing.info.manifest["effective_config"]) != _settings(run.config):
+            continue  # left beside it by another run of the same adapter name (another seed or configuration)
         if on_grid and (run.end_step is None or step <= run.end_step):
             run.boundaries[step] = listing.path
     return run
+
+
+def _settings(config: JsonObject) -> JsonObject:
+    """A run's configuration, without what may differ between the attempts of one run."""
+    return {k: v for k, v in config.items() if k not in ("resume_checkpoint", "auto_load")}
 
 
 def _data_of(kind: str, path: Path) -> JsonObject:

@@ -1,4 +1,4 @@
-"""Training jobs: the SQLite store, the FIFO queue and the one training worker.
+"""Jobs -- training, evaluation and audit (``family``) -- in the SQLite store, the FIFO queue and the one worker.
 
 Every job lives in memory (status reads never touch the disk) and is mirrored to SQLite on
 each transition and, at most twice a second, on progress. A request's inline data is
@@ -49,12 +49,9 @@ def _rfc3339(ms: int) -> str:
     return datetime.fromtimestamp(ms / 1000, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
-# a job's family: the training kinds, evaluations and audits are listed, fetched and cancelled on routes of their own
-FAMILY_ROUTES = {
-    "training": ("training", "/v1/train/status"),
-    "eval": ("evaluation", "/v1/eval/jobs"),
-    "audit": ("audit", "/v1/audits"),
-}
+# each family -- the training kinds, evaluations, audits -- has its job-id prefix, its name and its listing route
+FAMILIES = {"training": ("job", "training", "/v1/train/status"), "eval": ("eval", "evaluation", "/v1/eval/jobs"),
+            "audit": ("audit", "audit", "/v1/audits")}  # fmt: skip
 
 
 def family(job_type: str) -> str:
@@ -123,12 +120,8 @@ class Job:
 
     def ending(self) -> dict[str, Any]:
         """What every job body adds once the job ended: ``finished_unix_ms``, and ``error`` when it failed."""
-        out: dict[str, Any] = {}
-        if self.finished_ms is not None:
-            out["finished_unix_ms"] = self.finished_ms
-        if self.state == "failed" and self.error:
-            out["error"] = self.error
-        return out
+        ended: dict[str, Any] = {} if self.finished_ms is None else {"finished_unix_ms": self.finished_ms}
+        return {**ended, "error": self.error} if self.state == "failed" and self.error else ended
 
     def record_loss(self, loss: float, step: int, total: int, rows_per_epoch: int) -> None:
         self.current_loss = loss
@@ -435,20 +428,7 @@ class JobManager:
         """Queue an admitted job (raises ``queue_full`` or ``adapter_exists`` without queueing)."""
         with self._cond:
             self.check_capacity()
-            clash = (
-                None
-                if family(fields["job_type"]) != "training"
-                else next(
-                    (
-                        j
-                        for j in self.jobs.values()
-                        if not j.terminal
-                        and family(j.job_type) == "training"
-                        and j.adapter_name == fields["adapter_name"]
-                    ),
-                    None,
-                )
-            )
+            clash = self.writer_of(fields["adapter_name"]) if family(fields["job_type"]) == "training" else None
             if clash is not None:
                 raise ConflictError(
                     f"job {clash.job_id} ({clash.state}) already writes adapter {clash.adapter_name!r}",
@@ -456,7 +436,7 @@ class JobManager:
                     hint="choose another config.output_name, or wait for that job to finish",
                 )
             self._seq += 1
-            prefix = {"training": "job", "eval": "eval", "audit": "audit"}[family(fields["job_type"])]
+            prefix = FAMILIES[family(fields["job_type"])][0]
             job = Job(job_id=f"{prefix}-{uuid.uuid4().hex[:12]}", seq=self._seq, **fields)
             self.store.save(job)
             self.jobs[job.job_id] = job
@@ -499,7 +479,7 @@ class JobManager:
         """A job of the family ``kind`` (``training``, ``eval``, ``audit``); another family's is not found here."""
         job = self.jobs.get(job_id)
         if job is None or family(job.job_type) != kind:
-            what, where = FAMILY_ROUTES[kind]
+            _, what, where = FAMILIES[kind]
             raise NotFoundError(f"no {what} job {job_id!r}", code="not_found", hint=f"list jobs with GET {where}")
         return job
 
