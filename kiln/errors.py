@@ -15,6 +15,7 @@ what to do, an optional ``hint`` and, for documents, the JSON pointer of the bad
     │   └── TrainingDataError    training data refused (a bad group, an empty file); ``reason`` is the receipt
     │                            category a dry run records for it
     ├── NotFoundError            not_found, adapter_not_found, teacher_not_found, eval_suite_not_found
+    ├── MethodNotAllowedError    method_not_allowed: a route asked with a method it does not answer
     ├── AdapterError             adapter_invalid
     ├── ConflictError            adapter_active, adapter_exists, adapter_revision_conflict,
     │                            teacher_conflict, teacher_identity_mismatch, job_not_terminal,
@@ -242,6 +243,13 @@ class TrainingDataError(RequestError):
 class NotFoundError(KilnError):
     codes = ("not_found", "adapter_not_found", "teacher_not_found", "eval_suite_not_found")
     default_code = "not_found"
+
+
+class MethodNotAllowedError(KilnError):
+    """An HTTP route asked with a method it does not answer (the ``Allow`` header lists those it does)."""
+
+    codes = ("method_not_allowed",)
+    default_code = "method_not_allowed"
 
 
 class AdapterError(KilnError):

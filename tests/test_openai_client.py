@@ -448,3 +448,22 @@ def test_a_failure_after_the_stream_started_reaches_the_openai_client_as_an_erro
     assert events[-1] == "[DONE]"
     error = json.loads(events[-2])["error"]
     assert (error["code"], error["type"], error["param"]) == ("internal_error", "server_error", None)
+
+
+def test_errors_carry_openais_type_and_param_for_the_official_client(client, served):
+    """Kiln's pointer is mapped to OpenAI's ``param`` and the status to its ``type``: ``e.param`` and ``e.type``
+    used to be None."""
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=BASE, messages=MESSAGES, temperature=5)
+    assert (info.value.type, info.value.param, info.value.code) == (
+        "invalid_request_error",
+        "temperature",
+        "out_of_range",
+    )
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.chat.completions.create(model="gpt-4o-mini", messages=MESSAGES)
+    assert missing.value.type == "not_found_error"
+    _, http = served
+    own = http.post("/v1/train/sft", json={"config": {"epochs": 0}}).json()["error"]
+    assert "type" not in own  # Kiln's own routes keep Kiln's envelope
+    assert "param" not in own

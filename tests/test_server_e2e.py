@@ -564,3 +564,41 @@ def test_an_audit_job_reproduces_a_served_run_in_a_worker_process_and_can_be_can
 
     assert main(["audit", "audited", "--url", server.url, "--segments", "1", "--seed", "2"]) == 0
     assert "✓ reproduced" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("route", "content_type", "status", "code"),
+    [
+        ("/v1/train/sft", "application/json", 413, "payload_too_large"),  # 9 MiB over the default 8 MiB
+        ("/v1/train/sft", "text/csv", 415, "unsupported_media_type"),
+        ("/v1/datasets", "text/csv", 415, "unsupported_media_type"),
+    ],
+)
+def test_a_body_refused_from_its_headers_is_answered_to_urllib_not_reset(server, route, content_type, status, code):
+    """The server refuses before reading the body; it used to close the socket under a client still sending, so
+    urllib saw ConnectionResetError and never the status. Now the refused body is read and dropped first."""
+    import urllib.error
+    import urllib.request
+
+    data = b"x" * (9 * 1024 * 1024)
+    request = urllib.request.Request(
+        server.url + route, data=data, method="POST", headers={"Content-Type": content_type}
+    )
+    with pytest.raises(urllib.error.HTTPError) as info:
+        urllib.request.urlopen(request, timeout=60)
+    assert info.value.code == status
+    assert json.loads(info.value.read())["error"]["code"] == code
+
+
+def test_a_wrong_method_is_405_with_allow_and_a_name_no_adapter_can_have_is_404(server):
+    with server.client() as http:
+        wrong = http.delete("/health")
+        assert wrong.status_code == 405
+        assert "GET" in {m.strip() for m in wrong.headers["allow"].split(",")}
+        error = _valid("ErrorEnvelope", wrong.json())["error"]
+        assert error["code"] == "method_not_allowed"
+        assert "GET" in error["hint"]
+        for name in ("team bot!", ".hidden"):
+            missing = http.get(f"/v1/adapters/{name}/receipt")
+            assert missing.status_code == 404, missing.text
+            assert _valid("ErrorEnvelope", missing.json())["error"]["code"] == "adapter_not_found"

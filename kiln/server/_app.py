@@ -43,12 +43,14 @@ from kiln.errors import (
     ContractError,
     InternalError,
     KilnError,
+    NotFoundError,
     Problem,
     RequestError,
 )
 from kiln.host.config import Settings, resolve_settings
 from kiln.host.fs import writable_problem
 from kiln.server import _audits, _datasets, _evals, _openai, _training
+from kiln.server._drain import drain_refused, unread
 from kiln.server._jobs import Job, JobManager, JobStore, Outcome, Runner, family
 
 log = logging.getLogger("kiln.server")
@@ -61,14 +63,39 @@ def _http_statuses() -> dict[str, int]:
     return kiln_contracts.load_bundle()["$defs"]["ErrorCode"]["x-kiln-http-status"]
 
 
-def error_response(exc: KilnError) -> JSONResponse:
+OPENAI_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/models")
+
+
+def openai_fields(error: dict[str, Any], status: int) -> dict[str, Any]:
+    """``error`` (an ``ErrorBody``) with OpenAI's ``type`` (from the status) and ``param`` (the pointer, dotted):
+    what the official clients read as ``e.type`` and ``e.param``."""
+    kind = {401: "authentication_error", 403: "permission_error", 404: "not_found_error"}.get(status)
+    if kind is None and error.get("code") == "queue_full":
+        kind = "rate_limit_error"
+    if kind is None:
+        kind = "invalid_request_error" if 400 <= status < 500 else "server_error"
+    pointer = error.get("pointer")
+    param = ".".join(pointer.strip("/").split("/")) if isinstance(pointer, str) and pointer.strip("/") else None
+    return {**error, "type": kind, "param": param}
+
+
+def error_response(exc: KilnError, path: str | None = None) -> JSONResponse:
+    """The error envelope of ``exc`` at its status; on the OpenAI-compatible routes (``path``) with OpenAI's fields."""
     status = _HTTP_STATUS.get(exc.code, 500)
     headers = {}
     if exc.code == "queue_full":
         headers["Retry-After"] = str(RETRY_AFTER_S)
     if exc.code == "unauthorized":
         headers["WWW-Authenticate"] = "Bearer"
-    return JSONResponse(exc.as_envelope(), status_code=status, headers=headers)
+    error = exc.as_envelope()["error"]
+    assert isinstance(error, dict)
+    return JSONResponse(_envelope(error, status, path), status_code=status, headers=headers)
+
+
+def _envelope(error: dict[str, Any], status: int, path: str | None) -> dict[str, Any]:
+    """``{"error": error}``, with OpenAI's fields on the OpenAI-compatible routes."""
+    openai = path is not None and path.startswith(OPENAI_PATHS)
+    return {"error": openai_fields(error, status) if openai else error}
 
 
 _HTTP_STATUS = _http_statuses()
@@ -230,15 +257,17 @@ async def _body(request: Request, server: Server) -> Any:
     read, a chunked body as soon as the bytes read pass it; a body declared as anything but JSON is refused."""
     content_type = request.headers.get("content-type")
     if not _json_media_type(content_type):
-        raise RequestError(
-            f"the body is declared as {content_type!r}; this route reads application/json",
-            code="unsupported_media_type",
-            hint="send Content-Type: application/json",
+        raise unread(
+            RequestError(
+                f"the body is declared as {content_type!r}; this route reads application/json",
+                code="unsupported_media_type",
+                hint="send Content-Type: application/json",
+            )
         )
     limit = server.settings.server.max_request_bytes
     declared = request.headers.get("content-length", "").strip()
     if declared.isdigit() and int(declared) > limit:
-        raise _too_large(f"of {declared} bytes", limit)
+        raise unread(_too_large(f"of {declared} bytes", limit))
     data = bytearray()
     async for chunk in request.stream():
         data += chunk
@@ -279,28 +308,36 @@ def create_app(server: Server, *, own_lifecycle: bool = True) -> FastAPI:
                     AuthError(
                         "missing or wrong bearer token",
                         hint="send Authorization: Bearer <key> (the server's server.api_key / KILN_API_KEY)",
-                    )
+                    ),
+                    request.url.path,
                 )
         try:
             return await call_next(request)
         except KilnError as exc:
-            return error_response(exc)
+            await drain_refused(request, exc)
+            return error_response(exc, request.url.path)
 
     @app.exception_handler(KilnError)
     async def kiln_error(request: Request, exc: KilnError) -> JSONResponse:
-        return error_response(exc)
+        await drain_refused(request, exc)
+        return error_response(exc, request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        code = "not_found" if exc.status_code in (404, 405) else "internal_error"
-        body = {"error": {"code": code, "message": f"{request.method} {request.url.path}: {exc.detail}", "hint": None}}
-        return JSONResponse(body, status_code=exc.status_code)
+        """The router's own refusals: no route (404), or a route that does not answer this method (405, with the
+        ``Allow`` header naming those it does, as HTTP asks)."""
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "internal_error")
+        allowed = (exc.headers or {}).get("Allow")
+        hint = f"this route answers {allowed}" if code == "method_not_allowed" and allowed else None
+        error = {"code": code, "message": f"{request.method} {request.url.path}: {exc.detail}", "hint": hint}
+        body = _envelope(error, exc.status_code, request.url.path)
+        return JSONResponse(body, status_code=exc.status_code, headers={"Allow": allowed} if allowed else None)
 
     @app.exception_handler(Exception)
     async def crash(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error on %s %s", request.method, request.url.path)
-        body = {"error": {"code": "internal_error", "message": f"{type(exc).__name__}: {exc}", "hint": None}}
-        return JSONResponse(body, status_code=500)
+        error = {"code": "internal_error", "message": f"{type(exc).__name__}: {exc}", "hint": None}
+        return JSONResponse(_envelope(error, 500, request.url.path), status_code=500)
 
     # ------------------------------------------------------------------ training
 
@@ -630,13 +667,7 @@ def stream_error(exc: Exception, stream_id: str) -> dict[str, Any]:
     else:
         error = {"code": "internal_error", "message": f"{type(exc).__name__}: {exc}", "hint": None}
     error["message"] = f"{error['message']} (stream {stream_id} ended after it started)"
-    status = _HTTP_STATUS.get(str(error["code"]), 500)
-    pointer = error.get("pointer")
-    error["type"] = "invalid_request_error" if 400 <= status < 500 else "server_error"
-    error["param"] = (
-        ".".join(pointer.strip("/").split("/")) if isinstance(pointer, str) and pointer.strip("/") else None
-    )
-    return {"error": error}
+    return {"error": openai_fields(error, _HTTP_STATUS.get(str(error["code"]), 500))}
 
 
 # ----------------------------------------------------------------------------- bodies
@@ -693,11 +724,15 @@ def interrupted_reason(registry: Path, job: Any) -> str:
 
 
 def adapter_receipt(server: Server, name: str) -> dict[str, Any]:
-    """``GET /v1/adapters/{name}/receipt``: a name the registry rule refuses is ``training_invalid_request``, no
-    adapter ``adapter_not_found``, no receipt ``not_found``."""
+    """``GET /v1/adapters/{name}/receipt``: a name the registry rule refuses and a missing adapter are
+    ``adapter_not_found`` (404: no adapter can answer that GET), no receipt ``not_found``."""
     from kiln.adapters import adapter_directory, require_adapter_name
 
-    receipt = adapter_directory(server.registry, require_adapter_name(name)).read_receipt()
+    try:
+        valid = require_adapter_name(name)
+    except KilnError:  # a name no adapter can have names none: not found, as on every GET
+        raise NotFoundError(f"no adapter {name!r}: not a name an adapter can have", code="adapter_not_found") from None
+    receipt = adapter_directory(server.registry, valid).read_receipt()
     return receipt.model_dump(mode="json", exclude_unset=True, by_alias=True)
 
 

@@ -20,6 +20,7 @@ from typing import Any
 
 from kiln.errors import CapacityError, ContractError, Problem, RegistryError, RequestError, storage_condition
 from kiln.host.fs import file_mode, fsync_dir
+from kiln.server._drain import unread
 
 __all__ = ["UPLOAD_MEDIA_TYPES", "receive"]
 
@@ -42,14 +43,16 @@ def check_declared(headers: Any, limit: int) -> None:
     content_type = headers.get("content-type")
     kind = (content_type or "").partition(";")[0].strip().lower()
     if kind not in UPLOAD_MEDIA_TYPES:
-        raise RequestError(
-            f"an upload is declared as {content_type!r}; this route stores the raw bytes of a JSONL file",
-            code="unsupported_media_type",
-            hint=f"send Content-Type: {UPLOAD_MEDIA_TYPES[0]}",
+        raise unread(
+            RequestError(
+                f"an upload is declared as {content_type!r}; this route stores the raw bytes of a JSONL file",
+                code="unsupported_media_type",
+                hint=f"send Content-Type: {UPLOAD_MEDIA_TYPES[0]}",
+            )
         )
     declared = headers.get("content-length", "").strip()
     if declared.isdigit() and int(declared) > limit:
-        raise _too_large(f"of {declared} bytes", limit)
+        raise unread(_too_large(f"of {declared} bytes", limit))
 
 
 class Upload:
