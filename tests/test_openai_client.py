@@ -467,3 +467,30 @@ def test_errors_carry_openais_type_and_param_for_the_official_client(client, ser
     own = http.post("/v1/train/sft", json={"config": {"epochs": 0}}).json()["error"]
     assert "type" not in own  # Kiln's own routes keep Kiln's envelope
     assert "param" not in own
+
+
+@pytest.mark.parametrize(
+    ("document", "body", "code", "pointer", "words"),
+    [
+        ("ChatCompletionRequest", {"seed": -1}, "out_of_range", "/seed", "less than the minimum of 0"),
+        ("ChatCompletionRequest", {"stop": ["a"] * 17}, "invalid_length", "/stop", "more than 16 items"),
+        ("CompletionRequest", {"prompt": ["x"] * 65}, "invalid_length", "/prompt", "more than 64 items"),
+        (
+            "ChatCompletionRequest",
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+            "wrong_const",
+            "/messages/0/content/0/type",
+            '"text" was expected',
+        ),
+    ],
+)
+def test_a_union_refusal_names_the_rule_of_the_branch_the_value_belongs_to(document, body, code, pointer, words):
+    """These used to say '... is not of type "string"': the union's string branch, which the value never was."""
+    from kiln import contracts
+
+    base = (
+        {"model": BASE, "messages": MESSAGES} if document == "ChatCompletionRequest" else {"model": BASE, "prompt": "x"}
+    )
+    found = {(p.code, p.pointer): p.message for p in contracts.problems(document, {**base, **body})}
+    assert words in found[(code, pointer)]
+    assert not any("is not of type" in message for message in found.values())

@@ -161,9 +161,14 @@ class _PathResolver:
         return candidates[min(n, len(candidates) - 1)]
 
 
-def _branch_score(errors: list[Any]) -> tuple[int, int]:
+def _branch_score(errors: list[Any], path: list[Any]) -> tuple[int, int, int]:
+    """How far a failed branch of an ``anyOf``/``oneOf`` is from what was sent (lower is closer): a branch of
+    another type than the value (a type error at the union's own place) is farthest -- its "is not of type string"
+    says nothing about a -1 seed, 17 stop strings or an image part, which the branch of the right type explains --
+    then the branches whose tags do not match, then the number of problems."""
+    wrong_kind = any(type(e.kind).__name__ == "Type" and list(e.instance_path) == path for e in errors)
     constant_misses = sum(1 for e in errors if type(e.kind).__name__ == "Constant")
-    return (constant_misses, len(errors))
+    return (int(wrong_kind), constant_misses, len(errors))
 
 
 def _is_null_branch(errors: list[Any], path: list[Any]) -> bool:
@@ -221,7 +226,7 @@ def _map_error(error: Any, out: list[Problem], resolve: _PathResolver) -> None:
             out.append(Problem("null_not_allowed", pointer, "null is not allowed here"))
         elif non_null:
             before = len(out)
-            for sub in min(non_null, key=_branch_score):
+            for sub in min(non_null, key=lambda branch: _branch_score(branch, list(error.instance_path))):
                 _map_error(sub, out, resolve)
             if len(out) == before:
                 out.append(Problem("schema_violation", pointer, error.message))
