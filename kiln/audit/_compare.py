@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kiln.documents.jsonio import JsonValue
+
 __all__ = ["UNMEASURED", "Difference", "compare_adapters", "compare_checkpoints", "first_field_difference"]
 
 # receipt members that describe the occasion of a run, not what it computed
@@ -137,7 +139,7 @@ def _file_difference(name: str, published: Path, replayed: Path) -> Difference |
     return Difference(name)
 
 
-def _json(path: Path) -> Any:
+def _json(path: Path) -> JsonValue:
     return json.loads(path.read_bytes())
 
 

@@ -25,17 +25,20 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from kiln import contracts
 from kiln.adapters import CONFIG_FILE, MANIFEST_FILE, RECEIPT_FILE, WEIGHTS_FILE
 from kiln.artifacts.replay_log import REPLAY_LOG, pending_log
 from kiln.audit._compare import Difference, compare_adapters, compare_checkpoints, first_field_difference
-from kiln.checkpoints import list_checkpoints, load_checkpoint, parse_checkpoint_name
+from kiln.checkpoints import PublishedCheckpoint, list_checkpoints, load_checkpoint, parse_checkpoint_name
 from kiln.documents.digests import file_sha256, prefixed
 from kiln.documents.jsonio import JsonObject, read_json_file
 from kiln.errors import KilnError, RequestError
 from kiln.host.progress import stage
+
+if TYPE_CHECKING:
+    from kiln.trainers import Admitted
 
 __all__ = ["AUDIT_SCHEMA", "ENVELOPE", "AuditSources", "audit", "draw_segments"]
 
@@ -224,7 +227,7 @@ def _model_path(run: _Published, sources: AuditSources) -> str:
     return str(recorded)
 
 
-def _check_standing(run: _Published, job: Any) -> JsonObject:
+def _check_standing(run: _Published, job: Admitted) -> JsonObject:
     """Refuse (``_CannotAuditError``) a re-admitted job that does not stand where the run stood; returns its envelope."""
     mine = job.identity.execution_provenance
     for part in ENVELOPE:
@@ -310,7 +313,7 @@ def _replay(
         expected = boundaries if full else boundaries[:1] if segment.end is not None else []
         failure: list[tuple[int, Difference | _CannotAuditError]] = []
 
-        def landed(published: Any) -> None:
+        def landed(published: PublishedCheckpoint) -> None:
             parsed = parse_checkpoint_name(published.path.name)
             assert parsed is not None
             step = parsed[1]

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from kiln.documents.jsonio import JsonObject
 from kiln.errors import KilnError
 
 __all__ = ["add_audit_parser"]
@@ -129,7 +130,7 @@ def _stop(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt
 
 
-def _report(args: argparse.Namespace, record: dict[str, Any]) -> int:
+def _report(args: argparse.Namespace, record: JsonObject) -> int:
     if args.out is not None:
         from kiln.artifacts.training_audit import write_training_audit
 
@@ -152,7 +153,7 @@ def _on_server(args: argparse.Namespace) -> int:
         return 2
 
     def follow(client: Any) -> int:
-        request: dict[str, Any] = {"adapter": args.path}
+        request: JsonObject = {"adapter": args.path}
         if args.segments is not None:
             request["segments"] = args.segments
         if args.seed is not None:
@@ -174,7 +175,7 @@ def _on_server(args: argparse.Namespace) -> int:
     return int(run(args, follow))
 
 
-def _print(record: dict[str, Any]) -> None:
+def _print(record: JsonObject) -> None:
     target = record["target"]
     what = f"{target['kind'] or 'target'} {target['path']}"
     ran = "a full re-execution" if record["mode"] == "full" else f"a spot check (seed {record['seed']})"

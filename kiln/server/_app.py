@@ -36,7 +36,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Res
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kiln import __version__, contracts
-from kiln.documents.jsonio import parse_json
+from kiln.documents.jsonio import JsonObject, parse_json
 from kiln.errors import (
     AuthError,
     CapacityError,
@@ -66,7 +66,7 @@ def _http_statuses() -> dict[str, int]:
 OPENAI_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/models")
 
 
-def openai_fields(error: dict[str, Any], status: int) -> dict[str, Any]:
+def openai_fields(error: JsonObject, status: int) -> JsonObject:
     """``error`` (an ``ErrorBody``) with OpenAI's ``type`` (from the status) and ``param`` (the pointer, dotted):
     what the official clients read as ``e.type`` and ``e.param``."""
     kind = {401: "authentication_error", 403: "permission_error", 404: "not_found_error"}.get(status)
@@ -92,7 +92,7 @@ def error_response(exc: KilnError, path: str | None = None) -> JSONResponse:
     return JSONResponse(_envelope(error, status, path), status_code=status, headers=headers)
 
 
-def _envelope(error: dict[str, Any], status: int, path: str | None) -> dict[str, Any]:
+def _envelope(error: JsonObject, status: int, path: str | None) -> JsonObject:
     """``{"error": error}``, with OpenAI's fields on the OpenAI-compatible routes."""
     openai = path is not None and path.startswith(OPENAI_PATHS)
     return {"error": openai_fields(error, status) if openai else error}
@@ -658,9 +658,9 @@ def _sse(pulled: Any) -> Any:
     return events()
 
 
-def stream_error(exc: Exception, stream_id: str) -> dict[str, Any]:
+def stream_error(exc: Exception, stream_id: str) -> JsonObject:
     """The error event of a stream that failed after it started (``_sse``)."""
-    error: dict[str, Any]
+    error: JsonObject
     if isinstance(exc, KilnError):
         envelope = exc.as_envelope()["error"]
         error = dict(envelope) if isinstance(envelope, dict) else {"code": exc.code, "message": exc.message}

@@ -16,11 +16,16 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from kiln import contracts
-from kiln.documents.jsonio import read_json_file
+from kiln.documents.jsonio import JsonObject, read_json_file
 from kiln.errors import ContractError, NotFoundError
+
+if TYPE_CHECKING:
+    from kiln.server._app import Server
+    from kiln.server._jobs import Job, Outcome
+    from kiln.server._training import Engine
 
 __all__ = ["audit_detail", "run_job", "submit"]
 
@@ -28,7 +33,7 @@ POLL_S = 0.2
 STOP_TIMEOUT_S = 60
 
 
-def submit(server: Any, body: Any) -> dict[str, Any]:
+def submit(server: Server, body: object) -> JsonObject:
     """``POST /v1/audits``: check the request and the adapter now (``adapter_not_found`` before queueing), then
     queue."""
     from kiln.adapters import RECEIPT_FILE, require_adapter_name
@@ -56,7 +61,7 @@ def submit(server: Any, body: Any) -> dict[str, Any]:
     return audit_detail(job)
 
 
-def _argv(engine: Any, job: Any, out: Path) -> list[str]:
+def _argv(engine: Engine, job: Job, out: Path) -> list[str]:
     argv = [sys.executable, "-m", "kiln.cli", "audit", str(engine.settings.registry / job.adapter_name)]
     # the base model and the intra-op threads the server's training workers run with: the envelope of its runs
     argv += ["--out", str(out), "--model", str(engine.model_path), "--threads", str(engine.worker_threads())]
@@ -67,7 +72,7 @@ def _argv(engine: Any, job: Any, out: Path) -> list[str]:
     return argv
 
 
-def run_job(engine: Any, job: Any, cancel: threading.Event) -> Any:
+def run_job(engine: Engine, job: Job, cancel: threading.Event) -> Outcome:
     """The worker's side of an audit job: the audit in a process of its own, stopped on cancel."""
     from kiln.artifacts.training_audit import load_training_audit
     from kiln.server._jobs import Outcome
@@ -98,9 +103,9 @@ def run_job(engine: Any, job: Any, cancel: threading.Event) -> Any:
     return Outcome("completed")
 
 
-def audit_detail(job: Any) -> dict[str, Any]:
+def audit_detail(job: Job) -> JsonObject:
     """``AuditJobDetail``."""
-    out: dict[str, Any] = {
+    out: JsonObject = {
         "job_id": job.job_id,
         "state": job.state,
         "adapter": job.adapter_name,

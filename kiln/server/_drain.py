@@ -12,7 +12,8 @@ answer without sending it. Nothing of it is kept; a longer body, or one of unkno
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+
+from starlette.requests import Request
 
 from kiln.errors import KilnError
 
@@ -28,7 +29,7 @@ def unread(exc: KilnError) -> KilnError:
     return exc
 
 
-async def drain_refused(request: Any, exc: KilnError) -> None:
+async def drain_refused(request: Request, exc: KilnError) -> None:
     """Read and drop the body ``exc`` refused unread, as far as its declared length (at most ``DRAIN_BYTES``)."""
     declared = request.headers.get("content-length", "").strip()
     if not getattr(exc, "unread_body", False) or not declared.isdigit() or int(declared) > DRAIN_BYTES:

@@ -118,9 +118,9 @@ class Job:
         }
         return {**out, **self.ending()}
 
-    def ending(self) -> dict[str, Any]:
+    def ending(self) -> dict[str, int | str]:
         """What every job body adds once the job ended: ``finished_unix_ms``, and ``error`` when it failed."""
-        ended: dict[str, Any] = {} if self.finished_ms is None else {"finished_unix_ms": self.finished_ms}
+        ended: dict[str, int | str] = {} if self.finished_ms is None else {"finished_unix_ms": self.finished_ms}
         return {**ended, "error": self.error} if self.state == "failed" and self.error else ended
 
     def record_loss(self, loss: float, step: int, total: int, rows_per_epoch: int) -> None:
