@@ -141,6 +141,47 @@ def test_sampling_is_reproducible_per_seed_and_differs_from_greedy(gen):
     assert narrow == greedy
 
 
+def test_without_a_seed_each_request_samples_with_a_fresh_one_it_reports(gen, monkeypatch):
+    seeded = _complete(gen, temperature=1.0, seed=12345, n=2)
+    assert seeded["system_fingerprint"] == "kiln-seed-12345"
+    fresh = _complete(gen, temperature=1.0)
+    assert fresh["system_fingerprint"].startswith("kiln-seed-")
+    seed = int(fresh["system_fingerprint"].removeprefix("kiln-seed-"))
+    assert 0 <= seed < 2**53
+    assert _content(_complete(gen, temperature=1.0, seed=seed)) == _content(fresh)  # sent back, it reproduces
+    monkeypatch.setattr("kiln.server._openai.secrets.randbelow", lambda bound: 12345)
+    drawn = _complete(gen, temperature=1.0, n=2)
+    assert drawn["system_fingerprint"] == "kiln-seed-12345"
+    assert [c["message"] for c in drawn["choices"]] == [c["message"] for c in seeded["choices"]]
+    assert {c["system_fingerprint"] for c in _chunks(gen, temperature=1.0, stream=True)} == {"kiln-seed-12345"}
+
+
+def test_vllm_sampling_fields_are_honoured(gen):
+    greedy = _complete(gen, max_tokens=12)
+    for narrowing in ({"top_k": 1}, {"min_p": 1.0}):
+        for seed in range(3):
+            assert _content(_complete(gen, max_tokens=12, temperature=2.0, seed=seed, **narrowing)) == _content(greedy)
+    wide = [_content(_complete(gen, max_tokens=12, temperature=2.0, seed=s, top_k=-1)) for s in range(3)]
+    assert wide == [_content(_complete(gen, max_tokens=12, temperature=2.0, seed=s)) for s in range(3)]  # -1: all
+    assert any(text != _content(greedy) for text in wide)
+    # min_tokens: no end of turn before it (greedy decoding ends its turn after fewer tokens without it)
+    natural = _complete(gen, max_tokens=64)
+    assert natural["choices"][0]["finish_reason"] == "stop"
+    floor = natural["usage"]["completion_tokens"] + 5
+    held = _complete(gen, max_tokens=64, min_tokens=floor)
+    assert held["usage"]["completion_tokens"] >= floor
+    assert _content(held).startswith(_content(natural))
+    # repetition_penalty: greedy decoding changes once repeats are penalised hard, and stays deterministic
+    penalised = _complete(gen, max_tokens=12, repetition_penalty=100.0)
+    assert _content(penalised) == _content(_complete(gen, max_tokens=12, repetition_penalty=100.0))
+    assert _content(penalised) != _content(greedy)
+    assert _content(_complete(gen, max_tokens=12, repetition_penalty=1.0)) == _content(greedy)
+    with pytest.raises(ContractError) as caught:
+        chat_completion(gen, {"messages": MESSAGES, "max_tokens": 4, "min_tokens": 5})
+    assert caught.value.problems[0].code == "inconsistent_fields"
+    assert caught.value.problems[0].pointer == "/min_tokens"
+
+
 def test_adapter_and_base_model_together_are_inconsistent_fields(gen):
     with pytest.raises(ContractError) as caught:
         chat_completion(gen, {"messages": MESSAGES, "adapter": "bot", "base_model": True})

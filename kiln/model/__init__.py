@@ -24,7 +24,16 @@ from kiln.model._loader import (
     resolve_precision,
 )
 from kiln.model._logits import forward_logits, next_token_logprobs, padded_forward_logits, right_padded
-from kiln.model._sampling import max_positions, pick_token, sample, sample_batch, special_tokens, stop_token_ids
+from kiln.model._sampling import (
+    Sampling,
+    choose,
+    max_positions,
+    pick_token,
+    sample,
+    sample_batch,
+    special_tokens,
+    stop_token_ids,
+)
 from kiln.model._tiny import TINY_NAME, create_tiny, ensure_default_tiny
 from kiln.model._weights import WeightsInfo, read_weights_info
 
@@ -32,9 +41,11 @@ __all__ = [
     "TINY_NAME",
     "LoadedModel",
     "ModelIdentity",
+    "Sampling",
     "WeightsInfo",
     "capture_identity",
     "check_model_dir",
+    "choose",
     "create_tiny",
     "ensure_default_tiny",
     "forward_logits",

@@ -4,6 +4,9 @@
 logits / temperature overflows), else softmax(logits / temperature) with nucleus filtering to ``top_p``
 (a stable descending sort; the most likely token is always kept) and one draw from an explicit
 ``torch.Generator``. No schema-valid temperature or top_p gives a NaN.
+``choose`` is the same draw under every setting a serving request can give (``Sampling``): a repetition
+penalty over the ids already seen, stop ids masked until ``min_tokens``, then temperature, ``top_k``,
+``top_p`` and ``min_p``. With the defaults it is ``pick_token`` exactly (the same operations, the same bytes).
 ``stop_token_ids`` are the model's end-of-sequence ids plus the end-of-turn specials its
 tokenizer declares. ``sample(...)`` runs a KV-cached rollout with them; ``sample_batch(...)`` runs several
 together (one left-padded prefill, then one cached step for all unfinished rows per token), drawing each step's
@@ -12,11 +15,31 @@ tokens row by row, in batch order, from the one generator -- so a batch of one d
 
 from __future__ import annotations
 
+from collections.abc import Collection
+from dataclasses import dataclass
 from typing import Any
 
 from kiln.errors import InternalError
 
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<end_of_turn>", "<|end|>", "<|endoftext|>")
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How one sequence picks its tokens (vLLM's meanings; every default leaves the draw unchanged).
+
+    ``repetition_penalty``: each id already in the prompt or the output has its logit divided by the penalty when
+    positive and multiplied by it otherwise (1: off). ``min_tokens``: the stop ids cannot be drawn before this many
+    tokens. ``top_k``: keep the k most likely ids (0: all; ties by ascending id). ``min_p``: keep the ids whose
+    probability is at least ``min_p`` times the most likely one's (0: all). The penalty and the stop mask also apply
+    to greedy decoding; ``top_k``, ``top_p`` and ``min_p`` cannot change a greedy choice."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
 
 
 def pick_token(logits: Any, temperature: float, top_p: float, generator: Any) -> int:
@@ -25,20 +48,61 @@ def pick_token(logits: Any, temperature: float, top_p: float, generator: Any) ->
     temperature overflows (a temperature below about 1e-37), the logits are first shifted so their maximum is 0 --
     every scaled value is then 0 or -inf, never +inf or NaN -- and such a temperature is greedy (the first maximum),
     as temperature 0 is. Any other temperature draws exactly as softmax(logits / temperature) does."""
+    return _draw(logits, Sampling(temperature, top_p), generator)
+
+
+def choose(
+    logits: Any,
+    sampling: Sampling,
+    generator: Any,
+    *,
+    seen: Collection[int] = (),
+    produced: int = 0,
+    stop_ids: Collection[int] = (),
+) -> int:
+    """One id from ``logits`` under ``sampling``: ``seen`` are the ids the repetition penalty applies to (the
+    prompt's and the output's), ``produced`` how many tokens this sequence already generated, ``stop_ids`` what
+    ``min_tokens`` holds back. Never NaN: a penalty keeps finite logits finite up to float32 overflow, which
+    ``_draw`` treats as it treats a tiny temperature (greedy); a mask that would leave no id is not applied."""
+    import torch
+
+    if sampling.repetition_penalty != 1 and seen:
+        ids = torch.tensor(sorted(set(seen)), dtype=torch.long, device=logits.device)
+        ids = ids[ids < logits.shape[-1]]
+        picked = logits.double()[ids]
+        picked = torch.where(picked > 0, picked / sampling.repetition_penalty, picked * sampling.repetition_penalty)
+        logits = logits.clone()
+        logits[ids] = picked.clamp(-3.0e38, 3.0e38).to(logits.dtype)
+    if produced < sampling.min_tokens and stop_ids:
+        ids = torch.tensor(sorted(stop_ids), dtype=torch.long, device=logits.device)
+        ids = ids[ids < logits.shape[-1]]
+        if len(ids) < logits.shape[-1]:
+            logits = logits.clone()
+            logits[ids] = float("-inf")
+    return _draw(logits, sampling, generator)
+
+
+def _draw(logits: Any, sampling: Sampling, generator: Any) -> int:
     import torch
 
     top = logits.max()
-    if temperature == 0 or not bool(torch.isfinite(top)):
+    if sampling.temperature == 0 or not bool(torch.isfinite(top)):
         return int(torch.argmax(logits))
-    scaled = logits / temperature
+    scaled = logits / sampling.temperature
     if not bool(torch.isfinite(scaled.max())):  # the temperature underflows: all the mass is on the maximum
         return int(torch.argmax(logits))
+    if 0 < sampling.top_k < scaled.shape[-1]:
+        _, order = torch.sort(scaled, descending=True, stable=True)
+        scaled = scaled.clone()
+        scaled[order[sampling.top_k :]] = float("-inf")
     probs = torch.softmax(scaled, dim=-1)
-    if top_p < 1:
+    if sampling.top_p < 1:
         ordered, order = torch.sort(probs, descending=True, stable=True)
-        keep = (torch.cumsum(ordered, dim=-1) - ordered) < top_p
+        keep = (torch.cumsum(ordered, dim=-1) - ordered) < sampling.top_p
         keep[0] = True  # the most likely token is always kept, however small top_p is
         probs = torch.zeros_like(probs).scatter(0, order, ordered * keep)
+    if sampling.min_p > 0:
+        probs = torch.where(probs >= probs.max() * sampling.min_p, probs, torch.zeros_like(probs))
     return int(torch.multinomial(probs, 1, generator=generator))
 
 

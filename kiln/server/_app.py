@@ -573,16 +573,18 @@ def create_app(server: Server, *, own_lifecycle: bool = True) -> FastAPI:
         body = await _body(request, server)
         if isinstance(body, dict) and body.get("stream"):
             chunks = await _threaded(lambda: _first_then_rest(_openai.chat_chunks(server.generator, body)))
-            return StreamingResponse(_sse(chunks), media_type="text/event-stream")
-        return JSONResponse(await _threaded(_openai.chat_completion, server.generator, body))
+            return StreamingResponse(_sse(chunks), media_type="text/event-stream", headers=_seed_header(chunks[0]))
+        answer = await _threaded(_openai.chat_completion, server.generator, body)
+        return JSONResponse(answer, headers=_seed_header(answer))
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         body = await _body(request, server)
         if isinstance(body, dict) and body.get("stream"):
             chunks = await _threaded(lambda: _first_then_rest(_openai.completion_chunks(server, body)))
-            return StreamingResponse(_sse(chunks), media_type="text/event-stream")
-        return JSONResponse(await _threaded(_openai.completion, server, body))
+            return StreamingResponse(_sse(chunks), media_type="text/event-stream", headers=_seed_header(chunks[0]))
+        answer = await _threaded(_openai.completion, server, body)
+        return JSONResponse(answer, headers=_seed_header(answer))
 
     @app.get("/v1/models")
     def models() -> JSONResponse:
@@ -628,6 +630,12 @@ async def _threaded(fn: Any, *args: Any, **kwargs: Any) -> Any:
     from starlette.concurrency import run_in_threadpool
 
     return await run_in_threadpool(fn, *args, **kwargs)
+
+
+def _seed_header(document: Any) -> dict[str, str]:
+    """``X-Kiln-Seed``: the seed an answer's first choice sampled with (its ``system_fingerprint`` says it too)."""
+    found = str(document.get("system_fingerprint") or "") if isinstance(document, dict) else ""
+    return {"X-Kiln-Seed": found.removeprefix("kiln-seed-")} if found.startswith("kiln-seed-") else {}
 
 
 def _first_then_rest(chunks: Any) -> Any:

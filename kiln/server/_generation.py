@@ -53,10 +53,10 @@ Completions
     ingestion does (so a user cannot forge a turn delimiter). Weights: ``adapter`` (this
     request only; the active adapter when it names it, else read from the registry like
     ``load`` without ``allow_quarantined``), ``base_model: true`` (base), else the active
-    adapter, else base. ``temperature`` 0 is greedy argmax (first maximum); above 0,
-    softmax(logits / temperature), nucleus filtering to ``top_p`` and a draw from a
-    ``torch.Generator`` seeded with ``seed`` (default 0), so equal requests give equal
-    answers. Decoding stops at an end-of-turn token (``stop``; not part of the content,
+    adapter, else base. Each token is chosen by ``kiln.model.choose`` under the plan's
+    ``Sampling`` (repetition penalty, ``min_tokens``, then temperature -- 0 is greedy argmax,
+    first maximum -- ``top_k``, ``top_p``, ``min_p``) with a ``torch.Generator`` seeded with the
+    plan's seed, so equal requests with equal seeds give equal answers. Decoding stops at an end-of-turn token (``stop``; not part of the content,
     counted in ``completion_tokens``) or after ``max_tokens`` (default 64, at most the
     model's context minus the prompt: ``length``). Text is decoded incrementally
     (special tokens skipped; a chunk is held back while it ends in an incomplete UTF-8
@@ -89,8 +89,9 @@ from kiln import contracts
 from kiln.adapters import CANARY_FILE, CONFIG_FILE, WEIGHTS_FILE, AdapterFiles, adapter_directory, content_revision
 from kiln.data import match_skeleton, template_errors
 from kiln.errors import AdapterError, ContractError, InternalError, KilnError, Problem
+from kiln.model import Sampling
+from kiln.model import choose as _choose
 from kiln.model import max_positions as _max_positions
-from kiln.model import pick_token as _pick
 from kiln.model import special_tokens as _special_tokens
 from kiln.model import stop_token_ids as _stop_ids
 
@@ -147,8 +148,7 @@ class Plan:
 
     prompt_ids: list[int]
     max_new: int
-    temperature: float
-    top_p: float
+    sampling: Sampling
     seed: int
     adapter: _Adapter | None
     model: str
@@ -259,7 +259,7 @@ class Generator:
                 ]
             )
         model = weights.name if weights is not None else self._model_name
-        plan = Plan(prompt, min(max_tokens, room), 0.0, 1.0, seed % SEEDS, weights, model)
+        plan = Plan(prompt, min(max_tokens, room), Sampling(), seed % SEEDS, weights, model)
         return "".join(piece.text for piece in self.pieces(plan, Outcome()))
 
     # --- canary -------------------------------------------------------------------------
@@ -328,7 +328,7 @@ class Generator:
         """CANARY_MAX_TOKENS greedy tokens, stop tokens ignored so both timings cover equal work (None: non-finite)."""
         started = time.perf_counter()
         try:
-            steps = self._tokens(adapter, prompt, CANARY_MAX_TOKENS, 0.0, 1.0, 0, stop=False)
+            steps = self._tokens(adapter, prompt, CANARY_MAX_TOKENS, Sampling(), 0, stop=False)
             ids: list[int] | None = [token for token, _ in steps]
         except _NonFiniteLogitsError:
             ids = None
@@ -409,8 +409,7 @@ class Generator:
                 plan.adapter,
                 plan.prompt_ids,
                 plan.max_new,
-                plan.temperature,
-                plan.top_p,
+                plan.sampling,
                 plan.seed,
                 top_k=top_k,
                 first=first,
@@ -441,8 +440,7 @@ class Generator:
         adapter: _Adapter | None,
         prompt: list[int],
         max_new: int,
-        temperature: float,
-        top_p: float,
+        sampling: Sampling,
         seed: int,
         *,
         stop: bool = True,
@@ -455,11 +453,14 @@ class Generator:
 
         from kiln.teachers import stable_top_k
 
+        if sampling.repetition_penalty != 1:
+            first = None  # the penalty applies to raw logits, not to the log-probabilities ``first`` holds
         generator = torch.Generator(device=self._device)
         generator.manual_seed(seed)
         extra = {"logits_to_keep": 1} if self._keep_last else {}
         cache = None
         step_ids = torch.tensor([prompt], device=self._device)
+        seen = set(prompt) if sampling.repetition_penalty != 1 else set()
         for step in range(max_new):
             if step == 0 and first is not None:
                 logits = first.to(self._device).float()
@@ -473,7 +474,9 @@ class Generator:
                     logits = out.logits[0, -1].float()
             if not bool(torch.isfinite(logits).all()):
                 raise _NonFiniteLogitsError
-            token = _pick(logits, temperature, top_p, generator)
+            token = _choose(logits, sampling, generator, seen=seen, produced=step, stop_ids=self._stop_ids)
+            if sampling.repetition_penalty != 1:
+                seen.add(token)
             score = None
             if top_k is not None:
                 row = torch.log_softmax(logits, dim=-1).cpu()

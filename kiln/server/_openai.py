@@ -38,6 +38,7 @@ import kiln_contracts
 
 from kiln import contracts
 from kiln.errors import ContractError, NotFoundError, Problem
+from kiln.model import Sampling
 from kiln.server._generation import SEEDS, Outcome, Piece, Plan, TokenScore, checked
 
 __all__ = ["chat_chunks", "chat_completion", "completion", "completion_chunks", "model_card", "model_list"]
@@ -46,6 +47,7 @@ CHAT = "ChatCompletionRequest"
 COMPLETION = "CompletionRequest"
 CHAT_MAX_TOKENS = 64  # default
 COMPLETION_MAX_TOKENS = 16  # default, as OpenAI and vLLM
+FRESH_SEEDS = 1 << 53  # a request without ``seed`` samples with a fresh one below this
 REFUSED = (
     "presence_penalty", "frequency_penalty", "logit_bias", "tools", "functions", "tool_choice", "function_call",
     "response_format", "modalities", "audio", "prediction", "suffix", "best_of",
@@ -107,16 +109,48 @@ def _weights(gen: Any, body: dict[str, Any], document: str) -> tuple[Any, str]:
         ) from None
 
 
-def _choices(body: dict[str, Any]) -> tuple[int, float, float, int, list[str]]:
+@dataclass(frozen=True)
+class _Sampled:
+    """What every choice of a request shares: how many, how each picks its tokens, the seed, the stop strings."""
+
+    n: int
+    sampling: Sampling
+    seed: int
+    stops: list[str]
+
+
+def _choices(document: str, body: dict[str, Any], max_tokens: int) -> _Sampled:
+    """The request's sampling settings (vLLM's defaults when absent); without ``seed`` a fresh one, below 2^53 so
+    any JSON client can send it back exactly. ``min_tokens`` above ``max_tokens`` is ``inconsistent_fields``."""
     stop = body.get("stop")
-    stops = [stop] if isinstance(stop, str) else list(stop or [])
-    return (
-        body.get("n") or 1,
-        body.get("temperature") or 0.0,
-        1.0 if body.get("top_p") is None else body["top_p"],
-        int(body.get("seed") or 0),  # a decimal string or an integer
-        stops,
+    min_tokens = body.get("min_tokens") or 0
+    if min_tokens > max_tokens:
+        raise _inconsistent(
+            document,
+            "/min_tokens",
+            f"`min_tokens` {min_tokens} is more than the {max_tokens} tokens `max_tokens` allows",
+        )
+    top_k = body.get("top_k")
+    sampling = Sampling(
+        temperature=body.get("temperature") or 0.0,
+        top_p=1.0 if body.get("top_p") is None else body["top_p"],
+        top_k=0 if top_k is None or top_k < 0 else top_k,
+        min_p=body.get("min_p") or 0.0,
+        repetition_penalty=1.0 if body.get("repetition_penalty") is None else body["repetition_penalty"],
+        min_tokens=min_tokens,
     )
+    seed = body.get("seed")
+    return _Sampled(
+        n=body.get("n") or 1,
+        sampling=sampling,
+        seed=secrets.randbelow(FRESH_SEEDS) if seed is None else int(seed),  # a decimal string or an integer
+        stops=[stop] if isinstance(stop, str) else list(stop or []),
+    )
+
+
+def fingerprint(seed: int) -> str:
+    """``system_fingerprint`` of an answer: the seed its first choice sampled with (choice i used seed + i)."""
+    return f"kiln-seed-{seed}"
 
 
 def _stream_checks(document: str, body: dict[str, Any]) -> None:
@@ -145,7 +179,7 @@ class _Choice:
             buffer += piece.text
             pending += piece.tokens
             cuts = [i for i in (buffer.find(s) for s in self.stops) if i >= 0]
-            if cuts:
+            if cuts and self.outcome.completion_tokens >= self.plan.sampling.min_tokens:  # as vLLM: none before
                 self.outcome.finish_reason = "stop"
                 yield Piece(buffer[: min(cuts)], pending)
                 return
@@ -194,6 +228,7 @@ def _kiln(adapter: Any) -> dict[str, str | None]:
 class _ChatJob:
     plans: list[Plan]
     stops: list[str]
+    seed: int
     top_k: int | None
     model: str
     adapter: Any
@@ -226,10 +261,13 @@ def _chat_job(gen: Any, body: Any) -> _ChatJob:
             document=CHAT,
         )
     limit = body.get("max_completion_tokens") or body.get("max_tokens") or CHAT_MAX_TOKENS
-    n, temperature, top_p, seed, stops = _choices(body)
-    plans = [Plan(prompt, min(limit, room), temperature, top_p, (seed + i) % SEEDS, adapter, model) for i in range(n)]
+    sampled = _choices(CHAT, body, limit)
+    plans = [
+        Plan(prompt, min(limit, room), sampled.sampling, (sampled.seed + i) % SEEDS, adapter, model)
+        for i in range(sampled.n)
+    ]
     top_k = (body.get("top_logprobs") or 0) if body.get("logprobs") else None
-    return _ChatJob(plans, stops, top_k, model, adapter)
+    return _ChatJob(plans, sampled.stops, sampled.seed, top_k, model, adapter)
 
 
 def _chat_logprobs(texts: _Texts, tokens: list[TokenScore]) -> dict[str, Any]:
@@ -268,6 +306,7 @@ def chat_completion(gen: Any, body: Any) -> dict[str, Any]:
         "object": "chat.completion",
         "created": created,
         "model": job.model,
+        "system_fingerprint": fingerprint(job.seed),
         "choices": choices,
         "usage": _usage(len(job.plans[0].prompt_ids), generated),
         "kiln": _kiln(job.adapter),
@@ -286,7 +325,13 @@ def _chat_stream(gen: Any, job: _ChatJob, usage: bool, completion_id: str, creat
     texts = _Texts(gen._tokenizer)
 
     def chunk(choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
-        body = {"id": completion_id, "object": "chat.completion.chunk", "created": created, "model": job.model}
+        body = {
+            "id": completion_id,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": job.model,
+            "system_fingerprint": fingerprint(job.seed),
+        }
         return checked("ChatCompletionChunk", {**body, "choices": choices, **extra})
 
     generated = 0
@@ -317,11 +362,7 @@ class _Prompt:
 @dataclass
 class _CompletionJob:
     prompts: list[_Prompt]
-    n: int
-    temperature: float
-    top_p: float
-    seed: int
-    stops: list[str]
+    sampled: _Sampled
     max_tokens: int
     top_n: int | None  # prompt_logprobs
     logprobs: int | None
@@ -348,9 +389,13 @@ def _completion_job(server: Any, body: Any) -> _CompletionJob:
     body = _admit(COMPLETION, body)
     _stream_checks(COMPLETION, body)
     adapter, model = _weights(gen, body, COMPLETION)
-    n, temperature, top_p, seed, stops = _choices(body)
-    if body.get("best_of") is not None and body["best_of"] != n:
-        raise _inconsistent(COMPLETION, "/best_of", f"`best_of` {body['best_of']} differs from `n` {n}: not supported")
+    max_tokens = body.get("max_tokens")
+    max_tokens = COMPLETION_MAX_TOKENS if max_tokens is None else max_tokens
+    sampled = _choices(COMPLETION, body, max_tokens)
+    if body.get("best_of") is not None and body["best_of"] != sampled.n:
+        raise _inconsistent(
+            COMPLETION, "/best_of", f"`best_of` {body['best_of']} differs from `n` {sampled.n}: not supported"
+        )
     prompts = _prompts(gen, body["prompt"])
     top_n = body.get("prompt_logprobs")
     problems: list[Problem] = []
@@ -363,15 +408,10 @@ def _completion_job(server: Any, body: Any) -> _CompletionJob:
     problems.extend(protocol.top_n_problems(top_n))
     if problems:
         raise ContractError(problems, document=COMPLETION)
-    max_tokens = body.get("max_tokens")
     return _CompletionJob(
         prompts=prompts,
-        n=n,
-        temperature=temperature,
-        top_p=top_p,
-        seed=seed,
-        stops=stops,
-        max_tokens=COMPLETION_MAX_TOKENS if max_tokens is None else max_tokens,
+        sampled=sampled,
+        max_tokens=max_tokens,
         top_n=top_n,
         logprobs=body.get("logprobs"),
         echo=bool(body.get("echo")),
@@ -438,17 +478,16 @@ def _legacy_logprobs(texts: _Texts, tokens: list[TokenScore], offset: int) -> di
 
 def _choice_runs(gen: Any, job: _CompletionJob, scored: _Scored) -> Iterator[_Choice]:
     room = gen._max_positions - len(scored.prompt.ids) + 1  # the first token needs no new position
-    for i in range(job.n):
+    for i in range(job.sampled.n):
         plan = Plan(
             scored.prompt.ids,
             max(0, min(job.max_tokens, room)),
-            job.temperature,
-            job.top_p,
-            (job.seed + i) % SEEDS,
+            job.sampled.sampling,
+            (job.sampled.seed + i) % SEEDS,
             job.adapter,
             job.model,
         )
-        yield _Choice(gen, plan, job.stops, job.logprobs, scored.last)
+        yield _Choice(gen, plan, job.sampled.stops, job.logprobs, scored.last)
 
 
 def completion(server: Any, body: Any) -> dict[str, Any]:
@@ -484,6 +523,7 @@ def completion(server: Any, body: Any) -> dict[str, Any]:
         "object": "text_completion",
         "created": int(time.time()),
         "model": job.model,
+        "system_fingerprint": fingerprint(job.sampled.seed),
         "choices": choices,
         "usage": _usage(prompt_tokens, generated),
     }
@@ -504,7 +544,13 @@ def _completion_stream(
     texts = _Texts(gen._tokenizer)
 
     def chunk(choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
-        body = {"id": completion_id, "object": "text_completion", "created": created, "model": job.model}
+        body = {
+            "id": completion_id,
+            "object": "text_completion",
+            "created": created,
+            "model": job.model,
+            "system_fingerprint": fingerprint(job.sampled.seed),
+        }
         return checked("CompletionChunk", {**body, "choices": choices, **extra})
 
     def increment(index: int, text: str, tokens: list[TokenScore], offset: int) -> dict[str, Any]:
