@@ -20,7 +20,7 @@ SCHEMA_DIGESTS: dict[str, str] = {
     "kiln-checkpoint-v1.schema.json": "sha256:40f2f23b53561eaca7040113a06aea056e0ac8f95172d7f10c65195bd3f5f7f7",
     "kiln-common-v1.schema.json": "sha256:578fb0867921ff18b61214d1e6a909abccdcc2532c6c6bd5a1c1aada83583c73",
     "kiln-config-v1.schema.json": "sha256:5477f715c128cfbf67d6d5ed24d8a400c0b6d65c30d799e6b3fee5ba860db2ac",
-    "kiln-control-plane-v1.schema.json": "sha256:ffea98976b1ee05ccc52d234d294f08c76d202b57bf3e8f944b8c03c9a19802d",
+    "kiln-control-plane-v1.schema.json": "sha256:b9af64114ec77046bc02977acd1cc3398a42ee81d42af4fd4a730cbfcbc01795",
     "kiln-observability-v1.schema.json": "sha256:6f0bc47ffee00565b9fcff807ddbbfc8e2a57ca93e1f13e915de1dde8427e513"
 }
 

@@ -178,6 +178,14 @@ def _is_null_branch(errors: list[Any], path: list[Any]) -> bool:
     return list(errors[0].instance_path) == path and list(errors[0].kind.types) == ["null"]
 
 
+def _excluded_fields(schema: Any, instance: Any) -> list[str]:
+    """The fields a ``not: {required: [...]}`` (the schema's way to say "these fields cannot be given together")
+    found in ``instance``; empty for any other ``not``."""
+    if not isinstance(schema, dict) or not isinstance(instance, dict) or set(schema) - {"required", "description"}:
+        return []
+    return [name for name in schema.get("required", []) if name in instance]
+
+
 def _map_error(error: Any, out: list[Problem], resolve: _PathResolver) -> None:
     kind = type(error.kind).__name__
     path = resolve(error)
@@ -211,6 +219,10 @@ def _map_error(error: Any, out: list[Problem], resolve: _PathResolver) -> None:
     elif kind == "Enum":
         code = "null_not_allowed" if instance is None else "value_not_allowed"
         out.append(Problem(code, pointer, error.message))
+    elif kind == "Not" and _excluded_fields(error.kind.schema, instance):
+        for name in _excluded_fields(error.kind.schema, instance):
+            why = error.kind.schema.get("description") or f"field {name!r} cannot be combined with the fields given"
+            out.append(Problem("inconsistent_fields", f"{pointer}/{name}", why))
     elif kind in ("Pattern", "Not", "PropertyNames"):
         out.append(Problem("pattern_mismatch", pointer, error.message))
     elif kind == "Format":

@@ -49,7 +49,7 @@ from kiln.errors import (
 )
 from kiln.host.config import Settings, resolve_settings
 from kiln.host.fs import writable_problem
-from kiln.server import _audits, _datasets, _evals, _openai, _training
+from kiln.server import _audits, _datasets, _evals, _openai, _tokenize, _training
 from kiln.server._drain import drain_refused, unread
 from kiln.server._jobs import Job, JobManager, JobStore, Outcome, Runner, family
 
@@ -63,7 +63,7 @@ def _http_statuses() -> dict[str, int]:
     return kiln_contracts.load_bundle()["$defs"]["ErrorCode"]["x-kiln-http-status"]
 
 
-OPENAI_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/models")
+OPENAI_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/tokenize", "/detokenize", "/tokenizer_info")
 
 
 def openai_fields(error: JsonObject, status: int) -> JsonObject:
@@ -585,6 +585,20 @@ def create_app(server: Server, *, own_lifecycle: bool = True) -> FastAPI:
             return StreamingResponse(_sse(chunks), media_type="text/event-stream", headers=_seed_header(chunks[0]))
         answer = await _threaded(_openai.completion, server, body)
         return JSONResponse(answer, headers=_seed_header(answer))
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        body = await _body(request, server)
+        return JSONResponse(await _threaded(_tokenize.tokenize, server, body))
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        body = await _body(request, server)
+        return JSONResponse(await _threaded(_tokenize.detokenize, server, body))
+
+    @app.get("/tokenizer_info")
+    def tokenizer_info() -> JSONResponse:
+        return JSONResponse(_tokenize.tokenizer_info(server))
 
     @app.get("/v1/models")
     def models() -> JSONResponse:

@@ -336,9 +336,10 @@ class Generator:
 
     # --- admission ----------------------------------------------------------------------
 
-    def _encode_prompt(self, messages: list[dict[str, Any]]) -> list[int]:
-        """Chat-template render with a generation prompt; message text spelling a special token stays text."""
-        full = self._render(messages)
+    def _encode_prompt(self, messages: list[dict[str, Any]], *, generation: bool = True) -> list[int]:
+        """Chat-template render (with the generation prompt unless ``generation`` is false); message text spelling a
+        special token stays text."""
+        full = self._render(messages, generation)
         slots: list[str] = []
         base = "kilnslot"
         while base in full:
@@ -352,7 +353,9 @@ class Generator:
             swapped.append({**message, "content": content})
         data: list[tuple[int, int]] = []
         if slots:
-            spans = match_skeleton(re.split(re.escape(base) + r"(\d+)q", self._render(swapped)), slots, full)
+            spans = match_skeleton(
+                re.split(re.escape(base) + r"(\d+)q", self._render(swapped, generation)), slots, full
+            )
             if spans is None:
                 raise ContractError(
                     [
@@ -379,9 +382,9 @@ class Generator:
             )
         return ids
 
-    def _render(self, messages: list[dict[str, Any]]) -> str:
+    def _render(self, messages: list[dict[str, Any]], generation: bool = True) -> str:
         try:
-            text = self._tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            text = self._tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation)
         except template_errors() as exc:
             raise ContractError(
                 [Problem("schema_violation", "/messages", f"the chat template rejected the conversation: {exc}")],

@@ -41,7 +41,16 @@ from kiln.errors import ContractError, NotFoundError, Problem
 from kiln.model import Sampling
 from kiln.server._generation import SEEDS, Outcome, Piece, Plan, TokenScore, checked
 
-__all__ = ["chat_chunks", "chat_completion", "completion", "completion_chunks", "model_card", "model_list"]
+__all__ = [
+    "admit",
+    "chat_chunks",
+    "chat_completion",
+    "chat_messages",
+    "completion",
+    "completion_chunks",
+    "model_card",
+    "model_list",
+]
 
 CHAT = "ChatCompletionRequest"
 COMPLETION = "CompletionRequest"
@@ -57,23 +66,34 @@ REFUSED = (
 # --- admission ------------------------------------------------------------------------------
 
 
-def _admit(document: str, body: Any) -> dict[str, Any]:
+def admit(document: str, body: Any) -> dict[str, Any]:
     """Schema check; a refused OpenAI feature is named with what Kiln accepts instead. The body with canonical
     numbers (``"max_tokens": 16.0`` is 16, ``"temperature": 1`` is 1.0)."""
     found = contracts.problems(document, body)
     if not found:
         return contracts.canonical(document, body)
-    props = kiln_contracts.load_bundle()["$defs"][document]["properties"]
+    props = kiln_contracts.load_bundle()["$defs"][document].get("properties", {})
     named = []
     for problem in found:
         field_name = problem.pointer.split("/")[1] if problem.pointer.count("/") >= 1 else ""
-        if field_name in REFUSED and isinstance(body, dict):
+        if field_name in REFUSED and field_name in props and isinstance(body, dict):
             why = props[field_name]["description"]
             problem = Problem(
                 problem.code, problem.pointer, f"`{field_name}` {body.get(field_name)!r} is not supported. {why}"
             )
         named.append(problem)
     raise ContractError(named, document=document)
+
+
+def chat_messages(messages: list[dict[str, Any]]) -> list[dict[str, str]]:
+    """Admitted chat messages as the chat template reads them: ``developer`` is ``system``, text parts joined."""
+    return [
+        {
+            "role": "system" if m["role"] == "developer" else m["role"],
+            "content": m["content"] if isinstance(m["content"], str) else "".join(p["text"] for p in m["content"]),
+        }
+        for m in messages
+    ]
 
 
 def _inconsistent(document: str, pointer: str, message: str) -> ContractError:
@@ -235,19 +255,12 @@ class _ChatJob:
 
 
 def _chat_job(gen: Any, body: Any) -> _ChatJob:
-    body = _admit(CHAT, body)
+    body = admit(CHAT, body)
     _stream_checks(CHAT, body)
     if body.get("top_logprobs") is not None and not body.get("logprobs"):
         raise _inconsistent(CHAT, "/top_logprobs", "`top_logprobs` needs `logprobs: true`")
     adapter, model = _weights(gen, body, CHAT)
-    messages = [
-        {
-            "role": "system" if m["role"] == "developer" else m["role"],
-            "content": m["content"] if isinstance(m["content"], str) else "".join(p["text"] for p in m["content"]),
-        }
-        for m in body["messages"]
-    ]
-    prompt = gen._encode_prompt(messages)
+    prompt = gen._encode_prompt(chat_messages(body["messages"]))
     room = gen._max_positions - len(prompt)
     if room < 1:
         raise ContractError(
@@ -386,7 +399,7 @@ def _prompts(gen: Any, prompt: Any) -> list[_Prompt]:
 
 def _completion_job(server: Any, body: Any) -> _CompletionJob:
     gen, protocol = server.generator, server.teacher_protocol
-    body = _admit(COMPLETION, body)
+    body = admit(COMPLETION, body)
     _stream_checks(COMPLETION, body)
     adapter, model = _weights(gen, body, COMPLETION)
     max_tokens = body.get("max_tokens")
