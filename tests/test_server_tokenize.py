@@ -24,15 +24,20 @@ def _valid(definition, doc):
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, tiny_model_dir):
-    with ServerProcess(tmp_path_factory.mktemp("serve") / "home", tiny_model_dir) as proc:
-        yield proc
+def served(tmp_path_factory, tiny_model_dir):
+    """The live server and a client of it."""
+    with ServerProcess(tmp_path_factory.mktemp("serve") / "home", tiny_model_dir) as proc, proc.client() as client:
+        yield proc, client
 
 
 @pytest.fixture(scope="module")
-def http(server):
-    with server.client() as client:
-        yield client
+def server(served):
+    return served[0]
+
+
+@pytest.fixture(scope="module")
+def http(served):
+    return served[1]
 
 
 @pytest.fixture(scope="module")
