@@ -19,7 +19,7 @@ from pydantic import BaseModel
 
 from kiln import contracts
 from kiln.documents.jsonio import JsonObject
-from kiln.errors import ContractError, RequestError
+from kiln.errors import ContractError, Problem, RequestError
 
 __all__ = ["Request", "parse_config", "parse_request", "refuse_gate"]
 
@@ -50,6 +50,11 @@ def parse_request(model: type[M], body: JsonObject | Request[M]) -> Request[M]:
     """``body`` as a request of ``model`` (already one: returned as it is)."""
     if isinstance(body, Request):
         return body
+    if not isinstance(body, dict):  # a parsed JSON body of another kind (a string is never read as JSON text)
+        found = contracts.problems(model.__name__, body)
+        raise ContractError(
+            found or [Problem("wrong_type", "", "the body must be a JSON object")], document=model.__name__
+        )
     loaded = contracts.load(model.__name__, body, document=model.__name__)
     assert isinstance(loaded, model)
     return Request(loaded, body)
