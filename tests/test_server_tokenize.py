@@ -108,7 +108,7 @@ def test_tokenizer_info_describes_the_served_tokenizer(http, local):
 
 
 def test_tokenizer_routes_refuse_what_they_cannot_honour_naming_the_field(http, local):
-    size = len(local._tokenizer)
+    size = local._model.config.vocab_size
     error = _refused(http, "/detokenize", {"tokens": [1, size, 2, size + 5]}, 400, "out_of_range")
     assert error["pointer"] == "/tokens/1"
     assert error["param"] == "tokens.1"
@@ -121,6 +121,12 @@ def test_tokenizer_routes_refuse_what_they_cannot_honour_naming_the_field(http, 
     _refused(http, "/tokenize", {"messages": MESSAGES, "add_special_tokens": True}, 400, "wrong_const")
     _refused(http, "/tokenize", {"messages": []}, 400, "invalid_length")
     assert http.get("/tokenize").status_code == 405
+
+
+def test_the_served_openapi_document_bounds_token_ids_by_the_served_model(http, local):
+    schemas = http.get("/openapi.json").json()["components"]["schemas"]
+    assert schemas["TokenId"]["maximum"] == local._model.config.vocab_size - 1
+    assert schemas["TokenIdPrompt"]["maxItems"] == local._max_positions
 
 
 def test_lm_eval_local_completions_needs_no_tokenizer_argument(server, local, model_id):

@@ -13,6 +13,7 @@ schemas.
 
 from __future__ import annotations
 
+import copy
 import hmac
 import ipaddress
 import json
@@ -381,9 +382,10 @@ def create_app(server: Server, *, own_lifecycle: bool = True) -> FastAPI:
     @app.get("/v1/train/queue")
     def queue() -> JSONResponse:
         running = server.jobs.jobs.get(server.jobs.running) if server.jobs.running else None
+        training = running is not None and family(running.job_type) == "training"  # evals and audits list elsewhere
         return JSONResponse(
             {
-                "running": running.status() if running else None,
+                "running": running.status() if running and training else None,
                 "queued": [
                     {"job_id": j.job_id, "job_type": j.job_type, "adapter_name": j.adapter_name, "position": i}
                     for i, j in enumerate(
@@ -631,7 +633,7 @@ def create_app(server: Server, *, own_lifecycle: bool = True) -> FastAPI:
 
     @app.get("/openapi.json")
     def openapi() -> JSONResponse:
-        return JSONResponse(kiln_contracts.openapi_document())
+        return JSONResponse(served_openapi(server))
 
     @app.get("/ui")
     def ui() -> HTMLResponse:
@@ -644,6 +646,29 @@ async def _threaded(fn: Any, *args: Any, **kwargs: Any) -> Any:
     from starlette.concurrency import run_in_threadpool
 
     return await run_in_threadpool(fn, *args, **kwargs)
+
+
+def served_openapi(server: Server) -> JsonObject:
+    """The OpenAPI document codegen built, with the bounds only the served model knows filled in: a token id is below
+    the served tokenizer's vocabulary (``TokenId.maximum``) and a token prompt fits the model's context
+    (``TokenIdPrompt.maxItems``), so the document states every bound the server enforces."""
+    document = copy.deepcopy(kiln_contracts.openapi_document())
+    schemas = document["components"]["schemas"]
+    protocol = server.teacher_protocol
+    if "TokenId" in schemas:
+        schemas["TokenId"] = {
+            "type": "integer",
+            "minimum": 0,
+            "maximum": protocol.vocab_size - 1,
+            "description": f"A token id of the served tokenizer: below its vocabulary size {protocol.vocab_size}.",
+        }
+    if "TokenIdPrompt" in schemas:
+        schemas["TokenIdPrompt"] = {
+            **schemas["TokenIdPrompt"],
+            "maxItems": protocol.max_model_len,
+            "description": f"A prompt as token ids of the served tokenizer, at most the model's {protocol.max_model_len}.",
+        }
+    return document
 
 
 def _seed_header(document: Any) -> dict[str, str]:
@@ -801,6 +826,8 @@ def health_body(server: Server) -> dict[str, Any]:
     record = identity.execution_provenance
     shards = identity.base_weight_shard_manifest
     running = server.jobs.jobs.get(server.jobs.running) if server.jobs.running else None
+    if running is not None and family(running.job_type) != "training":
+        running = None  # an evaluation or an audit: /health reports the training worker's training job
     active = server.generator.active()
     checks = [
         {"name": "model_loaded", "pass": server.engine.base.model is not None},

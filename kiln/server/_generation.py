@@ -86,9 +86,17 @@ from pathlib import Path
 from typing import Any
 
 from kiln import contracts
-from kiln.adapters import CANARY_FILE, CONFIG_FILE, WEIGHTS_FILE, AdapterFiles, adapter_directory, content_revision
+from kiln.adapters import (
+    CANARY_FILE,
+    CONFIG_FILE,
+    WEIGHTS_FILE,
+    AdapterFiles,
+    adapter_directory,
+    content_revision,
+    holds_attempt_record_only,
+)
 from kiln.data import match_skeleton, template_errors
-from kiln.errors import AdapterError, ContractError, InternalError, KilnError, Problem
+from kiln.errors import AdapterError, ContractError, InternalError, KilnError, NotFoundError, Problem
 from kiln.model import Sampling
 from kiln.model import choose as _choose
 from kiln.model import max_positions as _max_positions
@@ -514,6 +522,13 @@ class Generator:
     def _read_adapter(self, name: str, *, allow_quarantined: bool = False) -> _Adapter:
         """Read, verify and materialise a registry adapter (see the module docstring for the order)."""
         directory = adapter_directory(self._registry, name)  # adapter_not_found
+        if holds_attempt_record_only(directory.path):
+            raise NotFoundError(
+                f"{name!r} holds only the receipt of a run that published no adapter (a failed run or a dry run): "
+                "there is no adapter to serve",
+                code="adapter_not_found",
+                hint=f"its receipt says why; a successful run of {name!r} replaces the record",
+            )
         files = directory.read()  # adapter_invalid: the manifest against the bytes read, the LoRA config
         canary = directory.canary_status()
         if not allow_quarantined and canary is not None and canary["status"] == "quarantined":

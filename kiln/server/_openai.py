@@ -113,20 +113,21 @@ def _weights(gen: Any, body: dict[str, Any], document: str) -> tuple[Any, str]:
         else:
             chosen = None if (base or model is not None) else gen._active
         return chosen, model or (chosen.name if chosen else gen._model_name)
-    if base:
-        raise _inconsistent(
-            document, "/base_model", f"`base_model: true` asks for the base weights but `model` names {model!r}"
-        )
-    if adapter is not None and adapter != model:
-        raise _inconsistent(document, "/adapter", f"`model` names {model!r} but `adapter` names {adapter!r}")
-    try:
-        return gen.adapter_named(model), model
+    try:  # an id nobody serves is not_found before any combination of fields is judged
+        chosen = gen.adapter_named(model)
     except NotFoundError:
         raise NotFoundError(
             f"the model {model!r} does not exist: this server serves {gen._model_name!r} and its registry adapters",
             code="not_found",
             hint="GET /v1/models lists the model ids",
         ) from None
+    if base:
+        raise _inconsistent(
+            document, "/base_model", f"`base_model: true` asks for the base weights but `model` names {model!r}"
+        )
+    if adapter is not None and adapter != model:
+        raise _inconsistent(document, "/adapter", f"`model` names {model!r} but `adapter` names {adapter!r}")
+    return chosen, model
 
 
 @dataclass(frozen=True)
@@ -139,17 +140,11 @@ class _Sampled:
     stops: list[str]
 
 
-def _choices(document: str, body: dict[str, Any], max_tokens: int) -> _Sampled:
+def _choices(body: dict[str, Any], max_tokens: int) -> _Sampled:
     """The request's sampling settings (vLLM's defaults when absent); without ``seed`` a fresh one, below 2^53 so
-    any JSON client can send it back exactly. ``min_tokens`` above ``max_tokens`` is ``inconsistent_fields``."""
+    any JSON client can send it back exactly. ``min_tokens`` is at most the token limit."""
     stop = body.get("stop")
-    min_tokens = body.get("min_tokens") or 0
-    if min_tokens > max_tokens:
-        raise _inconsistent(
-            document,
-            "/min_tokens",
-            f"`min_tokens` {min_tokens} is more than the {max_tokens} tokens `max_tokens` allows",
-        )
+    min_tokens = min(body.get("min_tokens") or 0, max_tokens)  # more than the limit: every choice runs to it
     top_k = body.get("top_k")
     sampling = Sampling(
         temperature=body.get("temperature") or 0.0,
@@ -274,7 +269,7 @@ def _chat_job(gen: Any, body: Any) -> _ChatJob:
             document=CHAT,
         )
     limit = body.get("max_completion_tokens") or body.get("max_tokens") or CHAT_MAX_TOKENS
-    sampled = _choices(CHAT, body, limit)
+    sampled = _choices(body, limit)
     plans = [
         Plan(prompt, min(limit, room), sampled.sampling, (sampled.seed + i) % SEEDS, adapter, model)
         for i in range(sampled.n)
@@ -404,11 +399,7 @@ def _completion_job(server: Any, body: Any) -> _CompletionJob:
     adapter, model = _weights(gen, body, COMPLETION)
     max_tokens = body.get("max_tokens")
     max_tokens = COMPLETION_MAX_TOKENS if max_tokens is None else max_tokens
-    sampled = _choices(COMPLETION, body, max_tokens)
-    if body.get("best_of") is not None and body["best_of"] != sampled.n:
-        raise _inconsistent(
-            COMPLETION, "/best_of", f"`best_of` {body['best_of']} differs from `n` {sampled.n}: not supported"
-        )
+    sampled = _choices(body, max_tokens)
     prompts = _prompts(gen, body["prompt"])
     top_n = body.get("prompt_logprobs")
     problems: list[Problem] = []

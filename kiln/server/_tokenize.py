@@ -11,8 +11,9 @@ asks ``/tokenizer_info`` and ``/tokenize`` first and, when they answer, needs no
     ``add_generation_prompt`` is false. ``count`` is the number of ids, ``max_model_len`` the context length;
     ``token_strs`` are the tokenizer's own spellings with ``return_token_strs``.
 ``/detokenize``
-    The text of the ids, special tokens included and spaces as the tokenizer wrote them (no clean-up); an id outside
-    the vocabulary is ``out_of_range`` naming its position.
+    The text of the ids, special tokens included and spaces as the tokenizer wrote them (no clean-up); an id not below
+    the model's vocabulary size (the bound ``/v1/completions`` and the served ``/openapi.json`` state) is
+    ``out_of_range`` naming its position; an id of the model's vocabulary the tokenizer has no text for reads as "".
 ``/tokenizer_info``
     The special tokens, the chat template, the context length and the vocabulary size.
 
@@ -60,9 +61,9 @@ def detokenize(server: Any, body: Any) -> dict[str, Any]:
     body = admit("DetokenizeRequest", body)
     _model(server, body)
     tokenizer = server.generator._tokenizer
-    size = len(tokenizer)
+    size = server.teacher_protocol.vocab_size  # the bound /v1/completions and the served OpenAPI document state
     outside = [
-        Problem("out_of_range", f"/tokens/{i}", f"token id {token} is outside the vocabulary (ids 0 to {size - 1})")
+        Problem("out_of_range", f"/tokens/{i}", f"token id {token} is not below the vocabulary size {size}")
         for i, token in enumerate(body["tokens"])
         if token >= size
     ]

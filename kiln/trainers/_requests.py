@@ -86,10 +86,17 @@ def refuse_gate(post_eval: Any) -> None:
         )
 
 
+def dataset_path_of(request: BaseModel) -> str | None:
+    """A request's ``dataset_path`` as text (the generated models hold it as a constrained string model), or None."""
+    value = getattr(request, "dataset_path", None)
+    return None if value is None else str(getattr(value, "root", value))
+
+
 def refuse_named_dataset(request: BaseModel) -> None:
-    """A named dataset (``dataset``, ``dataset_split``): the schema carries the members for the reference's requests,
-    but Kiln has no dataset registry."""
-    if getattr(request, "dataset", None) is not None or "dataset_split" in request.model_fields_set:
+    """A named dataset (``dataset``, ``dataset_split``): the schema carries the members for the reference's requests
+    and accepts them only as null, since Kiln has no dataset registry; this guards a typed request built without the
+    schema."""
+    if getattr(request, "dataset", None) is not None or getattr(request, "dataset_split", None) is not None:
         raise RequestError(
             "named datasets (dataset, dataset_split) are not supported: Kiln has no dataset registry",
             code="training_backend_unsupported",
