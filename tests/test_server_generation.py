@@ -306,6 +306,25 @@ def test_unknown_adapter_is_adapter_not_found_and_keeps_the_active_one(gen):
     assert gen.active()["name"] == "bot"
 
 
+def test_a_run_that_published_no_adapter_is_not_an_adapter(gen, registry):
+    """A failed run's receipt alone (or an empty directory) at a name is not an adapter to serve: adapter_not_found,
+    saying so -- never adapter_invalid, which is for an adapter that is damaged."""
+    receipt = json.loads((registry / "bot" / "train_receipt.json").read_text())
+    (registry / "attempt").mkdir()
+    (registry / "attempt" / "train_receipt.json").write_text(json.dumps({**receipt, "status": "failed"}))
+    (registry / "empty").mkdir()
+    for name in ("attempt", "empty"):
+        with pytest.raises(NotFoundError, match="published no adapter") as caught:
+            chat_completion(gen, {"messages": MESSAGES, "adapter": name})
+        assert caught.value.code == "adapter_not_found"
+        with pytest.raises(NotFoundError):
+            gen.load(name)
+    (registry / "altered").mkdir()
+    (registry / "altered" / "train_receipt.json").write_text(json.dumps(receipt))  # a successful run's, weights gone
+    with pytest.raises(AdapterError):
+        gen.load("altered")
+
+
 @pytest.mark.parametrize("damage", ["weights", "receipt", "manifest_schema", "no_manifest", "no_weights", "config"])
 def test_damaged_adapter_is_adapter_invalid_and_keeps_the_active_one(gen, registry, damage):
     target = _copy_adapter(registry, "broken")

@@ -20,7 +20,7 @@ SCHEMA_DIGESTS: dict[str, str] = {
     "kiln-checkpoint-v1.schema.json": "sha256:40f2f23b53561eaca7040113a06aea056e0ac8f95172d7f10c65195bd3f5f7f7",
     "kiln-common-v1.schema.json": "sha256:957689e5d11cd5d41b67359c837565ea2409ebd0016be742f2036181ddb5d93e",
     "kiln-config-v1.schema.json": "sha256:5477f715c128cfbf67d6d5ed24d8a400c0b6d65c30d799e6b3fee5ba860db2ac",
-    "kiln-control-plane-v1.schema.json": "sha256:4c41069c7a05d157cdaf99a624a44df983a31771253d18521a13bda8ca0b2a9c",
+    "kiln-control-plane-v1.schema.json": "sha256:c03fb61bc6b9e47fb5e520588735093ef84ef1403512157098b621bbaaa2d86a",
     "kiln-observability-v1.schema.json": "sha256:6f0bc47ffee00565b9fcff807ddbbfc8e2a57ca93e1f13e915de1dde8427e513"
 }
 

@@ -92,8 +92,8 @@ from kiln.adapters import (
     WEIGHTS_FILE,
     AdapterFiles,
     adapter_directory,
+    attempt_record,
     content_revision,
-    holds_attempt_record_only,
 )
 from kiln.data import match_skeleton, template_errors
 from kiln.errors import AdapterError, ContractError, InternalError, KilnError, NotFoundError, Problem
@@ -522,7 +522,7 @@ class Generator:
     def _read_adapter(self, name: str, *, allow_quarantined: bool = False) -> _Adapter:
         """Read, verify and materialise a registry adapter (see the module docstring for the order)."""
         directory = adapter_directory(self._registry, name)  # adapter_not_found
-        if holds_attempt_record_only(directory.path):
+        if attempt_record(directory.path):
             raise NotFoundError(
                 f"{name!r} holds only the receipt of a run that published no adapter (a failed run or a dry run): "
                 "there is no adapter to serve",

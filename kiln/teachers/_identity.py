@@ -29,7 +29,7 @@ from kiln import __version__, contracts
 from kiln.adapters import AdapterDirectory
 from kiln.documents.digests import file_sha256, raw_hex
 from kiln.documents.jsonio import canonical_json, read_json_file
-from kiln.errors import KilnError, RequestError, UpstreamError
+from kiln.errors import KilnError, NotFoundError, RequestError, UpstreamError
 
 __all__ = [
     "IDENTITY_SCHEMA",
@@ -188,8 +188,9 @@ def auth_headers(credential_id: str | None) -> dict[str, str]:
     name = credential_env(credential_id)
     secret = os.environ.get(name)
     if not secret:
-        raise _refuse(
+        raise NotFoundError(
             f"credential {credential_id!r} is not set: Kiln reads it from the environment variable {name}",
+            code="not_found",
             hint=f"export {name}=<token> in the environment of the process that talks to the teacher",
         )
     return {"Authorization": f"Bearer {secret}"}
