@@ -462,12 +462,18 @@ def test_a_tampered_entry_is_refused(tmp_path):
 
 def test_an_invalid_suite_is_refused_with_every_problem(tmp_path):
     registry = SuiteRegistry(tmp_path)
-    bad = _suite(scorer={"kind": "regex"})
-    bad["examples"][1]["id"] = "q0"
+    bad = _suite(scorer={"kind": "regex"})  # the schema states the scorer's fields
+    del bad["examples"][1]["expected"]
     with pytest.raises(ContractError) as caught:
         registry.register(bad)
     pointers = {p.pointer for p in caught.value.problems}
-    assert pointers == {"/scorer/pattern", "/examples/1/id"}
+    assert pointers == {"/scorer/pattern", "/examples/1/expected"}
+    twice = _suite()  # a rule no schema states: every example id once
+    twice["examples"][1]["id"] = twice["examples"][0]["id"]
+    twice["examples"][2]["id"] = twice["examples"][0]["id"]
+    with pytest.raises(ContractError) as caught:
+        registry.register(twice)
+    assert {p.pointer for p in caught.value.problems} == {"/examples/1/id", "/examples/2/id"}
     assert registry.list() == []
 
 
@@ -477,7 +483,7 @@ def test_a_name_that_is_not_path_safe_is_refused_by_the_schema(tmp_path):
         registry.register(_suite(name="../escape"))
     assert caught.value.problems[0].pointer == "/name"
     with pytest.raises(ContractError) as caught:
-        registry.register(_suite(name="bell\x07"))  # the schema allows it; a file name must not
+        registry.register(_suite(name="bell\x07"))  # the schema refuses control characters, as a file name must
     assert caught.value.code == "unsafe_path"
     assert registry.list() == []
 

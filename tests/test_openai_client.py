@@ -139,6 +139,25 @@ def test_chat_seeds_make_sampling_reproducible_and_choice_i_uses_seed_plus_i(cli
     assert len(draws) > 1
 
 
+def test_an_unseeded_sampled_answer_reports_its_seed_and_the_seed_reproduces_it(client):
+    raw = client.chat.completions.with_raw_response.create(
+        model=BASE, messages=MESSAGES, temperature=1.0, max_tokens=12
+    )
+    answer = raw.parse()
+    seed = raw.headers["x-kiln-seed"]
+    assert answer.system_fingerprint == f"kiln-seed-{seed}"
+    again = _chat(client, temperature=1.0, max_tokens=12, seed=int(seed))
+    assert again.choices[0].message.content == answer.choices[0].message.content
+    greedy = client.chat.completions.with_raw_response.create(model=BASE, messages=MESSAGES, max_tokens=4)
+    assert "x-kiln-seed" not in greedy.headers
+    assert greedy.parse().system_fingerprint is None
+    stream = client.completions.with_raw_response.create(
+        model=BASE, prompt="The capital of", temperature=0.7, max_tokens=4, stream=True
+    )
+    chunks = list(stream.parse())
+    assert {c.system_fingerprint for c in chunks} == {f"kiln-seed-{stream.headers['x-kiln-seed']}"}
+
+
 def test_chat_stop_cuts_the_text_before_the_stop_sequence(client):
     full = _chat(client, max_tokens=24).choices[0].message.content
     assert len(full) >= 6

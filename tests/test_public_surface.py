@@ -22,6 +22,7 @@ def test_public_modules_export_exactly_their_declared_names():
         "IntegrityError", "InternalError", "KilnError", "NonFiniteLossError", "NotFoundError", "OutOfMemoryError",
         "Problem", "RegistryError", "RequestError", "ShapeMismatchError", "StorageFailureError",
         "TrainingDataError", "TrainingFailedError", "UnknownDocumentTypeError", "UnsafeLoraScaleError", "UnsupportedLossConfigError",
+            "UpstreamError",
         "ZeroActionTokensError", "ZeroEnvTokensError", "ZeroGroupsError", "all_failure_reasons", "storage_condition",
     ]  # fmt: skip
     assert kiln.cli.__all__ == ["build_parser", "main"]  # the console script is kiln.cli:main

@@ -144,6 +144,7 @@ def test_sampling_is_reproducible_per_seed_and_differs_from_greedy(gen):
 def test_without_a_seed_each_request_samples_with_a_fresh_one_it_reports(gen, monkeypatch):
     seeded = _complete(gen, temperature=1.0, seed=12345, n=2)
     assert seeded["system_fingerprint"] == "kiln-seed-12345"
+    assert "system_fingerprint" not in _complete(gen, seed=12345)  # greedy: no seed was used, none is reported
     fresh = _complete(gen, temperature=1.0)
     assert fresh["system_fingerprint"].startswith("kiln-seed-")
     seed = int(fresh["system_fingerprint"].removeprefix("kiln-seed-"))

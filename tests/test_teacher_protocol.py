@@ -134,7 +134,7 @@ def test_completions_refuse_other_models_foreign_ids_long_prompts_and_large_top_
     _refused(http, 400, "out_of_range", {**base, "prompt": [1] * 4097})
     _refused(http, 400, "out_of_range", {**base, "prompt_logprobs": MAX_TOP_K + 1})
     _refused(http, 400, "wrong_type", {**base, "prompt": {"text": "not a prompt"}})
-    _refused(http, 400, "out_of_range", {**base, "prompt": ""})  # text prompts generate (tests/test_openai_client.py)
+    _refused(http, 400, "invalid_length", {**base, "prompt": ""})  # the schema states a text prompt is non-empty
     _refused(http, 400, "out_of_range", {**base, "max_tokens": 4097})
 
 

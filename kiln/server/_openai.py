@@ -163,9 +163,10 @@ def _choices(body: dict[str, Any], max_tokens: int) -> _Sampled:
     )
 
 
-def fingerprint(seed: int) -> str:
-    """``system_fingerprint`` of an answer: the seed its first choice sampled with (choice i used seed + i)."""
-    return f"kiln-seed-{seed}"
+def fingerprint(sampled: _Sampled) -> dict[str, str]:
+    """``system_fingerprint`` of an answer that sampled: the seed its first choice sampled with (choice i used
+    seed + i); a greedy answer (temperature 0) used no seed and carries none, so its bytes do not vary per call."""
+    return {"system_fingerprint": f"kiln-seed-{sampled.seed}"} if sampled.sampling.temperature > 0 else {}
 
 
 def _stream_checks(document: str, body: dict[str, Any]) -> None:
@@ -243,7 +244,7 @@ def _kiln(adapter: Any) -> dict[str, str | None]:
 class _ChatJob:
     plans: list[Plan]
     stops: list[str]
-    seed: int
+    sampled: _Sampled
     top_k: int | None
     model: str
     adapter: Any
@@ -275,7 +276,7 @@ def _chat_job(gen: Any, body: Any) -> _ChatJob:
         for i in range(sampled.n)
     ]
     top_k = (body.get("top_logprobs") or 0) if body.get("logprobs") else None
-    return _ChatJob(plans, sampled.stops, sampled.seed, top_k, model, adapter)
+    return _ChatJob(plans, sampled.stops, sampled, top_k, model, adapter)
 
 
 def _chat_logprobs(texts: _Texts, tokens: list[TokenScore]) -> dict[str, Any]:
@@ -314,7 +315,7 @@ def chat_completion(gen: Any, body: Any) -> dict[str, Any]:
         "object": "chat.completion",
         "created": created,
         "model": job.model,
-        "system_fingerprint": fingerprint(job.seed),
+        **fingerprint(job.sampled),
         "choices": choices,
         "usage": _usage(len(job.plans[0].prompt_ids), generated),
         "kiln": _kiln(job.adapter),
@@ -338,7 +339,7 @@ def _chat_stream(gen: Any, job: _ChatJob, usage: bool, completion_id: str, creat
             "object": "chat.completion.chunk",
             "created": created,
             "model": job.model,
-            "system_fingerprint": fingerprint(job.seed),
+            **fingerprint(job.sampled),
         }
         return checked("ChatCompletionChunk", {**body, "choices": choices, **extra})
 
@@ -527,7 +528,7 @@ def completion(server: Any, body: Any) -> dict[str, Any]:
         "object": "text_completion",
         "created": int(time.time()),
         "model": job.model,
-        "system_fingerprint": fingerprint(job.sampled.seed),
+        **fingerprint(job.sampled),
         "choices": choices,
         "usage": _usage(prompt_tokens, generated),
     }
@@ -553,7 +554,7 @@ def _completion_stream(
             "object": "text_completion",
             "created": created,
             "model": job.model,
-            "system_fingerprint": fingerprint(job.sampled.seed),
+            **fingerprint(job.sampled),
         }
         return checked("CompletionChunk", {**body, "choices": choices, **extra})
 
