@@ -14,7 +14,7 @@ from kiln.adapters.publish import check_target
 from kiln.artifacts import adapter_manifest
 from kiln.artifacts import checkpoint_manifest as cm
 from kiln.checkpoints import checkpoint_name
-from kiln.errors import ConflictError, RequestError
+from kiln.errors import ConflictError, ContractError, RequestError
 from kiln.host import fs
 from kiln.host.fs import NAME_KINDS, name_problem, staging_dir
 
@@ -171,7 +171,7 @@ def test_the_adapters_package_exports_its_public_names():
         "AdapterDirectory", "AdapterFiles", "BINDINGS", "Binding", "CANARY_FILE", "CONFIG_FILE", "LoraConfig",
         "LoraConfigProblem",
         "MANIFEST_FILE", "RECEIPT_FILE", "SERVING_FILES", "WEIGHTS_FILE", "adapter_directory", "adapter_entry",
-        "base_adapter_dir", "content_revision", "delete_adapter", "demote", "holds_attempt_record_only",
+        "attempt_record", "base_adapter_dir", "content_revision", "delete_adapter", "demote", "holds_attempt_record_only",
         "list_adapters", "parse_lora_config", "read_canary_status", "require_adapter_name", "restore_adapter",
         "staged_adapter", "verify_adapter",
     ]  # fmt: skip
@@ -195,10 +195,10 @@ def test_a_teacher_adapter_name_the_alias_rule_accepted_is_refused_by_the_adapte
     (adapters / name).mkdir(parents=True)
     registry = TeacherRegistry(teachers_root(tmp_path / "home"), adapter_registry=adapters)
     request = {"alias": "tutor", "kind": "local", "model_id": str(tiny_model_dir), "adapter": name}
-    with pytest.raises(RequestError) as caught:
+    with pytest.raises(ContractError) as caught:  # the AdapterName schema states the rule's 193-character bound
         registry.add(request)
-    assert caught.value.code == "training_invalid_request"
-    assert "not in the adapter registry" in caught.value.message
+    assert caught.value.problems[0].code == "invalid_length"
+    assert caught.value.problems[0].pointer == "/adapter"
     assert not registry.root.exists()
 
 

@@ -232,7 +232,7 @@ def test_request_level_refusals(tmp_path, tiny_model_dir, teachers):
         ({"teacher": "tutor", "prompts": PROMPTS, "post_eval": {"suite": "x"}}, "training_backend_unsupported"),
         (
             {"teacher": "tutor", "prompts": PROMPTS, "config": {"training_mode": "off_policy"}},
-            "training_invalid_request",
+            "inconsistent_fields",  # the schema states it: off_policy reads a dataset_path
         ),
     ]
     for request, code in cases:

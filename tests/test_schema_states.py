@@ -36,8 +36,9 @@ def _refused(document, body):
         ("AuditRequest", {"adapter": "bot", "seed": 3}, "/seed", "inconsistent_fields", "give `segments`"),
         ("EvalSuite", {**SUITE, "scorer": {"kind": "regex"}}, "/scorer/pattern", "inconsistent_fields", "`regex` scorer"),
         ("EvalSuite", {**SUITE, "scorer": {"kind": "contains", "pattern": "x"}}, "/scorer/pattern", "inconsistent_fields", "`regex` scorer"),
-        ("EvalSuite", {**SUITE, "scorer": {"kind": "regex", "pattern": "a\\K"}}, "/scorer/pattern", "invalid_format", ""),
+        ("EvalSuite", {**SUITE, "scorer": {"kind": "regex", "pattern": "a\\K"}}, "/scorer/pattern", "inconsistent_fields", "does not compile"),  # a rule
         ("EvalSuite", {**SUITE, "scorer": {"kind": "json_field"}}, "/scorer/field", "inconsistent_fields", "`json_field`"),
+        ("EvalSuite", {**SUITE, "scorer": {"kind": "regex", "pattern": "x{99999999999}"}}, "/scorer/pattern", "inconsistent_fields", "too large"),  # a rule: Python's limit
         ("RegisterTeacherRequest", {"alias": "t", "kind": "local", "model_id": "/srv/m", "url": "http://h"}, "/url", "inconsistent_fields", "no `provider`, `url`"),
         ("RegisterTeacherRequest", {"alias": "t", "kind": "local", "model_id": "models/m"}, "/model_id", "inconsistent_fields", "absolute path"),
         ("RegisterTeacherRequest", {"alias": "t", "kind": "remote", "provider": "vllm", "model_id": "m"}, "/url", "inconsistent_fields", "http(s) `url`"),
@@ -48,7 +49,6 @@ def _refused(document, body):
         ("GrpoRequest", {"groups": [{"messages": USER, "completions": [{"text": "x", "reward": 1}]}], "dry_run": True}, "/dataset_path", "inconsistent_fields", "dry_run"),
         ("GrpoRequest", {"dataset": "hub/math"}, "/dataset", "wrong_type", "no dataset registry"),
         ("GrpoRequest", {"agentic_groups": [{"messages": [], "completions": [{"text": "x", "reward": 1}]}]}, "/agentic_groups/0/messages", "invalid_length", ""),
-        ("GrpoRequest", {"groups": [{"messages": [{"role": "robot", "content": "x"}], "completions": [{"text": "x", "reward": 1}]}]}, "/groups/0/messages/0/role", "value_not_allowed", ""),
         ("SftRequest", {"examples": [{}]}, "/examples/0/messages", "missing_field", ""),
         ("SftRequest", {"examples": [{"messages": []}]}, "/examples/0/messages", "invalid_length", ""),
         ("SftRequest", {"dataset": "hub/thing"}, "/dataset", "wrong_type", "no dataset registry"),
@@ -56,7 +56,7 @@ def _refused(document, body):
         ("SftRequest", {"dataset_path": "/data/../etc/rows.jsonl"}, "/dataset_path", "unsafe_path", "`..`"),
         ("SftRequest", {"dataset_path": "/data/a\x00b"}, "/dataset_path", "unsafe_path", "NUL"),
         ("SftRequest", {"examples": [{"messages": USER}], "config": {"output_name": " bot"}}, "/config/output_name", "pattern_mismatch", "whitespace"),
-        ("SftRequest", {"examples": [{"messages": USER}], "config": {"output_name": "bot.FAILED-2"}}, "/config/output_name", "pattern_mismatch", "derived"),
+        ("SftRequest", {"examples": [{"messages": USER}], "config": {"output_name": "bot.FAILED-2"}}, "/config/output_name", "pattern_mismatch", "'.failed'"),
         ("SftRequest", {"examples": [{"messages": USER}], "config": {"output_name": "a-checkpoint-step-1"}}, "/config/output_name", "pattern_mismatch", "-checkpoint-step-"),
         ("SftRequest", {"examples": [{"messages": USER}], "config": {"output_name": "x" * 194}}, "/config/output_name", "invalid_length", ""),
     ],

@@ -4,7 +4,7 @@ Every operation gets generated requests, valid and invalid (schemathesis's cover
 seed, one worker). No answer may be a server fault (a 5xx other than the designed 502 of an unreachable teacher and
 503 of a full queue); every answer must match its documented status, content type and schema; a request the schema
 allows must not be refused as malformed (``positive_data_acceptance``, on every operation but the three training
-submissions: see ``TRAINING``) and a request it forbids must be (``negative_data_rejection``): the schema states
+submissions and the suite registration: see ``TRAINING``) and a request it forbids must be (``negative_data_rejection``): the schema states
 what the server enforces. Those two checks accept schemathesis's default statuses plus 413 (the server's
 configured body limit, a deployment setting no schema states). Job, adapter and receipt routes get real
 identifiers (a finished job and its adapter) so the tests reach past the 404s. docs/server.md ("What the schema
@@ -27,10 +27,11 @@ CHECKS = (
     "not_a_server_error,status_code_conformance,content_type_conformance,response_schema_conformance,"
     "positive_data_acceptance,negative_data_rejection"
 )
-# A training submission's acceptance also depends on what the schema cannot see -- the rows' tokenization against the
-# served model, the bytes of an uploaded file it names, the teacher registry -- so those three operations run every
-# check but positive_data_acceptance (the schema states every rule a request body can break by itself).
-TRAINING = ("submit_sft_training", "submit_grpo_training", "submit_opd_training")
+# Whether these are accepted also depends on what no JSON Schema can state -- a training submission's rows tokenized
+# by the served model, the bytes of an uploaded file it names, the teacher registry; an evaluation suite's regex
+# compiled by Python's re (JSON Schema's `regex` format is ECMA-262, which disagrees with it both ways) -- so they run
+# every check but positive_data_acceptance. Every other rule a request body can break by itself is in its schema.
+TRAINING = ("submit_sft_training", "submit_grpo_training", "submit_opd_training", "register_eval_suite")
 DESTRUCTIVE = (
     "delete_training_job",
     "delete_adapter",

@@ -225,7 +225,7 @@ def test_reprobe_names_every_member_that_changed(registry, tmp_path, teacher_dir
 
 
 def test_a_local_teacher_needs_an_absolute_model_directory_and_an_existing_adapter(registry, teacher_dir, tmp_path):
-    with pytest.raises(RequestError, match="absolute path"):
+    with pytest.raises(ContractError, match="absolute path"):  # the schema states it
         registry.add(_local("tutor", "relative/dir"))
     with pytest.raises(RequestError, match=r"no config\.json"):
         registry.add(_local("tutor", tmp_path))
@@ -458,7 +458,7 @@ def test_a_remote_teacher_without_a_published_identity_cannot_be_registered(regi
         registry.add(_remote("far", models_server))
     with pytest.raises(RequestError, match="serves no model 'absent'"):
         registry.add(_remote("far", models_server, model_id="absent"))
-    with pytest.raises(RequestError, match="not an http"):
+    with pytest.raises(ContractError, match="http\\(s\\) `url`"):  # the schema states it
         registry.add(_remote("far", "ftp://example"))
     assert registry.list() == []
 
@@ -469,7 +469,7 @@ def test_a_remote_teacher_pins_the_published_identity_and_sends_its_credential(
     identity = teacher_identity_for(teacher_dir, served_model_id="teacher")
     _Models.cards = [{"id": "teacher", "object": "model", "teacher_identity": identity}]
     assert credential_env("vllm-lab.1") == "KILN_CREDENTIAL_VLLM_LAB_1"
-    with pytest.raises(RequestError, match="KILN_CREDENTIAL_VLLM_LAB_1"):
+    with pytest.raises(NotFoundError, match="KILN_CREDENTIAL_VLLM_LAB_1"):  # the server has no such credential
         registry.add(_remote("far", models_server, credential_id="vllm-lab.1"))
     monkeypatch.setenv("KILN_CREDENTIAL_VLLM_LAB_1", "s3cret")
     entry = _valid("TeacherEntry", registry.add(_remote("far", models_server + "/", credential_id="vllm-lab.1")))

@@ -18,9 +18,9 @@ from typing import Any
 SCHEMA_DIGESTS: dict[str, str] = {
     "kiln-artifacts-v1.schema.json": "sha256:2ed8ad0b1a59e1d2ea492decbb2c73a8c371af1d9224c89f64bb88856aacc9ed",
     "kiln-checkpoint-v1.schema.json": "sha256:40f2f23b53561eaca7040113a06aea056e0ac8f95172d7f10c65195bd3f5f7f7",
-    "kiln-common-v1.schema.json": "sha256:f282c9d24cff1d971ff86869fb79081e876aa4226b9ae9826ed37c86e4a8b253",
+    "kiln-common-v1.schema.json": "sha256:140778be5b4882abd354e3ab1194bbe6a56e891d614d0aa7c0cace8c6ff07833",
     "kiln-config-v1.schema.json": "sha256:5477f715c128cfbf67d6d5ed24d8a400c0b6d65c30d799e6b3fee5ba860db2ac",
-    "kiln-control-plane-v1.schema.json": "sha256:b973e8f7f37ce698e0940b3ece91428f8336a160e2a054cb24b9189fd94c1810",
+    "kiln-control-plane-v1.schema.json": "sha256:14ed525872cd0c12742fae1f6e2333a9e5dd2bd1923fba2f6a6323eb7f761102",
     "kiln-observability-v1.schema.json": "sha256:6f0bc47ffee00565b9fcff807ddbbfc8e2a57ca93e1f13e915de1dde8427e513"
 }
 

@@ -54,12 +54,19 @@ def wilson_interval(correct: int, total: int, z: float = Z95) -> tuple[float, fl
 
 
 _ECMA_NAMED_GROUP = re.compile(r"(?<!\\)\(\?<(?![=!])")
+_ECMA_NAMED_BACKREF = re.compile(r"(?<!\\)\\k<([A-Za-z_][A-Za-z0-9_]*)>")
 
 
 def scorer_regex(pattern: str) -> re.Pattern[str]:
     """A ``regex`` scorer's pattern compiled as it runs: Python's ``re``, with ECMA-262's named group ``(?<name>...)``
-    read as Python's ``(?P<name>...)`` (the schema checks the pattern as ECMA-262; the scorer runs Python)."""
-    return re.compile(_ECMA_NAMED_GROUP.sub("(?P<", pattern))
+    and back-reference ``\\k<name>`` read as Python's ``(?P<name>...)`` and ``(?P=name)`` (the schema checks the
+    pattern as ECMA-262; the scorer runs Python). Raises ``re.error`` for any pattern ``re`` cannot compile, a
+    repetition count too large for it included."""
+    python = _ECMA_NAMED_BACKREF.sub(r"(?P=\1)", _ECMA_NAMED_GROUP.sub("(?P<", pattern))
+    try:
+        return re.compile(python)
+    except (OverflowError, RecursionError) as exc:
+        raise re.error(f"{type(exc).__name__}: {exc}") from None
 
 
 @semantic_rule("EvalScorer", "eval.scorer-fields")

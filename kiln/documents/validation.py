@@ -202,6 +202,19 @@ def _schema_at(root: dict[str, Any], schema_path: list[Any]) -> Any:
     return node
 
 
+def _refusal(node: dict[str, Any], instance: Any) -> str:
+    """The message of a value a definition with ``x-kiln-code`` refuses: a registry name says which part of the
+    registry name rule it breaks (``x-kiln-name-rule``: the rule of ``kiln.host.fs.name_problem``), anything else
+    quotes the definition's description."""
+    from kiln.host.fs import NAME_KINDS, name_problem
+
+    rule = node.get("x-kiln-name-rule")
+    why = next((name_problem(instance, kind=kind) for kind in NAME_KINDS if kind == rule), None)
+    if why is not None:
+        return f"{rule} name {instance!r} is refused by the registry name rule: {why}"
+    return f"{json.dumps(instance)} is refused: {node.get('description', '')}"
+
+
 def _map_error(error: Any, out: list[Problem], resolve: _PathResolver, root: dict[str, Any]) -> None:
     kind = type(error.kind).__name__
     if kind == "AnyOf":
@@ -267,7 +280,7 @@ def _map_error_plain(error: Any, out: list[Problem], resolve: _PathResolver, roo
         node = _schema_at(root, list(error.schema_path)[:-1])
         named = node.get("x-kiln-code") if isinstance(node, dict) else None
         if isinstance(named, str):  # the definition names its own refusal and says why
-            out.append(Problem(named, pointer, f"{json.dumps(instance)} is refused: {node.get('description', '')}"))
+            out.append(Problem(named, pointer, _refusal(node, instance)))
         else:
             out.append(Problem("pattern_mismatch", pointer, error.message))
     elif kind == "Format":
