@@ -254,6 +254,21 @@ def test_a_stream_interleaves_its_choices_in_a_fixed_turn_order(gen):
     assert [c["choices"] for c in again] == [c["choices"] for c in chunks]
 
 
+def test_a_model_whose_attention_cannot_run_per_row_decodes_each_sequence_alone_with_its_own_weights(
+    tmp_path, tiny_model_dir, trained_adapter
+):
+    loaded = load_base_model(tiny_model_dir)
+    loaded.model.set_attn_implementation("eager")
+    shutil.copytree(trained_adapter, tmp_path / "adapters" / "bot")
+    gen = Generator(loaded, tmp_path / "adapters", "kiln-tiny")
+    bot = gen.adapter_named("bot")
+    plans = [_plan(gen, TEXTS[1]), _plan(gen, TEXTS[1], adapter=bot), _plan(gen, TEXTS[2], adapter=bot, seed=1)]
+    alone = [_alone(gen, plan, top_k=1) for plan in plans]
+    assert _together(gen, plans, top_k=1) == alone
+    assert gen.scheduler.widest == len(plans)
+    assert alone[0] != alone[1]  # each row had its own weights
+
+
 # --- the row batch under it -----------------------------------------------------------------------
 
 
@@ -271,12 +286,15 @@ def _lone_logits(model, prompt, tokens):
     return rows
 
 
-def _staggered(model, prompts, tokens):
+def _staggered(model, prompts, tokens, attention=None):
     """Each prompt joins a ``RowBatch`` one step after the previous one, the second leaves half-way; returns
-    every row's logits per step and how many rows the widest step held."""
+    every row's logits per step and how many rows the widest step held. ``attention``: the model's attention
+    implementation from the first step on (the batch was made for the one before)."""
     import torch
 
     batch, got, widest = RowBatch(model), {r: [] for r in range(len(prompts))}, 0
+    if attention is not None:
+        model.set_attn_implementation(attention)
     with torch.inference_mode():
         for step in range(len(tokens[0]) + len(prompts)):
             if batch.rows:
@@ -293,13 +311,13 @@ def _staggered(model, prompts, tokens):
     return got, widest
 
 
-def _same_bits(model, steps=10, lengths=(3, 11, 26, 7, 40)):
+def _same_bits(model, steps=10, lengths=(3, 11, 26, 7, 40), attention=None):
     import torch
 
     generator = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 600, (n,), generator=generator).tolist() for n in lengths]
     tokens = [torch.randint(0, 600, (steps,), generator=generator).tolist() for _ in lengths]
-    got, widest = _staggered(model, prompts, tokens)
+    got, widest = _staggered(model, prompts, tokens, attention)
     assert widest == len(prompts)
     for r, prompt in enumerate(prompts):
         lone = _lone_logits(model, prompt, tokens[r])
@@ -311,9 +329,10 @@ def test_row_batch_logits_are_the_lone_logits_bit_for_bit_on_the_tiny_model(tiny
     _same_bits(load_base_model(tiny_model_dir).model)
 
 
-@pytest.mark.parametrize("architecture", ["gpt2", "llama", "llama-eager"])
+@pytest.mark.parametrize("architecture", ["gpt2", "llama", "llama-eager", "llama-sdpa-then-eager"])
 def test_row_batch_logits_are_the_lone_logits_bit_for_bit_on_other_architectures(architecture):
-    """GPT-2 adds through ``addmm`` (Conv1D) and normalises with LayerNorm; eager attention is stepped row by row."""
+    """GPT-2 normalises with LayerNorm and activates with tanh; eager attention is stepped row by row, also when the
+    batch finds out at its first step (attention did not run per row: that forward is discarded)."""
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
@@ -328,4 +347,4 @@ def test_row_batch_logits_are_the_lone_logits_bit_for_bit_on_other_architectures
         model = LlamaForCausalLM(config)
     if architecture == "llama-eager":
         model.set_attn_implementation("eager")
-    _same_bits(model.eval())
+    _same_bits(model.eval(), attention="eager" if architecture.endswith("then-eager") else None)

@@ -26,9 +26,11 @@ their lone decoding bit for bit.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import inspect
+import platform
 from typing import Any
 
 __all__ = ["RowBatch"]
@@ -110,18 +112,26 @@ class RowBatch:
             ]
         )
 
-    def step(self, tokens: list[int]) -> list[Any]:
-        """One forward: ``tokens[r]`` is fed to ``rows[r]``; returns each row's float32 logits ``[V]`` (a tensor of
-        its own). The caller holds whatever lock guards the model and applies adapters around the call."""
+    def step(self, tokens: list[int], weights: Any = None) -> list[Any]:
+        """One step: ``tokens[r]`` is fed to ``rows[r]``; returns each row's float32 logits ``[V]`` (a tensor of its
+        own). ``weights(indices)``, when given, is the context manager each forward runs in, for the rows it covers
+        (indices into ``rows``): the caller's adapters. The caller holds whatever lock guards the model."""
+        around = weights or (lambda indices: contextlib.nullcontext())
         if not self._batched:
-            return [self._one(key, token) for key, token in zip(self.rows, tokens, strict=True)]
+            results = []
+            for r, (key, token) in enumerate(zip(self.rows, tokens, strict=True)):
+                with around([r]):
+                    results.append(self._one(key, token))
+            return results
         if len(self.rows) == 1:
-            return [self._lone(tokens[0])]
+            with around([0]):
+                return [self._lone(tokens[0])]
         try:
-            return self._together(tokens)
+            with around(list(range(len(self.rows)))):
+                return self._together(tokens)
         except _Unsupported:
             self._step_alone()
-            return self.step(tokens)
+            return self.step(tokens, weights)
 
     # --- the forwards -------------------------------------------------------------------
 
@@ -164,6 +174,7 @@ class RowBatch:
         return out
 
     def _one(self, key: Any, token: int) -> Any:
+        """A row's forward on its own cache (the batch steps rows alone)."""
         import torch
 
         cache = self._alone[key]
@@ -218,10 +229,12 @@ def _cache(pairs: list[tuple[Any, Any]]) -> Any:
 
 # --- the per-row mode -------------------------------------------------------------------------
 
-# elementwise functions whose vector and scalar kernels may round differently (1/sqrt is listed too: exact on x86,
-# an estimate refined by Newton steps on some other vector units)
-_ELEMENTWISE = ("exp", "expm1", "log", "log1p", "sin", "cos", "tan", "tanh", "sigmoid", "erf", "erfc", "rsqrt")
-_WITHIN_ROW = ("softmax", "log_softmax", "mean", "sum")  # reductions along a dim: per row unless across rows
+# Elementwise functions whose vector and scalar kernels may round differently. 1/sqrt is correctly rounded by both
+# on x86 (a division of a square root); elsewhere a vector unit may estimate it, so it runs per row there.
+_ELEMENTWISE = ("exp", "expm1", "log", "log1p", "sin", "cos", "tan", "tanh", "sigmoid", "erf", "erfc") + (
+    () if platform.machine() in ("x86_64", "AMD64") else ("rsqrt",)
+)
+_WITHIN_ROW = ("softmax", "log_softmax")  # along a dim: per row unless across rows (mean and sum, below, are not)
 
 
 @functools.cache
@@ -238,7 +251,8 @@ def _mode_class() -> Any:
         """``func(x, *rest)`` row by row: an op on the last dims of ``x`` with shared other arguments."""
         if not batched(mode, args[0]):
             return func(*args, **kwargs)
-        return torch.cat([func(row, *args[1:], **kwargs) for row in args[0].split(1)])
+        x = args[0]
+        return torch.cat([func(x[r : r + 1], *args[1:], **kwargs) for r in range(mode.batch)])
 
     def elementwise_rows(mode: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if any(isinstance(a, torch.Tensor) and a.dim() > 0 for a in args[1:]):  # a second operand: as it is
@@ -257,7 +271,7 @@ def _mode_class() -> Any:
         x, w = args[at], args[at + 1]
         if not batched(mode, x) or not isinstance(w, torch.Tensor) or w.dim() != 2 or (at and x.dim() != 2):
             return func(*args, **kwargs)
-        return torch.cat([func(*args[:at], row, *args[at + 1 :], **kwargs) for row in x.split(1)])
+        return torch.cat([func(*args[:at], x[r : r + 1], *args[at + 1 :], **kwargs) for r in range(mode.batch)])
 
     def within_rows(mode: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         dim = args[1] if len(args) > 1 else kwargs.get("dim")

@@ -241,8 +241,11 @@ class Scheduler:
             running: list[_Row] = list(self._batch.rows)
             if running:
                 try:
-                    with self._lock, rows_applied([row.adapter for row in running]):
-                        logits = self._batch.step([row.last for row in running])
+                    with self._lock:
+                        logits = self._batch.step(
+                            [row.last for row in running],
+                            lambda indices: rows_applied([running[i].adapter for i in indices]),
+                        )
                 except Exception as exc:  # noqa: BLE001 -- not swallowed: each sequence of the forward ends with it
                     logits = None
                     for row in running:
