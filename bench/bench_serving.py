@@ -225,7 +225,7 @@ def main() -> None:
 
     print(
         f"{cpu_model()}, {os.cpu_count()} cores, python {platform.python_version()}, torch {torch.__version__} "
-        f"({torch.get_num_threads()} threads), {'HTTP to kiln serve' if args.live else 'in-process routes'}"
+        f"(torch threads: {torch.get_num_threads()}), {'HTTP to kiln serve' if args.live else 'in-process routes'}"
     )
     results = {}
     with tempfile.TemporaryDirectory(prefix="kiln-bench-serving-") as tmp:
