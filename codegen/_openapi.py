@@ -48,7 +48,11 @@ def build_openapi(definitions: dict[str, Any], routes: list[dict[str, Any]], ver
         if route.get("request_media_type"):  # a raw body (an upload), not a JSON document
             operation["requestBody"] = {
                 "required": True,
-                "content": {route["request_media_type"]: {"schema": {"type": "string", "format": "binary"}}},
+                "content": {
+                    route["request_media_type"]: {
+                        "schema": {"type": "string", "format": "binary", "minLength": 1}  # an empty upload is refused
+                    }
+                },
             }
         if route.get("request"):
             operation["requestBody"] = {

@@ -23,6 +23,7 @@ what to do, an optional ``hint`` and, for documents, the JSON pointer of the bad
     ├── CapacityError            queue_full, memory_budget_exceeded, payload_too_large
     ├── AuthError                unauthorized
     ├── AccessError              path_not_allowed: a path outside what the server may read
+    ├── UpstreamError            teacher_unreachable: a remote teacher did not answer its probe as a teacher does
     ├── RegistryError            registry_unwritable: the adapter registry cannot be written
     └── InternalError            internal_error
 
@@ -85,6 +86,7 @@ __all__ = [
     "UnknownDocumentTypeError",
     "UnsafeLoraScaleError",
     "UnsupportedLossConfigError",
+    "UpstreamError",
     "ZeroActionTokensError",
     "ZeroEnvTokensError",
     "ZeroGroupsError",
@@ -287,6 +289,14 @@ class AccessError(KilnError):
 
     codes = ("path_not_allowed",)
     default_code = "path_not_allowed"
+
+
+class UpstreamError(KilnError):
+    """A remote teacher could not be probed (no answer, an error status, a body that is not a model listing): the
+    upstream failed, not the request."""
+
+    codes = ("teacher_unreachable",)
+    default_code = "teacher_unreachable"
 
 
 class RegistryError(KilnError):

@@ -125,6 +125,31 @@ def test_a_chunked_body_is_refused_413_as_soon_as_it_passes_the_limit_without_wa
 # ----------------------------------------------------------------------------- content types and HEAD
 
 
+@pytest.mark.parametrize(
+    "body", ["null", "3", "true", '"{}"', json.dumps(json.dumps({"examples": ADAPTER_CONVERSATIONS}))]
+)
+def test_a_json_body_that_is_not_an_object_is_refused_400_on_every_json_route(server, body):
+    """A JSON scalar (null, a number, a boolean) or a string -- even one that spells a valid request -- is never
+    parsed again nor crashes the door: 400 naming the body's kind."""
+    with server.client() as http:
+        for route in (
+            "/v1/train/sft",
+            "/v1/train/grpo",
+            "/v1/train/opd",
+            "/v1/chat/completions",
+            "/v1/completions",
+            "/tokenize",
+            "/detokenize",
+            "/v1/eval/suites",
+            "/v1/teachers",
+            "/v1/audits",
+            "/v1/adapters/load",
+        ):
+            answer = http.post(route, content=body, headers={"Content-Type": "application/json"})
+            assert answer.status_code == 400, (route, body, answer.text)
+            assert _refused(server, answer)["code"] in ("wrong_type", "null_not_allowed"), (route, body)
+
+
 @pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded", "text/json"])
 def test_a_body_that_is_not_declared_json_is_refused_415_on_a_json_route(server, content_type):
     body = json.dumps({"examples": ADAPTER_CONVERSATIONS, "config": {"epochs": 1, "auto_load": False}})

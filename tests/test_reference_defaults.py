@@ -20,7 +20,7 @@ from _upstream import needs_upstream, upstream_definition
 from kiln_contracts.models import kiln_control_plane_v1_schema as control_plane
 
 from kiln import contracts
-from kiln.errors import RequestError
+from kiln.errors import ContractError
 
 pytestmark = needs_upstream
 
@@ -140,8 +140,8 @@ REFERENCE = {
 
 # (definition, field): why Kiln differs. docs/contracts.md lists the same.
 DIFFERENCES = {
-    ("GrpoRequest", "dataset_split"): "Kiln has no dataset registry: `dataset` and `dataset_split` are refused "
-    "(training_backend_unsupported), so there is no split to default",
+    ("GrpoRequest", "dataset_split"): "Kiln has no dataset registry: its schema accepts `dataset` and `dataset_split` "
+    "only as null, so there is no split to default",
 }
 
 
@@ -217,6 +217,9 @@ def test_a_config_spelling_out_every_reference_default_is_accepted_and_trains_li
 def test_the_listed_default_differences_are_still_real():
     assert set(DIFFERENCES) <= {(d, f) for d, table in REFERENCE.items() for f in table}
     body = {"dataset": "math", "dataset_split": "train"}
-    with pytest.raises(RequestError) as refused:
+    with pytest.raises(ContractError) as refused:
         check_grpo_request(body)
-    assert refused.value.code == "training_backend_unsupported"
+    assert {(p.code, p.pointer) for p in refused.value.problems} >= {
+        ("wrong_type", "/dataset"),
+        ("wrong_type", "/dataset_split"),
+    }

@@ -176,10 +176,9 @@ def test_vllm_sampling_fields_are_honoured(gen):
     assert _content(penalised) == _content(_complete(gen, max_tokens=12, repetition_penalty=100.0))
     assert _content(penalised) != _content(greedy)
     assert _content(_complete(gen, max_tokens=12, repetition_penalty=1.0)) == _content(greedy)
-    with pytest.raises(ContractError) as caught:
-        chat_completion(gen, {"messages": MESSAGES, "max_tokens": 4, "min_tokens": 5})
-    assert caught.value.problems[0].code == "inconsistent_fields"
-    assert caught.value.problems[0].pointer == "/min_tokens"
+    capped = _complete(gen, max_tokens=4, min_tokens=50)  # more than the limit: the choice runs to the limit
+    assert capped["usage"]["completion_tokens"] == 4
+    assert capped["choices"][0]["finish_reason"] == "length"
 
 
 def test_adapter_and_base_model_together_are_inconsistent_fields(gen):
@@ -305,6 +304,25 @@ def test_unknown_adapter_is_adapter_not_found_and_keeps_the_active_one(gen):
     with pytest.raises(NotFoundError):
         chat_completion(gen, {"messages": MESSAGES, "adapter": "ghost"})
     assert gen.active()["name"] == "bot"
+
+
+def test_a_run_that_published_no_adapter_is_not_an_adapter(gen, registry):
+    """A failed run's receipt alone (or an empty directory) at a name is not an adapter to serve: adapter_not_found,
+    saying so -- never adapter_invalid, which is for an adapter that is damaged."""
+    receipt = json.loads((registry / "bot" / "train_receipt.json").read_text())
+    (registry / "attempt").mkdir()
+    (registry / "attempt" / "train_receipt.json").write_text(json.dumps({**receipt, "status": "failed"}))
+    (registry / "empty").mkdir()
+    for name in ("attempt", "empty"):
+        with pytest.raises(NotFoundError, match="published no adapter") as caught:
+            chat_completion(gen, {"messages": MESSAGES, "adapter": name})
+        assert caught.value.code == "adapter_not_found"
+        with pytest.raises(NotFoundError):
+            gen.load(name)
+    (registry / "altered").mkdir()
+    (registry / "altered" / "train_receipt.json").write_text(json.dumps(receipt))  # a successful run's, weights gone
+    with pytest.raises(AdapterError):
+        gen.load("altered")
 
 
 @pytest.mark.parametrize("damage", ["weights", "receipt", "manifest_schema", "no_manifest", "no_weights", "config"])

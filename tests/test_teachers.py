@@ -24,7 +24,7 @@ import pytest
 from kiln import contracts
 from kiln.artifacts.base_weights import build_base_weight_manifest
 from kiln.documents.digests import json_sha256, prefixed, teacher_identity_revision
-from kiln.errors import ConflictError, ContractError, IntegrityError, NotFoundError, RequestError
+from kiln.errors import ConflictError, ContractError, IntegrityError, NotFoundError, RequestError, UpstreamError
 from kiln.model import create_tiny, load_base_model
 from kiln.teachers import (
     MAX_TOP_K,
@@ -438,6 +438,18 @@ def models_server():
 
 def _remote(alias, url, model_id="teacher", **extra):
     return {"alias": alias, "kind": "remote", "provider": "vllm", "url": url, "model_id": model_id, **extra}
+
+
+def test_an_unreachable_teacher_is_an_upstream_failure_and_an_unset_credential_is_not_found(registry, monkeypatch):
+    """Neither is a malformed request: the upstream failed (502 teacher_unreachable), or the server has no such
+    credential (404 not_found)."""
+    with pytest.raises(UpstreamError, match="cannot reach the teacher") as caught:
+        registry.add(_remote("far", "http://127.0.0.1:9"))
+    assert caught.value.code == "teacher_unreachable"
+    monkeypatch.delenv("KILN_CREDENTIAL_NOWHERE", raising=False)
+    with pytest.raises(NotFoundError, match="credential 'nowhere' is not set") as missing:
+        registry.add(_remote("far", "http://127.0.0.1:9", credential_id="nowhere"))
+    assert missing.value.code == "not_found"
 
 
 def test_a_remote_teacher_without_a_published_identity_cannot_be_registered(registry, models_server):

@@ -16,11 +16,11 @@ from importlib import resources
 from typing import Any
 
 SCHEMA_DIGESTS: dict[str, str] = {
-    "kiln-artifacts-v1.schema.json": "sha256:c496529b18fe184300d68b9276dee3fc925367aec984a73a6761862e0c4c210a",
+    "kiln-artifacts-v1.schema.json": "sha256:338f14d1c8b60546e929ca8ef32e2cc74dcc04f4861c83da6dfc4fa0ba916848",
     "kiln-checkpoint-v1.schema.json": "sha256:40f2f23b53561eaca7040113a06aea056e0ac8f95172d7f10c65195bd3f5f7f7",
-    "kiln-common-v1.schema.json": "sha256:578fb0867921ff18b61214d1e6a909abccdcc2532c6c6bd5a1c1aada83583c73",
+    "kiln-common-v1.schema.json": "sha256:957689e5d11cd5d41b67359c837565ea2409ebd0016be742f2036181ddb5d93e",
     "kiln-config-v1.schema.json": "sha256:5477f715c128cfbf67d6d5ed24d8a400c0b6d65c30d799e6b3fee5ba860db2ac",
-    "kiln-control-plane-v1.schema.json": "sha256:ffea98976b1ee05ccc52d234d294f08c76d202b57bf3e8f944b8c03c9a19802d",
+    "kiln-control-plane-v1.schema.json": "sha256:c03fb61bc6b9e47fb5e520588735093ef84ef1403512157098b621bbaaa2d86a",
     "kiln-observability-v1.schema.json": "sha256:6f0bc47ffee00565b9fcff807ddbbfc8e2a57ca93e1f13e915de1dde8427e513"
 }
 

@@ -48,7 +48,7 @@ from kiln.adapters._directory import (
     require_adapter_name,
     staged_adapter,
 )
-from kiln.adapters._registry import adapter_entry, list_adapters
+from kiln.adapters._registry import adapter_entry, attempt_record, list_adapters
 
 __all__ = [
     "BINDINGS",
@@ -65,6 +65,7 @@ __all__ = [
     "LoraConfigProblem",
     "adapter_directory",
     "adapter_entry",
+    "attempt_record",
     "base_adapter_dir",
     "content_revision",
     "delete_adapter",

@@ -24,6 +24,7 @@ from kiln.adapters._directory import (
     MANIFEST_FILE,
     RECEIPT_FILE,
     WEIGHTS_FILE,
+    holds_attempt_record_only,
     is_listed,
     problem_text,
     read_canary_status,
@@ -48,6 +49,20 @@ def _config_facts(path: Path) -> tuple[dict[str, Any], str | None]:
     if not isinstance(config, dict):
         return {}, f"{CONFIG_FILE} is not a JSON object"
     return config, None
+
+
+def attempt_record(directory: Path) -> bool:
+    """Whether ``directory`` is what a run that published no adapter leaves at its name: nothing, or only the receipt
+    of a failed run or of a dry run (an adapter whose weights went missing is not one: it is invalid)."""
+    if not holds_attempt_record_only(directory):
+        return False
+    if not (directory / RECEIPT_FILE).is_file():
+        return True
+    try:
+        receipt = read_json_file(directory / RECEIPT_FILE)
+    except KilnError:
+        return False
+    return isinstance(receipt, dict) and (receipt.get("status") == "failed" or _dry_run_record(directory))
 
 
 def _dry_run_record(directory: Path) -> bool:

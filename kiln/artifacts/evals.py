@@ -33,6 +33,7 @@ __all__ = [
     "canonical_data_scope",
     "load_eval_result",
     "load_eval_suite",
+    "scorer_regex",
     "wilson_interval",
 ]
 
@@ -52,6 +53,15 @@ def wilson_interval(correct: int, total: int, z: float = Z95) -> tuple[float, fl
     return max(0.0, centre - half), min(1.0, centre + half)
 
 
+_ECMA_NAMED_GROUP = re.compile(r"(?<!\\)\(\?<(?![=!])")
+
+
+def scorer_regex(pattern: str) -> re.Pattern[str]:
+    """A ``regex`` scorer's pattern compiled as it runs: Python's ``re``, with ECMA-262's named group ``(?<name>...)``
+    read as Python's ``(?P<name>...)`` (the schema checks the pattern as ECMA-262; the scorer runs Python)."""
+    return re.compile(_ECMA_NAMED_GROUP.sub("(?P<", pattern))
+
+
 @semantic_rule("EvalScorer", "eval.scorer-fields")
 def _scorer_fields(doc: dict[str, Any], at: str) -> Iterable[Problem]:
     kind = doc["kind"]
@@ -66,7 +76,7 @@ def _scorer_fields(doc: dict[str, Any], at: str) -> Iterable[Problem]:
             )
     if kind == "regex" and "pattern" in doc:
         try:
-            re.compile(doc["pattern"])
+            scorer_regex(doc["pattern"])
         except re.error as exc:
             yield Problem("inconsistent_fields", ptr(at, "pattern"), f"pattern does not compile: {exc}")
 

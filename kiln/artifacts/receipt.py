@@ -77,15 +77,6 @@ def _blank(value: Any) -> bool:
     return isinstance(value, str) and not value.strip()
 
 
-@semantic_rule(DOC, "receipt.envelope")
-def _envelope(doc: dict[str, Any], at: str) -> Iterable[Problem]:
-    if _blank(doc["adapter_name"]):
-        yield Problem("inconsistent_fields", ptr(at, "adapter_name"), f"adapter_name {doc['adapter_name']!r} is blank")
-    why = rfc3339_problem(doc["produced_at"])
-    if why:
-        yield Problem("inconsistent_fields", ptr(at, "produced_at"), f"produced_at {doc['produced_at']!r} {why}")
-
-
 @semantic_rule(DOC, "receipt.failure-consistency")
 def _failure(doc: dict[str, Any], at: str) -> Iterable[Problem]:
     reason, message = doc["failure_reason"], doc.get("failure_message")

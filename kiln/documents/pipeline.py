@@ -27,8 +27,9 @@ Source = bytes | str | os.PathLike[str] | dict[str, Any] | list[Any]
 
 
 def read_source(source: Source, *, document: str | None = None) -> tuple[Any, str | None]:
-    """Turn a path, bytes, text or already-parsed value into a JSON value."""
-    if isinstance(source, (dict, list)):
+    """Turn a path, bytes, text or already-parsed value into a JSON value (a parsed scalar -- null, a number, a
+    boolean -- is itself: the schema refuses it, never a ``TypeError``)."""
+    if isinstance(source, (dict, list)) or source is None or isinstance(source, (bool, int, float)):
         return source, document
     if isinstance(source, os.PathLike):
         return read_json_file(source), document or str(source)

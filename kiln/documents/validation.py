@@ -178,7 +178,51 @@ def _is_null_branch(errors: list[Any], path: list[Any]) -> bool:
     return list(errors[0].instance_path) == path and list(errors[0].kind.types) == ["null"]
 
 
-def _map_error(error: Any, out: list[Problem], resolve: _PathResolver) -> None:
+def _excluded_fields(schema: Any, instance: Any) -> list[str]:
+    """The fields a ``not: {required: [...]}`` -- the schema's way to say "these fields cannot be given together",
+    optionally with the values that exclude them in ``properties`` -- found in ``instance``; empty for any other
+    ``not``."""
+    if not isinstance(schema, dict) or not isinstance(instance, dict):
+        return []
+    if set(schema) - {"required", "description", "properties"} or not schema.get("required"):
+        return []
+    return [name for name in schema.get("required", []) if name in instance]
+
+
+def _schema_at(root: dict[str, Any], schema_path: list[Any]) -> Any:
+    """The schema node at ``schema_path`` of ``root`` (following ``$ref`` into its ``$defs``), or None."""
+    node: Any = root
+    for part in schema_path:
+        if isinstance(node, dict) and "$ref" in node and part not in node:
+            node = root["$defs"].get(str(node["$ref"]).rsplit("/", 1)[1], {})
+        try:
+            node = node[part]
+        except (KeyError, IndexError, TypeError):
+            return None
+    return node
+
+
+def _map_error(error: Any, out: list[Problem], resolve: _PathResolver, root: dict[str, Any]) -> None:
+    kind = type(error.kind).__name__
+    if kind == "AnyOf":
+        path = list(error.schema_path)
+        node = _schema_at(root, path[:-1]) if path and path[-1] == "anyOf" else None
+        rule = node.get("x-kiln-rule") if isinstance(node, dict) else None
+        if isinstance(rule, str):  # an implication: the fields are fine alone but not together; say which rule
+            mapped: list[Problem] = []
+            for sub in list(error.kind.context)[-1]:  # the consequent, the last branch
+                _map_error(sub, mapped, resolve, root)
+            for problem in mapped or [Problem("schema_violation", resolve_pointer(resolve, error), error.message)]:
+                out.append(Problem("inconsistent_fields", problem.pointer, f"{problem.message}: {rule}"))
+            return
+    _map_error_plain(error, out, resolve, root)
+
+
+def resolve_pointer(resolve: _PathResolver, error: Any) -> str:
+    return _pointer(resolve(error))
+
+
+def _map_error_plain(error: Any, out: list[Problem], resolve: _PathResolver, root: dict[str, Any]) -> None:
     kind = type(error.kind).__name__
     path = resolve(error)
     pointer = _pointer(path)
@@ -192,6 +236,10 @@ def _map_error(error: Any, out: list[Problem], resolve: _PathResolver) -> None:
     elif kind == "Type":
         if instance is None:
             out.append(Problem("null_not_allowed", pointer, "null is not allowed here"))
+        elif list(error.kind.types) == ["null"]:  # a field accepted only as null: its description says why
+            node = _schema_at(root, list(error.schema_path)[:-1])
+            why = node.get("description") if isinstance(node, dict) else None
+            out.append(Problem("wrong_type", pointer, f"{error.message}: {why}" if why else error.message))
         else:
             out.append(Problem("wrong_type", pointer, error.message))
     elif kind == "Constant":
@@ -211,8 +259,17 @@ def _map_error(error: Any, out: list[Problem], resolve: _PathResolver) -> None:
     elif kind == "Enum":
         code = "null_not_allowed" if instance is None else "value_not_allowed"
         out.append(Problem(code, pointer, error.message))
+    elif kind == "Not" and _excluded_fields(error.kind.schema, instance):
+        for name in _excluded_fields(error.kind.schema, instance):
+            why = error.kind.schema.get("description") or f"field {name!r} cannot be combined with the fields given"
+            out.append(Problem("inconsistent_fields", f"{pointer}/{name}", str(why)))
     elif kind in ("Pattern", "Not", "PropertyNames"):
-        out.append(Problem("pattern_mismatch", pointer, error.message))
+        node = _schema_at(root, list(error.schema_path)[:-1])
+        named = node.get("x-kiln-code") if isinstance(node, dict) else None
+        if isinstance(named, str):  # the definition names its own refusal and says why
+            out.append(Problem(named, pointer, f"{json.dumps(instance)} is refused: {node.get('description', '')}"))
+        else:
+            out.append(Problem("pattern_mismatch", pointer, error.message))
     elif kind == "Format":
         out.append(Problem("invalid_format", pointer, error.message))
     elif kind in _RANGE:
@@ -227,7 +284,7 @@ def _map_error(error: Any, out: list[Problem], resolve: _PathResolver) -> None:
         elif non_null:
             before = len(out)
             for sub in min(non_null, key=lambda branch: _branch_score(branch, list(error.instance_path))):
-                _map_error(sub, out, resolve)
+                _map_error(sub, out, resolve, root)
             if len(out) == before:
                 out.append(Problem("schema_violation", pointer, error.message))
         else:
@@ -243,8 +300,9 @@ def schema_problems(name: str, instance: Any, *, reader: bool = False) -> list[P
         return []
     problems: list[Problem] = []
     resolve = _PathResolver(instance)
+    root = entry_schema(name, reader=reader)
     for error in v.iter_errors(instance):
-        _map_error(error, problems, resolve)
+        _map_error(error, problems, resolve, root)
     unique = list(dict.fromkeys(problems))
     unique.sort(key=lambda p: (p.code not in ENVELOPE_CODES, p.pointer))
     return unique

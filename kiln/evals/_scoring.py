@@ -20,6 +20,7 @@ import unicodedata
 from functools import lru_cache
 from typing import Any
 
+from kiln.artifacts.evals import scorer_regex
 from kiln.documents.jsonio import canonical_json, parse_json
 from kiln.errors import ContractError
 
@@ -39,7 +40,7 @@ def normalize(text: str) -> str:
 
 @lru_cache(maxsize=256)
 def _compiled(pattern: str) -> re.Pattern[str]:
-    return re.compile(pattern)
+    return scorer_regex(pattern)
 
 
 def _at_path(value: Any, field: str) -> Any:

@@ -341,10 +341,12 @@ def writable_problem(directory: str | os.PathLike[str], *, probe: bool = False) 
 
 
 def unsafe_path_problem(path: str) -> str | None:
-    """Why ``path`` cannot name a server-local file a request reads (a ``dataset_path``): it must be absolute and
-    without ``..``; None when it can."""
+    """Why ``path`` cannot name a server-local file a request reads (a ``dataset_path``): it must be absolute,
+    without ``..`` and without a NUL (no file name holds one); None when it can."""
     if not os.path.isabs(path) or ".." in Path(path).parts:
         return f"{path!r} must be an absolute path without '..'"
+    if "\x00" in path:
+        return f"{path!r} holds a NUL character, which no file path can"
     return None
 
 

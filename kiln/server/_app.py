@@ -13,6 +13,7 @@ schemas.
 
 from __future__ import annotations
 
+import copy
 import hmac
 import ipaddress
 import json
@@ -49,7 +50,7 @@ from kiln.errors import (
 )
 from kiln.host.config import Settings, resolve_settings
 from kiln.host.fs import writable_problem
-from kiln.server import _audits, _datasets, _evals, _openai, _training
+from kiln.server import _audits, _datasets, _evals, _openai, _tokenize, _training
 from kiln.server._drain import drain_refused, unread
 from kiln.server._jobs import Job, JobManager, JobStore, Outcome, Runner, family
 
@@ -63,7 +64,7 @@ def _http_statuses() -> dict[str, int]:
     return kiln_contracts.load_bundle()["$defs"]["ErrorCode"]["x-kiln-http-status"]
 
 
-OPENAI_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/models")
+OPENAI_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/tokenize", "/detokenize", "/tokenizer_info")
 
 
 def openai_fields(error: JsonObject, status: int) -> JsonObject:
@@ -381,9 +382,10 @@ def create_app(server: Server, *, own_lifecycle: bool = True) -> FastAPI:
     @app.get("/v1/train/queue")
     def queue() -> JSONResponse:
         running = server.jobs.jobs.get(server.jobs.running) if server.jobs.running else None
+        training = running is not None and family(running.job_type) == "training"  # evals and audits list elsewhere
         return JSONResponse(
             {
-                "running": running.status() if running else None,
+                "running": running.status() if running and training else None,
                 "queued": [
                     {"job_id": j.job_id, "job_type": j.job_type, "adapter_name": j.adapter_name, "position": i}
                     for i, j in enumerate(
@@ -586,6 +588,20 @@ def create_app(server: Server, *, own_lifecycle: bool = True) -> FastAPI:
         answer = await _threaded(_openai.completion, server, body)
         return JSONResponse(answer, headers=_seed_header(answer))
 
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        body = await _body(request, server)
+        return JSONResponse(await _threaded(_tokenize.tokenize, server, body))
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        body = await _body(request, server)
+        return JSONResponse(await _threaded(_tokenize.detokenize, server, body))
+
+    @app.get("/tokenizer_info")
+    def tokenizer_info() -> JSONResponse:
+        return JSONResponse(_tokenize.tokenizer_info(server))
+
     @app.get("/v1/models")
     def models() -> JSONResponse:
         return JSONResponse(_openai.model_list(server))
@@ -617,7 +633,7 @@ def create_app(server: Server, *, own_lifecycle: bool = True) -> FastAPI:
 
     @app.get("/openapi.json")
     def openapi() -> JSONResponse:
-        return JSONResponse(kiln_contracts.openapi_document())
+        return JSONResponse(served_openapi(server))
 
     @app.get("/ui")
     def ui() -> HTMLResponse:
@@ -630,6 +646,29 @@ async def _threaded(fn: Any, *args: Any, **kwargs: Any) -> Any:
     from starlette.concurrency import run_in_threadpool
 
     return await run_in_threadpool(fn, *args, **kwargs)
+
+
+def served_openapi(server: Server) -> JsonObject:
+    """The OpenAPI document codegen built, with the bounds only the served model knows filled in: a token id is below
+    the served tokenizer's vocabulary (``TokenId.maximum``) and a token prompt fits the model's context
+    (``TokenIdPrompt.maxItems``), so the document states every bound the server enforces."""
+    document = copy.deepcopy(kiln_contracts.openapi_document())
+    schemas = document["components"]["schemas"]
+    protocol = server.teacher_protocol
+    if "TokenId" in schemas:
+        schemas["TokenId"] = {
+            "type": "integer",
+            "minimum": 0,
+            "maximum": protocol.vocab_size - 1,
+            "description": f"A token id of the served tokenizer: below its vocabulary size {protocol.vocab_size}.",
+        }
+    if "TokenIdPrompt" in schemas:
+        schemas["TokenIdPrompt"] = {
+            **schemas["TokenIdPrompt"],
+            "maxItems": protocol.max_model_len,
+            "description": f"A prompt as token ids of the served tokenizer, at most the model's {protocol.max_model_len}.",
+        }
+    return document
 
 
 def _seed_header(document: Any) -> dict[str, str]:
@@ -787,6 +826,8 @@ def health_body(server: Server) -> dict[str, Any]:
     record = identity.execution_provenance
     shards = identity.base_weight_shard_manifest
     running = server.jobs.jobs.get(server.jobs.running) if server.jobs.running else None
+    if running is not None and family(running.job_type) != "training":
+        running = None  # an evaluation or an audit: /health reports the training worker's training job
     active = server.generator.active()
     checks = [
         {"name": "model_loaded", "pass": server.engine.base.model is not None},

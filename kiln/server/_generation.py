@@ -88,9 +88,17 @@ from pathlib import Path
 from typing import Any
 
 from kiln import contracts
-from kiln.adapters import CANARY_FILE, CONFIG_FILE, WEIGHTS_FILE, AdapterFiles, adapter_directory, content_revision
+from kiln.adapters import (
+    CANARY_FILE,
+    CONFIG_FILE,
+    WEIGHTS_FILE,
+    AdapterFiles,
+    adapter_directory,
+    attempt_record,
+    content_revision,
+)
 from kiln.data import match_skeleton, template_errors
-from kiln.errors import AdapterError, ContractError, InternalError, KilnError, Problem
+from kiln.errors import AdapterError, ContractError, InternalError, KilnError, NotFoundError, Problem
 from kiln.model import Sampling
 from kiln.model import max_positions as _max_positions
 from kiln.model import special_tokens as _special_tokens
@@ -329,9 +337,10 @@ class Generator:
 
     # --- admission ----------------------------------------------------------------------
 
-    def _encode_prompt(self, messages: list[dict[str, Any]]) -> list[int]:
-        """Chat-template render with a generation prompt; message text spelling a special token stays text."""
-        full = self._render(messages)
+    def _encode_prompt(self, messages: list[dict[str, Any]], *, generation: bool = True) -> list[int]:
+        """Chat-template render (with the generation prompt unless ``generation`` is false); message text spelling a
+        special token stays text."""
+        full = self._render(messages, generation)
         slots: list[str] = []
         base = "kilnslot"
         while base in full:
@@ -345,7 +354,9 @@ class Generator:
             swapped.append({**message, "content": content})
         data: list[tuple[int, int]] = []
         if slots:
-            spans = match_skeleton(re.split(re.escape(base) + r"(\d+)q", self._render(swapped)), slots, full)
+            spans = match_skeleton(
+                re.split(re.escape(base) + r"(\d+)q", self._render(swapped, generation)), slots, full
+            )
             if spans is None:
                 raise ContractError(
                     [
@@ -372,9 +383,9 @@ class Generator:
             )
         return ids
 
-    def _render(self, messages: list[dict[str, Any]]) -> str:
+    def _render(self, messages: list[dict[str, Any]], generation: bool = True) -> str:
         try:
-            text = self._tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            text = self._tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation)
         except template_errors() as exc:
             raise ContractError(
                 [Problem("schema_violation", "/messages", f"the chat template rejected the conversation: {exc}")],
@@ -440,6 +451,13 @@ class Generator:
     def _read_adapter(self, name: str, *, allow_quarantined: bool = False) -> _Adapter:
         """Read, verify and materialise a registry adapter (see the module docstring for the order)."""
         directory = adapter_directory(self._registry, name)  # adapter_not_found
+        if attempt_record(directory.path):
+            raise NotFoundError(
+                f"{name!r} holds only the receipt of a run that published no adapter (a failed run or a dry run): "
+                "there is no adapter to serve",
+                code="adapter_not_found",
+                hint=f"its receipt says why; a successful run of {name!r} replaces the record",
+            )
         files = directory.read()  # adapter_invalid: the manifest against the bytes read, the LoRA config
         canary = directory.canary_status()
         if not allow_quarantined and canary is not None and canary["status"] == "quarantined":

@@ -47,7 +47,16 @@ from kiln.errors import ContractError, NotFoundError, Problem
 from kiln.model import Sampling
 from kiln.server._generation import SEEDS, Outcome, Piece, Plan, TokenScore, checked
 
-__all__ = ["chat_chunks", "chat_completion", "completion", "completion_chunks", "model_card", "model_list"]
+__all__ = [
+    "admit",
+    "chat_chunks",
+    "chat_completion",
+    "chat_messages",
+    "completion",
+    "completion_chunks",
+    "model_card",
+    "model_list",
+]
 
 CHAT = "ChatCompletionRequest"
 COMPLETION = "CompletionRequest"
@@ -63,23 +72,34 @@ REFUSED = (
 # --- admission ------------------------------------------------------------------------------
 
 
-def _admit(document: str, body: Any) -> dict[str, Any]:
+def admit(document: str, body: Any) -> dict[str, Any]:
     """Schema check; a refused OpenAI feature is named with what Kiln accepts instead. The body with canonical
     numbers (``"max_tokens": 16.0`` is 16, ``"temperature": 1`` is 1.0)."""
     found = contracts.problems(document, body)
     if not found:
         return contracts.canonical(document, body)
-    props = kiln_contracts.load_bundle()["$defs"][document]["properties"]
+    props = kiln_contracts.load_bundle()["$defs"][document].get("properties", {})
     named = []
     for problem in found:
         field_name = problem.pointer.split("/")[1] if problem.pointer.count("/") >= 1 else ""
-        if field_name in REFUSED and isinstance(body, dict):
+        if field_name in REFUSED and field_name in props and isinstance(body, dict):
             why = props[field_name]["description"]
             problem = Problem(
                 problem.code, problem.pointer, f"`{field_name}` {body.get(field_name)!r} is not supported. {why}"
             )
         named.append(problem)
     raise ContractError(named, document=document)
+
+
+def chat_messages(messages: list[dict[str, Any]]) -> list[dict[str, str]]:
+    """Admitted chat messages as the chat template reads them: ``developer`` is ``system``, text parts joined."""
+    return [
+        {
+            "role": "system" if m["role"] == "developer" else m["role"],
+            "content": m["content"] if isinstance(m["content"], str) else "".join(p["text"] for p in m["content"]),
+        }
+        for m in messages
+    ]
 
 
 def _inconsistent(document: str, pointer: str, message: str) -> ContractError:
@@ -99,20 +119,21 @@ def _weights(gen: Any, body: dict[str, Any], document: str) -> tuple[Any, str]:
         else:
             chosen = None if (base or model is not None) else gen._active
         return chosen, model or (chosen.name if chosen else gen._model_name)
-    if base:
-        raise _inconsistent(
-            document, "/base_model", f"`base_model: true` asks for the base weights but `model` names {model!r}"
-        )
-    if adapter is not None and adapter != model:
-        raise _inconsistent(document, "/adapter", f"`model` names {model!r} but `adapter` names {adapter!r}")
-    try:
-        return gen.adapter_named(model), model
+    try:  # an id nobody serves is not_found before any combination of fields is judged
+        chosen = gen.adapter_named(model)
     except NotFoundError:
         raise NotFoundError(
             f"the model {model!r} does not exist: this server serves {gen._model_name!r} and its registry adapters",
             code="not_found",
             hint="GET /v1/models lists the model ids",
         ) from None
+    if base:
+        raise _inconsistent(
+            document, "/base_model", f"`base_model: true` asks for the base weights but `model` names {model!r}"
+        )
+    if adapter is not None and adapter != model:
+        raise _inconsistent(document, "/adapter", f"`model` names {model!r} but `adapter` names {adapter!r}")
+    return chosen, model
 
 
 @dataclass(frozen=True)
@@ -125,17 +146,11 @@ class _Sampled:
     stops: list[str]
 
 
-def _choices(document: str, body: dict[str, Any], max_tokens: int) -> _Sampled:
+def _choices(body: dict[str, Any], max_tokens: int) -> _Sampled:
     """The request's sampling settings (vLLM's defaults when absent); without ``seed`` a fresh one, below 2^53 so
-    any JSON client can send it back exactly. ``min_tokens`` above ``max_tokens`` is ``inconsistent_fields``."""
+    any JSON client can send it back exactly. ``min_tokens`` is at most the token limit."""
     stop = body.get("stop")
-    min_tokens = body.get("min_tokens") or 0
-    if min_tokens > max_tokens:
-        raise _inconsistent(
-            document,
-            "/min_tokens",
-            f"`min_tokens` {min_tokens} is more than the {max_tokens} tokens `max_tokens` allows",
-        )
+    min_tokens = min(body.get("min_tokens") or 0, max_tokens)  # more than the limit: every choice runs to it
     top_k = body.get("top_k")
     sampling = Sampling(
         temperature=body.get("temperature") or 0.0,
@@ -275,19 +290,12 @@ class _ChatJob:
 
 
 def _chat_job(gen: Any, body: Any) -> _ChatJob:
-    body = _admit(CHAT, body)
+    body = admit(CHAT, body)
     _stream_checks(CHAT, body)
     if body.get("top_logprobs") is not None and not body.get("logprobs"):
         raise _inconsistent(CHAT, "/top_logprobs", "`top_logprobs` needs `logprobs: true`")
     adapter, model = _weights(gen, body, CHAT)
-    messages = [
-        {
-            "role": "system" if m["role"] == "developer" else m["role"],
-            "content": m["content"] if isinstance(m["content"], str) else "".join(p["text"] for p in m["content"]),
-        }
-        for m in body["messages"]
-    ]
-    prompt = gen._encode_prompt(messages)
+    prompt = gen._encode_prompt(chat_messages(body["messages"]))
     room = gen._max_positions - len(prompt)
     if room < 1:
         raise ContractError(
@@ -301,7 +309,7 @@ def _chat_job(gen: Any, body: Any) -> _ChatJob:
             document=CHAT,
         )
     limit = body.get("max_completion_tokens") or body.get("max_tokens") or CHAT_MAX_TOKENS
-    sampled = _choices(CHAT, body, limit)
+    sampled = _choices(body, limit)
     plans = [
         Plan(prompt, min(limit, room), sampled.sampling, (sampled.seed + i) % SEEDS, adapter, model)
         for i in range(sampled.n)
@@ -429,16 +437,12 @@ def _prompts(gen: Any, prompt: Any) -> list[_Prompt]:
 
 def _completion_job(server: Any, body: Any) -> _CompletionJob:
     gen, protocol = server.generator, server.teacher_protocol
-    body = _admit(COMPLETION, body)
+    body = admit(COMPLETION, body)
     _stream_checks(COMPLETION, body)
     adapter, model = _weights(gen, body, COMPLETION)
     max_tokens = body.get("max_tokens")
     max_tokens = COMPLETION_MAX_TOKENS if max_tokens is None else max_tokens
-    sampled = _choices(COMPLETION, body, max_tokens)
-    if body.get("best_of") is not None and body["best_of"] != sampled.n:
-        raise _inconsistent(
-            COMPLETION, "/best_of", f"`best_of` {body['best_of']} differs from `n` {sampled.n}: not supported"
-        )
+    sampled = _choices(body, max_tokens)
     prompts = _prompts(gen, body["prompt"])
     top_n = body.get("prompt_logprobs")
     problems: list[Problem] = []

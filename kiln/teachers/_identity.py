@@ -29,7 +29,7 @@ from kiln import __version__, contracts
 from kiln.adapters import AdapterDirectory
 from kiln.documents.digests import file_sha256, raw_hex
 from kiln.documents.jsonio import canonical_json, read_json_file
-from kiln.errors import KilnError, RequestError
+from kiln.errors import KilnError, NotFoundError, RequestError, UpstreamError
 
 __all__ = [
     "IDENTITY_SCHEMA",
@@ -188,8 +188,9 @@ def auth_headers(credential_id: str | None) -> dict[str, str]:
     name = credential_env(credential_id)
     secret = os.environ.get(name)
     if not secret:
-        raise _refuse(
+        raise NotFoundError(
             f"credential {credential_id!r} is not set: Kiln reads it from the environment variable {name}",
+            code="not_found",
             hint=f"export {name}=<token> in the environment of the process that talks to the teacher",
         )
     return {"Authorization": f"Bearer {secret}"}
@@ -227,16 +228,16 @@ def probe_remote_identity(url: str, model_id: str, credential_id: str | None) ->
         with httpx.Client(timeout=httpx.Timeout(PROBE_TIMEOUT_S, connect=CONNECT_TIMEOUT_S)) as client:
             answer = client.get(endpoint, headers=headers, follow_redirects=False)
     except (httpx.HTTPError, httpx.InvalidURL, UnicodeError) as exc:
-        raise _refuse(f"cannot reach the teacher at {endpoint}: {type(exc).__name__}: {exc}") from None
+        raise UpstreamError(f"cannot reach the teacher at {endpoint}: {type(exc).__name__}: {exc}") from None
     if answer.status_code != 200:
-        raise _refuse(f"GET {endpoint} answered HTTP {answer.status_code}: {answer.text[:300]}")
+        raise UpstreamError(f"GET {endpoint} answered HTTP {answer.status_code}: {answer.text[:300]}")
     try:
         listing = parse_json(answer.content, source=endpoint)
     except KilnError as exc:
-        raise _refuse(f"GET {endpoint} did not answer strict JSON: {exc.message}") from None
+        raise UpstreamError(f"GET {endpoint} did not answer strict JSON: {exc.message}") from None
     cards = listing.get("data") if isinstance(listing, dict) else None
     if not isinstance(cards, list):
-        raise _refuse(f"GET {endpoint} did not answer a model list ({{'object': 'list', 'data': [...]}})")
+        raise UpstreamError(f"GET {endpoint} did not answer a model list ({{'object': 'list', 'data': [...]}})")
     card = next((c for c in cards if isinstance(c, dict) and c.get("id") == model_id), None)
     if card is None:
         served = ", ".join(repr(c.get("id")) for c in cards if isinstance(c, dict)) or "none"

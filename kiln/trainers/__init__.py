@@ -31,7 +31,7 @@ from kiln.errors import ContractError
 from kiln.trainers import grpo, opd, sft
 from kiln.trainers._admission import AdmittedJob, TrainingContext, single_process
 from kiln.trainers._kit import FinalState, RunTexts, TrainResult
-from kiln.trainers._requests import Request, parse_request, refuse_named_dataset
+from kiln.trainers._requests import Request, dataset_path_of, parse_request, refuse_named_dataset
 from kiln.trainers._sources import check_sources
 from kiln.training import EffectiveConfig
 
@@ -86,7 +86,7 @@ class Trainer:
         config = request.config
         base = None if config is None or config.base_adapter is None else config.base_adapter.root
         try:
-            check_sources(context, dataset_path=request.dataset_path, base_adapter=base)
+            check_sources(context, dataset_path=dataset_path_of(request), base_adapter=base)
         except ContractError as exc:
             raise ContractError(exc.problems, document=self.request_type) from None
 

@@ -19,7 +19,7 @@ from pydantic import BaseModel
 
 from kiln import contracts
 from kiln.documents.jsonio import JsonObject
-from kiln.errors import ContractError, RequestError
+from kiln.errors import ContractError, Problem, RequestError
 
 __all__ = ["Request", "parse_config", "parse_request", "refuse_gate"]
 
@@ -50,6 +50,11 @@ def parse_request(model: type[M], body: JsonObject | Request[M]) -> Request[M]:
     """``body`` as a request of ``model`` (already one: returned as it is)."""
     if isinstance(body, Request):
         return body
+    if not isinstance(body, dict):  # a parsed JSON body of another kind (a string is never read as JSON text)
+        found = contracts.problems(model.__name__, body)
+        raise ContractError(
+            found or [Problem("wrong_type", "", "the body must be a JSON object")], document=model.__name__
+        )
     loaded = contracts.load(model.__name__, body, document=model.__name__)
     assert isinstance(loaded, model)
     return Request(loaded, body)
@@ -81,10 +86,17 @@ def refuse_gate(post_eval: Any) -> None:
         )
 
 
+def dataset_path_of(request: BaseModel) -> str | None:
+    """A request's ``dataset_path`` as text (the generated models hold it as a constrained string model), or None."""
+    value = getattr(request, "dataset_path", None)
+    return None if value is None else str(getattr(value, "root", value))
+
+
 def refuse_named_dataset(request: BaseModel) -> None:
-    """A named dataset (``dataset``, ``dataset_split``): the schema carries the members for the reference's requests,
-    but Kiln has no dataset registry."""
-    if getattr(request, "dataset", None) is not None or "dataset_split" in request.model_fields_set:
+    """A named dataset (``dataset``, ``dataset_split``): the schema carries the members for the reference's requests
+    and accepts them only as null, since Kiln has no dataset registry; this guards a typed request built without the
+    schema."""
+    if getattr(request, "dataset", None) is not None or getattr(request, "dataset_split", None) is not None:
         raise RequestError(
             "named datasets (dataset, dataset_split) are not supported: Kiln has no dataset registry",
             code="training_backend_unsupported",

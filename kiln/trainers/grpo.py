@@ -98,7 +98,7 @@ from kiln.trainers._kit import (
     publish_receipt_only,
 )
 from kiln.trainers._receipts import data_block, echo_block, envelope
-from kiln.trainers._requests import Request, parse_request, refuse_gate
+from kiln.trainers._requests import Request, dataset_path_of, parse_request, refuse_gate
 from kiln.trainers._resume import claim_target, load_resume, resume_metadata
 from kiln.training import (
     LORA_INIT_ALGORITHM,
@@ -403,12 +403,13 @@ def admit_request(request: Request[GrpoRequest], *, adapter_name: str, context: 
     )
     claim_target(registry, adapter_name, point)
     opened = base_model(context)  # tokenizer, config and weight headers: no weight is loaded before the plan
-    pin = dataset_sha256(model.dataset_path) if model.dataset_path is not None else None
+    path = dataset_path_of(model)
+    pin = dataset_sha256(path) if path is not None else None
     start = time.perf_counter()
     ingestion, refused = _ingest(request, opened, cfg, pin)
     tokenize_ms = (time.perf_counter() - start) * 1000
-    if model.dataset_path is not None and pin is not None and refused is None:
-        check_unchanged(model.dataset_path, pin, now=ingestion.source_sha256)  # the bytes read are those pinned
+    if path is not None and pin is not None and refused is None:
+        check_unchanged(path, pin, now=ingestion.source_sha256)  # the bytes read are those pinned
     completions = [c for group in ingestion.groups for c in group.completions]
     longest = max((len(c.input_ids) for c in completions), default=1)
     loaded, cfg, plan = planned_model(
@@ -480,14 +481,15 @@ def _ingest(
             tokenizer=loaded.tokenizer,
             groups=request.rows("groups"),
             agentic_groups=request.rows("agentic_groups"),
-            dataset_path=model.dataset_path,
+            dataset_path=dataset_path_of(model),
             warning_filter=cfg.echo.warning_filter if cfg.echo else True,
             behavior_policy=cfg.behavior_policy,
         )
     except TrainingDataError as refused:
-        if not model.dry_run or pin is None or model.dataset_path is None:
+        path = dataset_path_of(model)
+        if not model.dry_run or pin is None or path is None:
             raise
-        return refused_ingestion(model.dataset_path, pin), DRY_RUN_FAILURES[refused.reason](refused.message)
+        return refused_ingestion(path, pin), DRY_RUN_FAILURES[refused.reason](refused.message)
     return ingestion, None
 
 

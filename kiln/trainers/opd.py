@@ -109,7 +109,7 @@ from kiln.trainers._kit import (
     publish_adapter,
 )
 from kiln.trainers._receipts import data_block, echo_block, envelope, token_counts_block
-from kiln.trainers._requests import Request, parse_request, refuse_gate
+from kiln.trainers._requests import Request, dataset_path_of, parse_request, refuse_gate
 from kiln.trainers._resume import claim_target, load_resume, resume_metadata
 from kiln.training import (
     LORA_INIT_ALGORITHM,
@@ -606,7 +606,7 @@ class PreScored:
     ) -> None:
         from kiln.data.opd import read_off_policy_file
 
-        path = request.model.dataset_path
+        path = dataset_path_of(request.model)
         if path is None:  # check_request guarantees it for off_policy
             raise RequestError("off_policy needs dataset_path", code="training_invalid_request")
         self.source = source = read_off_policy_file(

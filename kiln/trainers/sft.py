@@ -79,7 +79,7 @@ from kiln.trainers._kit import (
     publish_adapter,
 )
 from kiln.trainers._receipts import data_block, envelope, token_counts_block
-from kiln.trainers._requests import Request, parse_config, parse_request, refuse_gate
+from kiln.trainers._requests import Request, dataset_path_of, parse_config, parse_request, refuse_gate
 from kiln.trainers._resume import claim_target, load_resume, resume_metadata
 from kiln.training import (
     LORA_INIT_ALGORITHM,
@@ -296,7 +296,9 @@ def admit_request(request: Request[SftRequest], *, adapter_name: str, context: T
     ingestion = ingest_sft(
         tokenizer=opened.tokenizer,
         examples=request.rows("examples"),
-        dataset_path=None if request.model.dataset_path is None else str(Path(request.model.dataset_path).resolve()),
+        dataset_path=None
+        if request.model.dataset_path is None
+        else str(Path(str(dataset_path_of(request.model))).resolve()),
         invalid_row_policy=cfg.invalid_row_policy,
         max_seq_len=cfg.max_seq_len,
         overlong_row_policy=cfg.overlong_row_policy,

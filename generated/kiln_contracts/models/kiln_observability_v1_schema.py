@@ -173,7 +173,12 @@ class HealthActiveJob(BaseModel):
         extra="forbid",
     )
     adapter_name: Annotated[
-        StrictStr, Field(max_length=255, min_length=1, pattern="^[^./\\\\][^/\\\\]*$")
+        StrictStr,
+        Field(
+            max_length=193,
+            min_length=1,
+            pattern="^[^./\\\\\\u0000-\\u001f\\u007f\\s]([^/\\\\\\u0000-\\u001f\\u007f]*[^/\\\\\\u0000-\\u001f\\u007f\\s])?$",
+        ),
     ]
     """
     Adapter the job writes.
