@@ -156,8 +156,32 @@ def timed(run: Callable[[], Any]) -> tuple[float, Any]:
 
 
 def answers(documents: list[dict[str, Any]]) -> list[Any]:
-    """What must not change with batching: each choice (its index aside) and the tokens counted."""
-    return [({**c, "index": 0}, d["usage"]["completion_tokens"]) for d in documents for c in d["choices"]]
+    """What must not change with batching: every choice (its index aside), in order, and the tokens counted."""
+    return [{**c, "index": 0} for d in documents for c in d["choices"]] + [
+        sum(d["usage"]["completion_tokens"] for d in documents)
+    ]
+
+
+def one_repeat(clients: list[Any], pool: ThreadPoolExecutor, requests: list[dict[str, Any]]) -> dict[str, Any]:
+    """The four cases once, in turn: their seconds, and whether the batched answers equal the sequential ones."""
+    seconds: dict[str, float] = {}
+    seconds["sequential"], one_by_one = timed(lambda: [clients[0](body) for body in requests])
+    barrier = threading.Barrier(len(requests))
+
+    def at_once(i: int, body: dict[str, Any]) -> dict[str, Any]:
+        barrier.wait()
+        return clients[i](body)
+
+    seconds["concurrent"], together = timed(
+        lambda: [f.result() for f in [pool.submit(at_once, i, b) for i, b in enumerate(requests)]]
+    )
+    same, n = requests[0], len(requests)
+    singles = [{**same, "seed": same["seed"] + i} for i in range(n)]
+    seconds["n=1 x N"], alone = timed(lambda: [clients[0](body) for body in singles])
+    seconds["n=N"], choices = timed(lambda: [clients[0]({**same, "n": n})])
+    identical = answers(together) == answers(one_by_one) and answers(choices) == answers(alone)
+    tokens = sum(d["usage"]["completion_tokens"] for d in one_by_one)
+    return {"seconds": seconds, "identical": identical, "tokens": tokens}
 
 
 def run_model(name: str, model_dir: Path, work: Path, args: argparse.Namespace) -> dict[str, list[float]]:
@@ -169,34 +193,18 @@ def run_model(name: str, model_dir: Path, work: Path, args: argparse.Namespace) 
     try:
         clients[0]({**requests[0], "max_tokens": 4, "min_tokens": 4})  # warm-up: first-call costs out of the way
         for repeat in range(args.repeats):
-            seconds, one_by_one = timed(lambda: [clients[0](body) for body in requests])
-            times["sequential"].append(seconds)
-            barrier = threading.Barrier(len(requests))
-
-            def at_once(i: int, body: dict[str, Any]) -> dict[str, Any]:
-                barrier.wait()
-                return clients[i](body)
-
-            seconds, together = timed(lambda: [f.result() for f in [pool.submit(at_once, i, b) for i, b in enumerate(requests)]])
-            times["concurrent"].append(seconds)
-            same = requests[0]
-            singles = [{**same, "seed": same["seed"] + i} for i in range(args.requests)]
-            seconds, alone = timed(lambda: [clients[0](body) for body in singles])
-            times["n=1 x N"].append(seconds)
-            seconds, choices = timed(lambda: [clients[0]({**same, "n": args.requests})])
-            times["n=N"].append(seconds)
-            identical = answers(together) == answers(one_by_one) and [
-                {**c, "index": 0} for c in choices[0]["choices"]
-            ] == [{**d["choices"][0], "index": 0} for d in alone]
-            tokens = sum(d["usage"]["completion_tokens"] for d in one_by_one)
+            result = one_repeat(clients, pool, requests)
+            for case, seconds in result["seconds"].items():
+                times[case].append(seconds)
             print(
                 f"{name} repeat {repeat}: sequential {times['sequential'][-1]:.3f} s, concurrent "
                 f"{times['concurrent'][-1]:.3f} s, n=1 x {args.requests} {times['n=1 x N'][-1]:.3f} s, "
-                f"n={args.requests} {times['n=N'][-1]:.3f} s ({tokens} tokens a case; batched answers identical: "
-                f"{'yes' if identical else 'NO'}; load {' '.join(f'{x:.2f}' for x in os.getloadavg())})",
+                f"n={args.requests} {times['n=N'][-1]:.3f} s ({result['tokens']} tokens a case; batched answers "
+                f"identical: {'yes' if result['identical'] else 'NO'}; load "
+                f"{' '.join(f'{x:.2f}' for x in os.getloadavg())})",
                 flush=True,
             )
-            if not identical:
+            if not result["identical"]:
                 raise SystemExit("batched answers differ from the sequential ones")
     finally:
         pool.shutdown()
