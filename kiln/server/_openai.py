@@ -1,5 +1,8 @@
 """The OpenAI-compatible surface of ``kiln serve``: requests in, documents out, over one decoding loop.
 
+Longer than 600 lines: chat and completions, each whole and streamed, share admission, sampling settings, the
+choices' decoding and the log-probability layouts; in one module each route reads beside the other.
+
 ``/v1/chat/completions``, ``/v1/completions`` and ``/v1/models`` translate between OpenAI's
 (and vLLM's) request and response layouts and the generation engine
 (``kiln.server._generation.Generator.pieces``, the one decoding loop); the teacher scoring
