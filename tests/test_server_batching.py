@@ -18,7 +18,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from kiln.errors import AdapterError
+from kiln.errors import AdapterError, InternalError
 from kiln.model import RowBatch, Sampling, load_base_model
 from kiln.server._batching import Lora
 from kiln.server._generation import Generator, Outcome, Plan
@@ -167,6 +167,23 @@ def test_a_sequence_whose_logits_turn_non_finite_fails_alone_and_the_others_deco
         assert caught.value.code == "adapter_invalid"
     assert gen.scheduler.widest == 3  # the poisoned row's failing step was shared with both healthy rows
     assert [_read(streams[0], outcomes[0]), _read(streams[3], outcomes[3])] == expected
+
+
+def test_a_forward_that_raises_ends_the_sequences_it_carried_and_decoding_goes_on(gen, monkeypatch):
+    plans = [_plan(gen, TEXTS[0]), _plan(gen, TEXTS[1], adapter=gen.adapter_named("bot"))]
+    expected = [_alone(gen, plan) for plan in plans]
+
+    def broken(self, tokens, weights=None):
+        raise RuntimeError("the step broke")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(RowBatch, "step", broken)
+        streams = [gen.pieces(plan, Outcome()) for plan in plans]
+        for stream in streams:
+            with pytest.raises(InternalError, match="decoding failed: RuntimeError: the step broke"):
+                list(stream)
+    assert gen.scheduler.running() == 0
+    assert _together(gen, plans) == expected  # nothing of the failed step is left behind
 
 
 def test_a_consumer_that_stops_reading_never_stalls_the_others(gen):
