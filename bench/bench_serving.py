@@ -255,7 +255,7 @@ def main() -> None:
         }.items():
             a, b = statistics.median(times[slow]), statistics.median(times[fast])
             verdict = "met" if b / a <= 0.4 else "not met"
-            print(f"{name:<6} {case:<34} {a:>9.3f} s {b:>7.3f} s {b / a:>6.2f}x  {verdict}")
+            print(f"{name:<6} {case:<34} {a:>9.3f} s {b:>7.3f} s {b / a:>7.3f}x  {verdict}")
 
 
 if __name__ == "__main__":
