@@ -247,7 +247,7 @@ def main() -> None:
             results[name] = run_model(name, model_dir, work / name, args)
     n = args.requests
     print(f"\nmedian of {args.repeats} repeats, {n} requests x {args.tokens} tokens")
-    print(f"{'model':<6} {'case':<34} {'sequential':>11} {'batched':>9} {'ratio':>7}  target <= 0.4")
+    print(f"{'model':<6} {'case':<34} {'sequential':>11} {'batched':>9} {'ratio':>8}  target <= 0.4")
     for name, times in results.items():
         for case, (slow, fast) in {
             f"(a) {n} concurrent vs one by one": ("sequential", "concurrent"),
