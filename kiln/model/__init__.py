@@ -9,6 +9,7 @@
                              execution provenance and training precision -- once per process
 ``create_tiny(path, seed)``  write a tiny model (same tokenizer, weights from ``seed``)
 ``forward_logits(model, ids)`` the model's own logits (after its post-processing): every log-probability's source
+``RowBatch(model)``          sequences decoded together, one forward per step, each row's logits bit for bit its own
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from kiln.model._loader import (
     resolve_precision,
 )
 from kiln.model._logits import forward_logits, next_token_logprobs, padded_forward_logits, right_padded
+from kiln.model._rows import RowBatch
 from kiln.model._sampling import (
     Sampling,
     choose,
@@ -41,6 +43,7 @@ __all__ = [
     "TINY_NAME",
     "LoadedModel",
     "ModelIdentity",
+    "RowBatch",
     "Sampling",
     "WeightsInfo",
     "capture_identity",

@@ -2,8 +2,9 @@
 
 Layers, top to bottom: ``_app`` (routes, error envelope, auth, body bounds) →
 ``_jobs`` (SQLite job store, FIFO queue, the one training worker) → the trainers;
-``_generation`` (the decoding loop, adapter load/unload, serving canary) beside it, with
-``_openai`` (the OpenAI-compatible request/response translation) over it.
+``_generation`` (completions, adapter load/unload, serving canary) beside it, with
+``_openai`` (the OpenAI-compatible request/response translation) over it and ``_batching``
+(the scheduler every decoding sequence steps through) under it.
 """
 
 from __future__ import annotations

@@ -1,8 +1,5 @@
 """The generation engine of ``kiln serve``: chat completions, adapter load/unload, serving canary.
 
-Longer than 600 lines: one lock guards the served model for decoding, streaming, adapter hooks and the canary;
-keeping them in one module keeps that invariant in one place.
-
 One ``Generator`` owns the served model (``LoadedModel.model``) for inference. It never
 changes a base weight: an adapter is applied as a forward hook on each LoRA target
 ``nn.Linear`` (``y + B(A(x)) * scale``, computed exactly as peft's LoRA layer does), the
@@ -15,8 +12,14 @@ Locking
     One ``threading.Lock`` (``Generator.lock``) serialises every forward pass and every
     adapter swap. A completion resolves its weights once, when it starts, and keeps them
     for every token, so a load or unload during a long stream never mixes two adapters;
-    the lock is held per decoding step, never across a ``yield``, so a slow SSE client
+    the lock is held per forward pass, never across a ``yield``, so a slow SSE client
     cannot block other requests.
+Decoding
+    Every sequence of every route (each choice of each request, ``answer``) decodes through
+    ``Generator.scheduler`` (``kiln.server._batching``): sequences running at the same time
+    share one forward per step, each with its own weights, sampling, seed and stops, and
+    each gives bit for bit what it gives decoded alone. The canary times its greedy runs
+    alone, on a scheduler of their own.
 
 Adapters
     ``load(name)`` reads the registry adapter once into memory through the registry module
@@ -79,7 +82,6 @@ import re
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -98,10 +100,10 @@ from kiln.adapters import (
 from kiln.data import match_skeleton, template_errors
 from kiln.errors import AdapterError, ContractError, InternalError, KilnError, NotFoundError, Problem
 from kiln.model import Sampling
-from kiln.model import choose as _choose
 from kiln.model import max_positions as _max_positions
 from kiln.model import special_tokens as _special_tokens
 from kiln.model import stop_token_ids as _stop_ids
+from kiln.server._batching import Lora, NonFiniteLogitsError, Scheduler, Stream, applied
 
 __all__ = ["CANARY_FILE", "SEEDS", "Generator", "Outcome", "Piece", "Plan", "TokenScore", "checked", "content_revision"]
 
@@ -131,20 +133,12 @@ _KEY = re.compile(r"^base_model\.model\.(?P<path>.+)\.lora_(?P<ab>[AB])\.weight$
 
 
 @dataclass(frozen=True)
-class _Lora:
-    module: Any  # the target nn.Linear of the served model
-    a: Any  # [r, in_features], float32
-    b: Any  # [out_features, r], float32
-    scale: float
-
-
-@dataclass(frozen=True)
 class _Adapter:
     name: str
     content_revision: str
     manifest_sha256: str | None  # sha256:<hex> of adapter_manifest.json as read; None for a plain PEFT directory
     weights_sha256: str  # sha256:<hex> of adapter_model.safetensors as read
-    layers: tuple[_Lora, ...]
+    layers: tuple[Lora, ...]
 
     def identity(self) -> dict[str, str]:
         return {"name": self.name, "content_revision": self.content_revision}
@@ -185,10 +179,6 @@ class Outcome:
     completion_tokens: int = 0
 
 
-class _NonFiniteLogitsError(Exception):
-    """A forward pass produced NaN or infinite logits."""
-
-
 class Generator:
     """Chat completions, adapter load/unload and the serving canary over one loaded model."""
 
@@ -206,6 +196,7 @@ class Generator:
         self._specials = _special_tokens(self._tokenizer)
         self._stop_ids = _stop_ids(self._model, self._tokenizer, self._specials)
         self._max_positions = _max_positions(self._model.config, self._tokenizer)
+        self.scheduler = Scheduler(self._model, self.lock, self._stop_ids)  # every route's sequences decode here
 
     # --- adapters -----------------------------------------------------------------------
 
@@ -335,10 +326,12 @@ class Generator:
     def _timed_greedy(self, adapter: _Adapter | None, prompt: list[int]) -> tuple[list[int] | None, float]:
         """CANARY_MAX_TOKENS greedy tokens, stop tokens ignored so both timings cover equal work (None: non-finite)."""
         started = time.perf_counter()
+        alone = Scheduler(self._model, self.lock, self._stop_ids)  # timed alone, not beside the served traffic
         try:
-            steps = self._tokens(adapter, prompt, CANARY_MAX_TOKENS, Sampling(), 0, stop=False)
-            ids: list[int] | None = [token for token, _ in steps]
-        except _NonFiniteLogitsError:
+            ids: list[int] | None = [
+                token for token, _ in alone.submit(prompt, adapter, Sampling(), 0, CANARY_MAX_TOKENS, stop=False)
+            ]
+        except NonFiniteLogitsError:
             ids = None
         return ids, time.perf_counter() - started
 
@@ -405,27 +398,25 @@ class Generator:
     # --- decoding -----------------------------------------------------------------------
 
     def pieces(self, plan: Plan, outcome: Outcome, *, top_k: int | None = None, first: Any = None) -> Iterator[Piece]:
-        """The decoding loop of every route: text increments of one choice, with the tokens behind them.
+        """The decoding of every route: text increments of one choice, with the tokens behind them.
 
-        With ``top_k`` every generated token carries its log-probability (temperature 1, before
-        ``top_p``) and its ``top_k`` most likely alternatives. An end-of-turn token ends the choice
-        (``outcome.finish_reason`` ``stop``), counts in ``completion_tokens`` and is no piece's token.
-        ``first`` (the log-probabilities after the last prompt token, when the caller already ran the
-        prompt forward to score it) picks the first token; for a one-token answer no forward runs.
+        The sequence is submitted to the scheduler now (so choices created together decode together); the
+        increments come as the iterator is pulled. With ``top_k`` every generated token carries its log-probability
+        (temperature 1, before ``top_p``) and its ``top_k`` most likely alternatives. An end-of-turn token ends the
+        choice (``outcome.finish_reason`` ``stop``), counts in ``completion_tokens`` and is no piece's token.
+        ``first`` (the log-probabilities after the last prompt token, when the caller already ran the prompt
+        forward to score it) picks the first token; for a one-token answer no forward runs.
         """
+        stream = self.scheduler.submit(
+            plan.prompt_ids, plan.adapter, plan.sampling, plan.seed, plan.max_new, top_k=top_k, first=first
+        )
+        return self._pieces(stream, plan, outcome)
+
+    def _pieces(self, stream: Stream, plan: Plan, outcome: Outcome) -> Iterator[Piece]:
         detok = _Detokenizer(self._decode)
         held: list[TokenScore] = []
         try:
-            steps = self._tokens(
-                plan.adapter,
-                plan.prompt_ids,
-                plan.max_new,
-                plan.sampling,
-                plan.seed,
-                top_k=top_k,
-                first=first,
-            )
-            for token, score in steps:
+            for token, score in stream:
                 outcome.completion_tokens += 1
                 if token in self._stop_ids:
                     outcome.finish_reason = "stop"
@@ -435,87 +426,25 @@ class Generator:
                 if delta:
                     yield Piece(delta, held)
                     held = []
-        except _NonFiniteLogitsError:
+        except NonFiniteLogitsError:
             if plan.adapter is None:
                 raise InternalError("the base model produced non-finite logits") from None
             raise AdapterError(
                 f"adapter {plan.adapter.name!r} produced non-finite logits",
                 hint=f"run its canary; a quarantined adapter is only served with allow_quarantined ({plan.adapter.name})",
             ) from None
+        finally:
+            stream.close()
         tail = detok.flush()
         if tail or held:
             yield Piece(tail, held)
 
-    def _tokens(
-        self,
-        adapter: _Adapter | None,
-        prompt: list[int],
-        max_new: int,
-        sampling: Sampling,
-        seed: int,
-        *,
-        stop: bool = True,
-        top_k: int | None = None,
-        first: Any = None,
-    ) -> Iterator[tuple[int, tuple[float, list[tuple[int, float]]] | None]]:
-        """Sampled token ids with a KV cache, each with its score when ``top_k`` is set; the lock is held per
-        forward pass, never across a yield. ``first``: see ``pieces``."""
-        import torch
-
-        from kiln.teachers import stable_top_k
-
-        if sampling.repetition_penalty != 1:
-            first = None  # the penalty applies to raw logits, not to the log-probabilities ``first`` holds
-        generator = torch.Generator(device=self._device)
-        generator.manual_seed(seed)
-        extra = {"logits_to_keep": 1} if self._keep_last else {}
-        cache = None
-        step_ids = torch.tensor([prompt], device=self._device)
-        seen = set(prompt) if sampling.repetition_penalty != 1 else set()
-        for step in range(max_new):
-            if step == 0 and first is not None:
-                logits = first.to(self._device).float()
-                if max_new > 1:  # the cache for the next steps
-                    with self.lock, torch.inference_mode(), self._applied(adapter):
-                        cache = self._model(input_ids=step_ids, use_cache=True, **extra).past_key_values
-            else:
-                with self.lock, torch.inference_mode(), self._applied(adapter):
-                    out = self._model(input_ids=step_ids, past_key_values=cache, use_cache=True, **extra)
-                    cache = out.past_key_values
-                    logits = out.logits[0, -1].float()
-            if not bool(torch.isfinite(logits).all()):
-                raise _NonFiniteLogitsError
-            token = _choose(logits, sampling, generator, seen=seen, produced=step, stop_ids=self._stop_ids)
-            if sampling.repetition_penalty != 1:
-                seen.add(token)
-            score = None
-            if top_k is not None:
-                row = torch.log_softmax(logits, dim=-1).cpu()
-                alternatives: list[tuple[int, float]] = []
-                if top_k:
-                    ids, values = stable_top_k(row.unsqueeze(0), top_k)
-                    alternatives = list(zip(ids[0].tolist(), values[0].tolist(), strict=True))
-                score = (float(row[token]), alternatives)
-            yield token, score
-            if stop and token in self._stop_ids:
-                return
-            step_ids = torch.tensor([[token]], device=self._device)
-
     def _decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
-    @contextmanager
-    def _applied(self, adapter: _Adapter | None) -> Iterator[None]:
+    def _applied(self, adapter: _Adapter | None) -> Any:
         """Hook ``adapter`` onto its target modules for one forward pass (callers hold the lock)."""
-        if adapter is None:
-            yield
-            return
-        handles = [layer.module.register_forward_hook(_lora_hook(layer), with_kwargs=True) for layer in adapter.layers]
-        try:
-            yield
-        finally:
-            for handle in handles:
-                handle.remove()
+        return applied(adapter)
 
     # --- reading adapters ---------------------------------------------------------------
 
@@ -544,7 +473,7 @@ class Generator:
             layers=self._lora_layers(files),
         )
 
-    def _lora_layers(self, files: AdapterFiles) -> tuple[_Lora, ...]:
+    def _lora_layers(self, files: AdapterFiles) -> tuple[Lora, ...]:
         import torch
         from safetensors import SafetensorError
         from safetensors.torch import load as load_tensors
@@ -613,7 +542,7 @@ class Generator:
             if r != rank:
                 given = f"r = {rank}" if rank == config.rank else f"rank_pattern's {rank} for it"
                 raise invalid(f"{path}: LoRA rank {r} differs from {given} in {CONFIG_FILE}")
-            layers.append(_Lora(module, a.float().to(self._device), b.float().to(self._device), config.scale(r)))
+            layers.append(Lora(module, a.float().to(self._device), b.float().to(self._device), config.scale(r)))
         return tuple(layers)
 
 
@@ -643,18 +572,6 @@ class _Detokenizer:
             self._prefix, self._read = self._read, len(self._ids)
             return text[len(before) :]
         return ""
-
-
-def _lora_hook(layer: _Lora) -> Any:
-    from torch.nn.functional import linear
-
-    def hook(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
-        if module is not layer.module:  # a deep copy of the model: never adapt it
-            return None
-        x = (args[0] if args else kwargs["input"]).to(layer.a.dtype)
-        return (output + linear(linear(x, layer.a), layer.b) * layer.scale).to(output.dtype)  # as peft's lora.Linear
-
-    return hook
 
 
 def _until_stop(ids: list[int], stop_ids: frozenset[int]) -> list[int]:

@@ -1,5 +1,8 @@
 """The OpenAI-compatible surface of ``kiln serve``: requests in, documents out, over one decoding loop.
 
+Longer than 600 lines: chat and completions, each whole and streamed, share admission, sampling settings, the
+choices' decoding and the log-probability layouts; in one module each route reads beside the other.
+
 ``/v1/chat/completions``, ``/v1/completions`` and ``/v1/models`` translate between OpenAI's
 (and vLLM's) request and response layouts and the generation engine
 (``kiln.server._generation.Generator.pieces``, the one decoding loop); the teacher scoring
@@ -19,7 +22,12 @@ Weights
     request without ``model`` uses the active adapter, else the base model.
 Choices
     Choice i samples with seed ``seed + i`` (mod 2^64); stop sequences are matched on the
-    decoded text, which is cut before the first one (``finish_reason`` ``stop``).
+    decoded text, which is cut before the first one (``finish_reason`` ``stop``). Every
+    choice of a request (of every prompt, on ``/v1/completions``) is submitted to the
+    generator's scheduler before the first is read, so they decode together, beside other
+    requests' sequences (``kiln.server._batching``), each exactly as it decodes alone. A
+    stream interleaves its choices: each choice's role (or echo) chunk first, then one
+    increment of each unfinished choice in turn, a choice's finish chunk when it ends.
 Log-probabilities
     Raw (temperature 1, before ``top_p``); ties by ascending id. Prompt scores (``echo``,
     ``prompt_logprobs``) come from one forward of the prompt, whose last row also picks the
@@ -31,6 +39,7 @@ from __future__ import annotations
 import secrets
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -179,7 +188,8 @@ def _stream_checks(document: str, body: dict[str, Any]) -> None:
 
 @dataclass
 class _Choice:
-    """One choice decoding: text increments cut at the first stop sequence, with their tokens."""
+    """One choice decoding (submitted when created): text increments cut at the first stop sequence, with their
+    tokens."""
 
     gen: Any
     plan: Plan
@@ -188,23 +198,56 @@ class _Choice:
     first: Any = None
     outcome: Outcome = field(default_factory=Outcome)
 
+    def __post_init__(self) -> None:
+        self._pieces = self.gen.pieces(self.plan, self.outcome, top_k=self.top_k, first=self.first)
+
     def increments(self) -> Iterator[Piece]:
         hold = max((len(s) for s in self.stops), default=1) - 1
         buffer, pending = "", []
-        for piece in self.gen.pieces(self.plan, self.outcome, top_k=self.top_k, first=self.first):
-            buffer += piece.text
-            pending += piece.tokens
-            cuts = [i for i in (buffer.find(s) for s in self.stops) if i >= 0]
-            if cuts and self.outcome.completion_tokens >= self.plan.sampling.min_tokens:  # as vLLM: none before
-                self.outcome.finish_reason = "stop"
-                yield Piece(buffer[: min(cuts)], pending)
-                return
-            ready = buffer[: len(buffer) - hold] if hold else buffer
-            if ready or (pending and not hold):
-                yield Piece(ready, pending)
-                buffer, pending = buffer[len(ready) :], []
+        try:
+            for piece in self._pieces:
+                buffer += piece.text
+                pending += piece.tokens
+                cuts = [i for i in (buffer.find(s) for s in self.stops) if i >= 0]
+                if cuts and self.outcome.completion_tokens >= self.plan.sampling.min_tokens:  # as vLLM: none before
+                    self.outcome.finish_reason = "stop"
+                    yield Piece(buffer[: min(cuts)], pending)
+                    return
+                ready = buffer[: len(buffer) - hold] if hold else buffer
+                if ready or (pending and not hold):
+                    yield Piece(ready, pending)
+                    buffer, pending = buffer[len(ready) :], []
+        finally:
+            self.close()
         if buffer or pending:
             yield Piece(buffer, pending)
+
+    def close(self) -> None:
+        """Stop decoding this choice (its sequence leaves the scheduler); a no-op once it ended."""
+        self._pieces.close()
+
+
+@contextmanager
+def _closing(choices: list[_Choice]) -> Iterator[list[_Choice]]:
+    """The choices, each closed when the answer is done or abandoned (a client that went away)."""
+    try:
+        yield choices
+    finally:
+        for choice in choices:
+            choice.close()
+
+
+def _round_robin(choices: list[_Choice]) -> Iterator[tuple[int, Piece | None]]:
+    """``(index, increment)`` of each unfinished choice in turn, ``(index, None)`` when one ends: an order that
+    depends only on each choice's increments, never on which sequences shared a step."""
+    streams = [choice.increments() for choice in choices]
+    live = list(range(len(streams)))
+    while live:
+        for index in list(live):
+            piece = next(streams[index], None)
+            if piece is None:
+                live.remove(index)
+            yield index, piece
 
 
 class _Texts:
@@ -298,18 +341,19 @@ def chat_completion(gen: Any, body: Any) -> dict[str, Any]:
     job = _chat_job(gen, body)
     created, texts = int(time.time()), _Texts(gen._tokenizer)
     choices, generated = [], 0
-    for index, plan in enumerate(job.plans):
-        choice = _Choice(gen, plan, job.stops, job.top_k)
-        pieces = list(choice.increments())
-        choices.append(
-            {
-                "index": index,
-                "message": {"role": "assistant", "content": "".join(p.text for p in pieces)},
-                "finish_reason": choice.outcome.finish_reason,
-                "logprobs": None if job.top_k is None else _chat_logprobs(texts, [t for p in pieces for t in p.tokens]),
-            }
-        )
-        generated += choice.outcome.completion_tokens
+    with _closing([_Choice(gen, plan, job.stops, job.top_k) for plan in job.plans]) as runs:
+        for index, choice in enumerate(runs):
+            pieces = list(choice.increments())
+            scored = [t for p in pieces for t in p.tokens]
+            choices.append(
+                {
+                    "index": index,
+                    "message": {"role": "assistant", "content": "".join(p.text for p in pieces)},
+                    "finish_reason": choice.outcome.finish_reason,
+                    "logprobs": None if job.top_k is None else _chat_logprobs(texts, scored),
+                }
+            )
+            generated += choice.outcome.completion_tokens
     response = {
         "id": "chatcmpl-" + secrets.token_hex(12),
         "object": "chat.completion",
@@ -344,17 +388,19 @@ def _chat_stream(gen: Any, job: _ChatJob, usage: bool, completion_id: str, creat
         return checked("ChatCompletionChunk", {**body, "choices": choices, **extra})
 
     generated = 0
-    for index, plan in enumerate(job.plans):
-        first = {"index": index, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
-        yield chunk([first], **({"kiln": _kiln(job.adapter)} if index == 0 else {}))
-        choice = _Choice(gen, plan, job.stops, job.top_k)
-        for piece in choice.increments():
-            if piece.text or (job.top_k is not None and piece.tokens):
+    with _closing([_Choice(gen, plan, job.stops, job.top_k) for plan in job.plans]) as runs:
+        for index in range(len(runs)):
+            first = {"index": index, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+            yield chunk([first], **({"kiln": _kiln(job.adapter)} if index == 0 else {}))
+        for index, piece in _round_robin(runs):
+            choice = runs[index]
+            if piece is None:
+                yield chunk([{"index": index, "delta": {}, "finish_reason": choice.outcome.finish_reason}])
+                generated += choice.outcome.completion_tokens
+            elif piece.text or (job.top_k is not None and piece.tokens):
                 scored = None if job.top_k is None else _chat_logprobs(texts, piece.tokens)
                 increment = {"index": index, "delta": {"content": piece.text}, "finish_reason": None}
                 yield chunk([{**increment, "logprobs": scored}])
-        yield chunk([{"index": index, "delta": {}, "finish_reason": choice.outcome.finish_reason}])
-        generated += choice.outcome.completion_tokens
     if usage:
         yield chunk([], usage=_usage(len(job.plans[0].prompt_ids), generated))
 
@@ -481,18 +527,23 @@ def _legacy_logprobs(texts: _Texts, tokens: list[TokenScore], offset: int) -> di
     return out
 
 
-def _choice_runs(gen: Any, job: _CompletionJob, scored: _Scored) -> Iterator[_Choice]:
-    room = gen._max_positions - len(scored.prompt.ids) + 1  # the first token needs no new position
-    for i in range(job.sampled.n):
-        plan = Plan(
-            scored.prompt.ids,
-            max(0, min(job.max_tokens, room)),
-            job.sampled.sampling,
-            (job.sampled.seed + i) % SEEDS,
-            job.adapter,
-            job.model,
-        )
-        yield _Choice(gen, plan, job.sampled.stops, job.logprobs, scored.last)
+def _choice_runs(server: Any, job: _CompletionJob) -> list[tuple[_Scored, _Choice]]:
+    """Every prompt scored, then every choice of every prompt submitted: they all decode together."""
+    gen = server.generator
+    runs = []
+    for scored in [_score(server, job, prompt) for prompt in job.prompts]:
+        room = gen._max_positions - len(scored.prompt.ids) + 1  # the first token needs no new position
+        for i in range(job.sampled.n):
+            plan = Plan(
+                scored.prompt.ids,
+                max(0, min(job.max_tokens, room)),
+                job.sampled.sampling,
+                (job.sampled.seed + i) % SEEDS,
+                job.adapter,
+                job.model,
+            )
+            runs.append((scored, _Choice(gen, plan, job.sampled.stops, job.logprobs, scored.last)))
+    return runs
 
 
 def completion(server: Any, body: Any) -> dict[str, Any]:
@@ -501,10 +552,10 @@ def completion(server: Any, body: Any) -> dict[str, Any]:
     job = _completion_job(server, body)
     texts = _Texts(gen._tokenizer)
     choices: list[dict[str, Any]] = []
-    prompt_tokens = generated = 0
-    for scored in (_score(server, job, prompt) for prompt in job.prompts):
-        prompt_tokens += len(scored.prompt.ids)
-        for choice in _choice_runs(gen, job, scored):
+    prompt_tokens, generated = sum(len(prompt.ids) for prompt in job.prompts), 0
+    runs = _choice_runs(server, job)
+    with _closing([choice for _, choice in runs]):
+        for scored, choice in runs:
             pieces = list(choice.increments())
             text = "".join(p.text for p in pieces)
             logprobs = None
@@ -562,22 +613,21 @@ def _completion_stream(
         scored = None if job.logprobs is None else _legacy_logprobs(texts, tokens, offset)
         return chunk([{"index": index, "text": text, "finish_reason": None, "logprobs": scored}])
 
-    index, prompt_tokens, generated = 0, 0, 0
-    for prompt in job.prompts:
-        scored = _score(server, job, prompt)
-        prompt_tokens += len(prompt.ids)
-        for choice in _choice_runs(gen, job, scored):
-            offset = 0
-            if job.echo:
+    prompt_tokens, generated = sum(len(prompt.ids) for prompt in job.prompts), 0
+    runs = _choice_runs(server, job)
+    offsets = [len(scored.echo_text) for scored, _ in runs]  # each choice's text so far
+    with _closing([choice for _, choice in runs]) as choices:
+        if job.echo:
+            for index, (scored, _) in enumerate(runs):
                 yield increment(index, scored.echo_text, scored.echo_tokens, 0)
-                offset = len(scored.echo_text)
-            for piece in choice.increments():
-                yield increment(index, piece.text, piece.tokens, offset)
-                offset += len(piece.text)
-            done = {"index": index, "text": "", "finish_reason": choice.outcome.finish_reason, "logprobs": None}
-            yield chunk([done])
-            generated += choice.outcome.completion_tokens
-            index += 1
+        for index, piece in _round_robin(choices):
+            if piece is None:
+                finish = choices[index].outcome.finish_reason
+                yield chunk([{"index": index, "text": "", "finish_reason": finish, "logprobs": None}])
+                generated += choices[index].outcome.completion_tokens
+            else:
+                yield increment(index, piece.text, piece.tokens, offsets[index])
+                offsets[index] += len(piece.text)
     if usage:
         yield chunk([], usage=_usage(prompt_tokens, generated))
 
