@@ -2,13 +2,14 @@
 
 Every operation gets generated requests, valid and invalid (schemathesis's coverage and fuzzing phases -- fuzzing
 only for the training bodies, whose coverage phase alone takes minutes --, a fixed seed, one worker). No answer may
-be a server fault (a 5xx other than the designed 502 of an unreachable teacher and 503 of a full queue); every answer must match its documented status, content type and schema; a request the schema
-allows must not be refused as malformed (``positive_data_acceptance``, on every operation but the three training
-submissions and the suite registration: see ``TRAINING``) and a request it forbids must be (``negative_data_rejection``): the schema states
-what the server enforces. Those two checks accept schemathesis's default statuses plus 413 (the server's
-configured body limit, a deployment setting no schema states). Job, adapter and receipt routes get real
-identifiers (a finished job and its adapter) so the tests reach past the 404s. docs/server.md ("What the schema
-states") lists what only the server's state can refuse.
+be a server fault (a 5xx other than the designed 502 of an unreachable teacher and 503 of a full queue); every
+answer must match its documented status, content type and schema; a request the schema allows must not be refused as
+malformed (``positive_data_acceptance``, on every operation but the three training submissions and the suite
+registration: see ``TRAINING``) and a request it forbids must be (``negative_data_rejection``): the schema states
+what the server enforces. Those two checks accept schemathesis's default statuses plus 413 (the server's configured
+body limit, a deployment setting no schema states). Job, adapter and receipt routes get real identifiers (a finished
+job and its adapter) so the tests reach past the 404s. docs/server.md ("What the schema states") lists what only the
+server's state can refuse.
 """
 
 from __future__ import annotations
