@@ -82,8 +82,11 @@ def test_training_makes_the_rewarded_completion_more_likely(tmp_path, tiny_model
     ids=["gspo-k3", "cispo-ema-per-sample", "no-reference-vanilla", "entropy-mask"],
 )
 def test_every_objective_variant_trains_and_writes_a_valid_receipt(tmp_path, tiny_model_dir, config):
-    result = run_grpo(_admit(tmp_path, tiny_model_dir, {"groups": [GROUP, GROUP], "config": {"seed": 1, **config}}))
+    job = _admit(tmp_path, tiny_model_dir, {"groups": [GROUP, GROUP], "config": {"seed": 1, **config}})
+    result = run_grpo(job)
     assert result.status == "success", result.receipt.get("failure_message")
+    reference_ms = result.receipt["phase_timings"]["reference_forward_ms"]
+    assert (reference_ms > 0) == job.config.kl_on  # no reference forward runs when no KL term reads it
     assert contracts.validate_path(result.receipt_path).valid
     grpo = result.receipt["grpo"]
     assert grpo["is_level"] == config.get("is_level", "token")
