@@ -10,6 +10,8 @@ import gc
 import math
 import os
 import platform
+import signal
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -105,3 +107,14 @@ def make_wide(path: Path, tokenizer_dir: Path, seed: int = 0) -> None:
     model.generation_config.do_sample = False
     model.save_pretrained(path, safe_serialization=True)
     tok.save_pretrained(path)
+
+
+def stop_process(proc: subprocess.Popen[Any]) -> None:
+    """Stop a server the bench started: SIGTERM, 90 s to finish, then SIGKILL."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(90)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(30)

@@ -66,7 +66,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from _machine import cpu_model, filesystem_of
+from _machine import cpu_model, filesystem_of, stop_process
 
 ROOT = Path(__file__).resolve().parent.parent
 DATASET = ROOT / "examples" / "sft_corrections.jsonl"
@@ -207,13 +207,7 @@ class Server:
             return {k: int(v) for k, v in (line.split(":") for line in f)}
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(90)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(30)
+        stop_process(self.proc)
         self._pump.join(10)
 
 

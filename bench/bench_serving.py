@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import signal
 import statistics
 import subprocess
 import sys
@@ -37,7 +36,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from _machine import cpu_model, make_wide
+from _machine import cpu_model, make_wide, stop_process
 
 QUESTIONS = (
     "How do I reset my password?",
@@ -137,13 +136,7 @@ class Live:
         return send
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(90)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(30)
+        stop_process(self.proc)
 
 
 # ----------------------------------------------------------------------------- the cases
