@@ -23,22 +23,26 @@ the base model's tokenizer.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from kiln.errors import ContractError, Problem
 from kiln.server._generation import checked
 from kiln.server._openai import admit, chat_messages, model_card
 
+if TYPE_CHECKING:
+    from kiln.documents.jsonio import JsonObject
+    from kiln.server._app import Server
+
 __all__ = ["detokenize", "tokenize", "tokenizer_info"]
 
 
-def _model(server: Any, body: dict[str, Any]) -> None:
+def _model(server: Server, body: JsonObject) -> None:
     model = body.get("model")
     if model is not None and model != server.generator._model_name:
         model_card(server, model)  # not_found for an id the server does not list
 
 
-def tokenize(server: Any, body: Any) -> dict[str, Any]:
+def tokenize(server: Server, body: object) -> JsonObject:
     """``TokenizeRequest`` → ``TokenizeResponse``."""
     body = admit("TokenizeRequest", body)
     _model(server, body)
@@ -56,7 +60,7 @@ def tokenize(server: Any, body: Any) -> dict[str, Any]:
     return checked("TokenizeResponse", answer)
 
 
-def detokenize(server: Any, body: Any) -> dict[str, Any]:
+def detokenize(server: Server, body: object) -> JsonObject:
     """``DetokenizeRequest`` → ``DetokenizeResponse``."""
     body = admit("DetokenizeRequest", body)
     _model(server, body)
@@ -73,7 +77,7 @@ def detokenize(server: Any, body: Any) -> dict[str, Any]:
     return checked("DetokenizeResponse", {"prompt": text})
 
 
-def tokenizer_info(server: Any) -> dict[str, Any]:
+def tokenizer_info(server: Server) -> JsonObject:
     """``TokenizerInfo`` of the served tokenizer."""
     gen = server.generator
     tokenizer = gen._tokenizer
