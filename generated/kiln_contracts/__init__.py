@@ -16,11 +16,11 @@ from importlib import resources
 from typing import Any
 
 SCHEMA_DIGESTS: dict[str, str] = {
-    "kiln-artifacts-v1.schema.json": "sha256:2ed8ad0b1a59e1d2ea492decbb2c73a8c371af1d9224c89f64bb88856aacc9ed",
+    "kiln-artifacts-v1.schema.json": "sha256:95c5853e2276c02358757dd7aff31b5cd90686c917e817684925c8408a5554c8",
     "kiln-checkpoint-v1.schema.json": "sha256:40f2f23b53561eaca7040113a06aea056e0ac8f95172d7f10c65195bd3f5f7f7",
     "kiln-common-v1.schema.json": "sha256:140778be5b4882abd354e3ab1194bbe6a56e891d614d0aa7c0cace8c6ff07833",
     "kiln-config-v1.schema.json": "sha256:5477f715c128cfbf67d6d5ed24d8a400c0b6d65c30d799e6b3fee5ba860db2ac",
-    "kiln-control-plane-v1.schema.json": "sha256:14ed525872cd0c12742fae1f6e2333a9e5dd2bd1923fba2f6a6323eb7f761102",
+    "kiln-control-plane-v1.schema.json": "sha256:36cbd4e704716a446c90c8a91f9a86f142af1ff703dfc2e92278eb5c0dd0543a",
     "kiln-observability-v1.schema.json": "sha256:6f0bc47ffee00565b9fcff807ddbbfc8e2a57ca93e1f13e915de1dde8427e513"
 }
 

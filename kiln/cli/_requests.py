@@ -52,6 +52,7 @@ FLAG_OF = {
     "gradient_checkpointing": "--gradient-checkpointing",
     "quantization": "--quantization",
     "max_tokens": "--max-tokens",
+    "prefix_sharing": "--prefix-sharing",
 }
 _SET_TO = re.compile(r'set (\w+) to "([^"]*)"')
 _POINTER = re.compile(r"/config/(\w+)")
@@ -177,6 +178,7 @@ def training_config(args: argparse.Namespace) -> dict[str, Any]:
         ("lora_target_modules", args.lora_target_modules),
         ("micro_batch_size", getattr(args, "micro_batch_size", None)),
         ("gradient_accumulation_steps", getattr(args, "gradient_accumulation_steps", None)),
+        ("prefix_sharing", getattr(args, "prefix_sharing", None)),
         ("precision", getattr(args, "precision", None)),
         ("gradient_checkpointing", getattr(args, "gradient_checkpointing", None)),
         ("quantization", getattr(args, "quantization", None)),
@@ -228,6 +230,7 @@ def training_flags(args: argparse.Namespace) -> list[tuple[str, Any]]:
         ("--min-lr-ratio", args.min_lr_ratio),
         ("--micro-batch-size", getattr(args, "micro_batch_size", None)),
         ("--gradient-accumulation-steps", getattr(args, "gradient_accumulation_steps", None)),
+        ("--prefix-sharing", getattr(args, "prefix_sharing", None)),
         ("--invalid-row-policy", getattr(args, "invalid_row_policy", None)),
         ("--max-seq-len", getattr(args, "max_seq_len", None)),
         ("--overlong-row-policy", getattr(args, "overlong_row_policy", None)),

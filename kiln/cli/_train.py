@@ -140,6 +140,12 @@ def add_train_parser(sub: Any) -> None:
         p,
         "groups per optimizer step (per_sample: completions of a group; default 1); the loss is the step's token mean",
     )
+    p.add_argument(
+        "--prefix-sharing",
+        choices=["auto", "off"],
+        help="run a group's shared prompt once (auto, the default, where the model is proven to allow it) or every "
+        "completion in full (off); the receipt's grpo.prefix_sharing says what ran",
+    )
     p.set_defaults(
         func=cmd_train_grpo, inline_key="groups", whole_request=True, file_config={}, request_type="GrpoRequest"
     )

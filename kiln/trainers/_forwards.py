@@ -10,7 +10,13 @@ right-padded into one forward of the decoder, the model's logits computed only a
   sequences' taken log-probabilities (and entropies) from one ``selected_logits`` forward;
 * ``ReferencePolicy``: a KL reference's log-probabilities of the taken tokens -- the frozen base (the adapter
   disabled for one forward) or the EMA of the LoRA tensors (swapped in for one forward, then back);
-* ``BatchedForwards``: a group's policy and reference forwards, ``micro_batch_size`` sequences at a time.
+* ``BatchedForwards``: a group's policy and reference forwards, ``micro_batch_size`` sequences at a time;
+* the shared prompt (``prefix_sharing``): ``shared_length`` finds the tokens every sequence of a group starts with,
+  ``run_prefix`` runs them once (``Prefix``: their hidden states and key/value cache) and ``selected_logits(...,
+  prefix=)`` runs only each sequence's own suffix against that cache, expanded across the batch. The positions a loss
+  reads inside the prompt come from the prompt's one forward, so the gradient through them accumulates from every
+  sequence that reads them; ``prefix_problem`` proves at admission that a model's attention reproduces a full forward
+  this way (``PrefixPlan``: which forwards share, or why not).
 """
 
 from __future__ import annotations
@@ -29,7 +35,144 @@ if TYPE_CHECKING:
     from kiln.training.grpo_objective import EmaReference
 
 
-__all__ = ["BatchedForwards", "ReferencePolicy", "SelectedLogits", "group_logprobs", "logprobs", "selected_logits"]
+__all__ = [
+    "BatchedForwards",
+    "Prefix",
+    "PrefixPlan",
+    "ReferencePolicy",
+    "SelectedLogits",
+    "group_logprobs",
+    "logprobs",
+    "prefix_problem",
+    "run_prefix",
+    "selected_logits",
+    "shared_length",
+]
+
+PROBE_PROMPT, PROBE_SUFFIXES = 5, (3, 1)  # the cached-prefix probe: a 5-token prompt, two suffixes
+
+
+@dataclass(frozen=True)
+class PrefixPlan:
+    """Which of a GRPO run's forwards run a group's shared prompt once (``policy``, ``reference``), from the
+    configured ``mode``; ``reason``: why a forward that runs does not (None when nothing stops it)."""
+
+    mode: str = "off"
+    policy: bool = False
+    reference: bool = False
+    reason: str | None = "prefix_sharing is off"
+
+    @property
+    def any(self) -> bool:
+        return self.policy or self.reference
+
+
+@dataclass
+class Prefix:
+    """A prompt several sequences share, run once: its ``length``, its last hidden states ``[L, H]`` and the decoder's
+    key/value cache of it (batch 1)."""
+
+    length: int
+    hidden: torch.Tensor
+    cache: Any
+
+
+def shared_length(sequences: Sequence[Sequence[int]]) -> int:
+    """How many first tokens every sequence shares, leaving each at least one token of its own (0: none)."""
+    first = sequences[0]
+    limit = min(len(s) for s in sequences) - 1
+    length = 0
+    while length < limit and all(s[length] == first[length] for s in sequences):
+        length += 1
+    return length
+
+
+def _decoder(model: Any) -> tuple[Any, Any]:
+    """The decoder stack and the output head of a causal LM (or of its peft wrapper)."""
+    from kiln.training import decoder_of
+
+    causal = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return decoder_of(causal), causal.get_output_embeddings()
+
+
+def run_prefix(model: Any, ids: Sequence[int]) -> Prefix:
+    """The prompt ``ids`` through the decoder once (with gradient when autograd records), keeping its cache."""
+    import torch
+
+    body, _ = _decoder(model)
+    out = body(input_ids=torch.tensor([list(ids)], dtype=torch.long), use_cache=True)
+    return Prefix(len(ids), out.last_hidden_state[0], out.past_key_values)
+
+
+def _expanded(cache: Any, batch: int) -> Any:
+    """A fresh cache holding ``cache``'s keys and values (batch 1) for each of ``batch`` rows: expanded views, so the
+    gradient of every row flows back into the one prompt forward."""
+    from transformers import DynamicCache
+
+    fresh = DynamicCache()
+    for index, layer in enumerate(cache.layers):
+        fresh.update(layer.keys.expand(batch, -1, -1, -1), layer.values.expand(batch, -1, -1, -1), index)
+    return fresh
+
+
+def prefix_problem(model: Any) -> str | None:
+    """None when ``model``'s decoder, run on a prompt once and then on two suffixes against its cached keys and
+    values, reproduces the hidden states of the whole sequences run in full; otherwise why not (one sentence)."""
+    import torch
+
+    architecture = type(model).__name__
+    body, head = _decoder(model)
+    if body is None or head is None:
+        return f"{architecture}: no decoder stack Kiln can run from a cached prefix"
+    vocab = int(head.weight.shape[0])
+    prompt = [(5 * i + 2) % vocab for i in range(PROBE_PROMPT)]
+    sequences = [prompt + [(11 * i + 7 * n) % vocab for i in range(n)] for n in PROBE_SUFFIXES]
+    try:
+        with torch.no_grad():
+            ids, attention = _right_padded(sequences)
+            full = body(input_ids=ids, attention_mask=attention).last_hidden_state.float()
+            prefix = run_prefix(model, prompt)
+            split = _suffix_hidden(body, prefix, [s[PROBE_PROMPT:] for s in sequences])[0].float()
+    except (AttributeError, TypeError, ValueError, RuntimeError, IndexError) as exc:
+        return f"{architecture}: its decoder cannot run from a cached prefix ({type(exc).__name__}: {exc})"
+    scale = max(float(full.abs().max()), 1.0)
+    tolerance = 1e-4 if body.dtype == torch.float32 else 5e-2
+    worst = 0.0
+    for i, seq in enumerate(sequences):
+        worst = max(worst, float((split[i, : len(seq) - PROBE_PROMPT] - full[i, PROBE_PROMPT : len(seq)]).abs().max()))
+        worst = max(worst, float((prefix.hidden.float() - full[i, :PROBE_PROMPT]).abs().max()))
+    if worst > tolerance * scale:
+        return (
+            f"{architecture}: a forward from a cached prefix moved the hidden states by {worst:.3g} "
+            f"(above {tolerance:g} x {scale:.3g})"
+        )
+    return None
+
+
+def _right_padded(sequences: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    from kiln.model import right_padded
+
+    ids, attention = right_padded([list(sequence) for sequence in sequences])
+    return ids, attention
+
+
+def _suffix_hidden(body: Any, prefix: Prefix, suffixes: Sequence[Sequence[int]]) -> tuple[torch.Tensor, int]:
+    """``([B, W, H], W)``: the right-padded ``suffixes`` through the decoder after ``prefix``'s cached keys and values
+    (positions from ``prefix.length`` on)."""
+    import torch
+
+    ids, attention = _right_padded(suffixes)
+    batch, width = ids.shape
+    attention = torch.cat([torch.ones((batch, prefix.length), dtype=attention.dtype), attention], dim=1)
+    positions = (prefix.length + torch.arange(width)).unsqueeze(0).expand(batch, -1)
+    hidden = body(
+        input_ids=ids,
+        attention_mask=attention,
+        past_key_values=_expanded(prefix.cache, batch),
+        position_ids=positions,
+        use_cache=True,
+    ).last_hidden_state
+    return hidden, width
 
 
 @dataclass
@@ -51,25 +194,38 @@ class SelectedLogits:
 
 
 def selected_logits(
-    model: Any, head: ModelHead | None, sequences: Sequence[Sequence[int]], wanted: Sequence[Sequence[bool]]
+    model: Any,
+    head: ModelHead | None,
+    sequences: Sequence[Sequence[int]],
+    wanted: Sequence[Sequence[bool]],
+    *,
+    prefix: Prefix | None = None,
 ) -> SelectedLogits:
-    """The logits at the positions where ``wanted[i]`` (a bool ``[T_i - 1]``) is true, from one forward."""
+    """The logits at the positions where ``wanted[i]`` (a bool ``[T_i - 1]``) is true, from one forward; with a
+    ``prefix`` (the first ``prefix.length`` tokens of every sequence, already run) only the suffixes run, and the
+    wanted positions inside the prompt read its hidden states."""
     import torch
 
-    from kiln.model import right_padded
-    from kiln.training import decoder_of
-
-    causal = model.get_base_model() if hasattr(model, "get_base_model") else model
-    body, out = decoder_of(causal), causal.get_output_embeddings()
-    ids, attention = right_padded([list(sequence) for sequence in sequences])
-    width = ids.shape[1]
-    hidden = body(input_ids=ids, attention_mask=attention).last_hidden_state
-    positions = [torch.as_tensor(w, dtype=torch.bool).nonzero().squeeze(1) for w in wanted]
-    flat = torch.cat([i * width + p for i, p in enumerate(positions)])
-    targets = torch.cat([ids[i, p + 1] for i, p in enumerate(positions)])
-    rows = hidden.reshape(-1, hidden.shape[-1]).index_select(0, flat).float()
+    body, out = _decoder(model)
     if head is None:  # admission proves the head whenever a batch can hold several sequences
         raise AssertionError("a batched forward needs the model's head, proven at admission")
+    positions = [torch.as_tensor(w, dtype=torch.bool).nonzero().squeeze(1) for w in wanted]
+    if prefix is None:
+        ids, attention = _right_padded(sequences)
+        width = ids.shape[1]
+        hidden = body(input_ids=ids, attention_mask=attention).last_hidden_state
+        flat = torch.cat([i * width + p for i, p in enumerate(positions)])
+        targets = torch.cat([ids[i, p + 1] for i, p in enumerate(positions)])
+        rows = hidden.reshape(-1, hidden.shape[-1]).index_select(0, flat).float()
+        return SelectedLogits(head.logit_map.head_logits(rows, out.weight, out.bias), positions, targets)
+    start = prefix.length
+    suffix, width = _suffix_hidden(body, prefix, [list(s)[start:] for s in sequences])
+    table = torch.cat([prefix.hidden, suffix.reshape(-1, suffix.shape[-1])])  # the prompt's rows, then the suffixes'
+    flat = torch.cat([torch.where(p < start, p, start + i * width + p - start) for i, p in enumerate(positions)])
+    targets = torch.cat(
+        [torch.as_tensor(list(s), dtype=torch.long)[p + 1] for s, p in zip(sequences, positions, strict=True)]
+    )
+    rows = table.index_select(0, flat).float()
     return SelectedLogits(head.logit_map.head_logits(rows, out.weight, out.bias), positions, targets)
 
 
@@ -92,6 +248,7 @@ def group_logprobs(
     wanted: Sequence[Sequence[bool]],
     *,
     entropy: bool = False,
+    prefix: Prefix | None = None,
 ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
     """Per sequence ``(taken [T-1], entropy [T-1] or None)`` from one right-padded forward of all of them.
 
@@ -100,7 +257,7 @@ def group_logprobs(
     (and bias) and ``head.logit_map`` applied to the decoder's hidden states, in fp32."""
     import torch
 
-    found = selected_logits(model, head, sequences, wanted)
+    found = selected_logits(model, head, sequences, wanted, prefix=prefix)
     positions, targets = found.positions, found.targets
     logp = torch.log_softmax(found.rows, dim=-1)
     taken = logp.gather(1, targets.unsqueeze(1)).squeeze(1)
@@ -153,26 +310,52 @@ class ReferencePolicy:
         return taken
 
     def group(
-        self, head: ModelHead | None, sequences: Sequence[Sequence[int]], wanted: Sequence[Sequence[bool]]
+        self,
+        head: ModelHead | None,
+        sequences: Sequence[Sequence[int]],
+        wanted: Sequence[Sequence[bool]],
+        *,
+        width: int | None = None,
+        shared: int = 0,
     ) -> list[torch.Tensor]:
-        """The reference's taken log-probabilities of several sequences: one batched forward (``group_logprobs``)
-        inside one ``disable_adapter()`` or one EMA swap."""
+        """The reference's taken log-probabilities of several sequences inside one ``disable_adapter()`` or one EMA
+        swap: right-padded forwards (``group_logprobs``) of ``width`` sequences at a time (all at once when None);
+        ``shared`` > 0 runs those first tokens, which every sequence shares, once (``run_prefix``)."""
         t0 = time.perf_counter()
+        step = width or len(sequences)
+        found: list[torch.Tensor] = []
         with self._as_reference():
-            found = group_logprobs(self.model, head, sequences, wanted)
+            prefix = run_prefix(self.model, sequences[0][:shared]) if shared else None
+            for start in range(0, len(sequences), step):
+                part = group_logprobs(
+                    self.model, head, sequences[start : start + step], wanted[start : start + step], prefix=prefix
+                )
+                found.extend(taken for taken, _ in part)
         self.timings["reference_forward_ms"] += (time.perf_counter() - t0) * 1000
-        return [taken for taken, _ in found]
+        return found
 
 
 class BatchedForwards:
     """A group's forwards, ``width`` (``micro_batch_size``) completions at a time; width 1 leaves each completion
-    to its own dense forward (``policy`` answers None for it, ``references`` calls the reference per completion)."""
+    to its own dense forward (``policy`` answers None for it, ``references`` calls the reference per completion).
+
+    ``sharing`` (a ``PrefixPlan``): the forwards that run the group's shared prompt once (``run_prefix``), then
+    ``width`` suffixes at a time against its cache -- also at width 1."""
 
     def __init__(
-        self, model: Any, head: ModelHead | None, reference: ReferencePolicy, width: int, *, echo: bool, entropy: bool
+        self,
+        model: Any,
+        head: ModelHead | None,
+        reference: ReferencePolicy,
+        width: int,
+        *,
+        echo: bool,
+        entropy: bool,
+        sharing: PrefixPlan | None = None,
     ) -> None:
         self.model, self.head, self.reference, self.width = model, head, reference, width
         self.echo, self.entropy = echo, entropy
+        self.sharing = sharing or PrefixPlan()
 
     def _batches(self, completions: Sequence[GrpoCompletion]) -> list[Sequence[GrpoCompletion]]:
         return [completions[i : i + self.width] for i in range(0, len(completions), self.width)]
@@ -184,8 +367,13 @@ class BatchedForwards:
     def references(self, completions: Sequence[GrpoCompletion]) -> list[torch.Tensor | None]:
         import torch
 
-        if self.width == 1:
+        sequences = [c.input_ids for c in completions]
+        shared = shared_length(sequences) if self.sharing.reference else 0
+        if self.width == 1 and not shared:
             return [self.reference(torch.tensor(c.input_ids, dtype=torch.long)) for c in completions]
+        wanted = [self._wanted(c) for c in completions]
+        if shared:  # one prompt forward for the whole group, then its suffixes width at a time
+            return list(self.reference.group(self.head, sequences, wanted, width=self.width, shared=shared))
         return [
             taken
             for part in self._batches(completions)
@@ -196,9 +384,11 @@ class BatchedForwards:
         self, completions: Sequence[GrpoCompletion], timings: dict[str, float]
     ) -> list[tuple[torch.Tensor, torch.Tensor | None] | None]:
         """Per completion ``(taken, entropy)`` with gradient, or None when each runs its own forward (width 1)."""
-        if self.width == 1:
+        shared = shared_length([c.input_ids for c in completions]) if self.sharing.policy else 0
+        if self.width == 1 and not shared:
             return [None] * len(completions)
         t0 = time.perf_counter()
+        prefix = run_prefix(self.model, completions[0].input_ids[:shared]) if shared else None
         found: list[tuple[torch.Tensor, torch.Tensor | None] | None] = [
             row
             for part in self._batches(completions)
@@ -208,6 +398,7 @@ class BatchedForwards:
                 [c.input_ids for c in part],
                 [self._wanted(c) for c in part],
                 entropy=self.entropy,
+                prefix=prefix,
             )
         ]
         timings["policy_forward_ms"] += (time.perf_counter() - t0) * 1000

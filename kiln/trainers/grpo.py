@@ -82,7 +82,14 @@ from kiln.trainers._checkpointing import (
     publish_state,
     restore_policy,
 )
-from kiln.trainers._forwards import BatchedForwards, ReferencePolicy, logprobs
+from kiln.trainers._forwards import (
+    BatchedForwards,
+    PrefixPlan,
+    ReferencePolicy,
+    logprobs,
+    prefix_problem,
+    shared_length,
+)
 from kiln.trainers._kit import (
     Cadence,
     OnCheckpoint,
@@ -183,6 +190,7 @@ class EffectiveGrpoConfig(EffectiveConfig):
     reward_filter_on_empty: str
     echo: Echo | None  # loss.echo
     no_policy_loss: bool  # loss.no_policy_loss
+    prefix_sharing: str  # auto | off
 
     @property
     def kl_on(self) -> bool:
@@ -210,6 +218,7 @@ class EffectiveGrpoConfig(EffectiveConfig):
             "reward_filter_min_groups": self.reward_filter_min_groups,
             "reward_filter_on_empty": self.reward_filter_on_empty,
             "loss": {"echo": None if self.echo is None else self.echo.to_json(), "no_policy_loss": self.no_policy_loss},
+            "prefix_sharing": self.prefix_sharing,
         }
 
 
@@ -296,6 +305,7 @@ def resolve_config(
         reward_filter_on_empty=config.reward_filter_on_empty.value,
         echo=echo,
         no_policy_loss=loss.no_policy_loss,
+        prefix_sharing=config.prefix_sharing.value,
     )
 
 
@@ -349,6 +359,7 @@ class AdmittedGrpo(AdmittedJob[EffectiveGrpoConfig]):
     pin: str | None = None
     refused: TrainingFailedError | None = None  # a dry run's data refusal, recorded by its failed receipt
     head: ModelHead | None = None  # proven at admission when micro-batches read the logits themselves
+    sharing: PrefixPlan = field(default_factory=PrefixPlan)  # which forwards run a group's prompt once
 
     @property
     def total_steps(self) -> int:
@@ -437,6 +448,8 @@ def admit_request(request: Request[GrpoRequest], *, adapter_name: str, context: 
         pin=pin,
         head=model_head(loaded.model) if cfg.micro_batch_size > 1 else None,
     )
+    if not job.dry_run:
+        job.head, job.sharing = prefix_plan(cfg, loaded.model, job.head)
     _check_data(job)
     job.resume = load_resume(point, job.identity_manifest(), progress_auxiliary=PROGRESS_AUX)
     return job
@@ -507,6 +520,53 @@ def _check_data(job: AdmittedGrpo) -> None:
         ),
         context=context_length(job.loaded),
     )
+
+
+def prefix_plan(cfg: EffectiveGrpoConfig, model: Any, head: ModelHead | None) -> tuple[ModelHead | None, PrefixPlan]:
+    """``(head, plan)``: which forwards run a group's shared prompt once under ``prefix_sharing``, with the head
+    (proven here when only sharing needs it). ``auto`` shares wherever it is proven to compute the same thing: the
+    model's attention passes the cached-prefix probe and its head is reproducible; the policy forward needs
+    ``token_level`` aggregation (one backward per group) and no activation checkpointing (a recomputed layer keeps no
+    cache); the reference forward runs only with a KL term."""
+    if cfg.prefix_sharing == "off":
+        return head, PrefixPlan()
+    problem = prefix_problem(model)
+    if problem is None and head is None:
+        try:
+            head = model_head(model)
+        except RequestError as refused:
+            problem = refused.message
+    if problem is not None:
+        return head, PrefixPlan("auto", reason=problem)
+    reasons = []
+    policy = cfg.loss_aggregation == "token_level" and cfg.gradient_checkpointing != "on"
+    if cfg.loss_aggregation != "token_level":
+        reasons.append("per_sample aggregation steps after every completion, so its policy forwards cannot share")
+    elif cfg.gradient_checkpointing == "on":
+        reasons.append(
+            "gradient_checkpointing recomputes each decoder layer without a key/value cache, so the policy forward "
+            "runs every completion in full"
+        )
+    return head, PrefixPlan("auto", policy=policy, reference=cfg.kl_on, reason="; ".join(reasons) or None)
+
+
+def prefix_receipt(job: AdmittedGrpo, kept: list[GrpoGroup]) -> JsonObject:
+    """The receipt's ``grpo.prefix_sharing``: the plan, and over the trainable groups the prompts that ran once."""
+    plan = job.sharing
+    lengths = [shared_length([c.input_ids for c in g.completions]) for g in kept] if plan.any else []
+    shared = [n for n in lengths if n > 0]
+    reason = plan.reason
+    if len(shared) < len(lengths):
+        missing = f"{len(lengths) - len(shared)} of {len(lengths)} groups have no prompt all their completions share"
+        reason = missing if reason is None else f"{reason}; {missing}"
+    return {
+        "mode": job.config.prefix_sharing,
+        "policy": plan.policy,
+        "reference": plan.reference,
+        "shared_groups": len(shared),
+        "shared_prompt_tokens": sum(shared),
+        "reason": reason,
+    }
 
 
 # ----------------------------------------------------------------------------- the plan
@@ -812,6 +872,7 @@ class GrpoRun(RunProgress):
             cfg.micro_batch_size,
             echo=cfg.echo is not None,
             entropy=entropy_kl,
+            sharing=job.sharing,
         )
         # the loop: the planned steps, each a backward per share and one optimizer step
         settled_at = loop.groups_committed
@@ -1146,6 +1207,8 @@ def receipt(
     config = cfg.to_json()
     grpo: JsonObject = {key: config[key] for key in RECEIPT_CONFIG}
     grpo["dynamic_groups_filtered"] = counts.dynamic
+    if not dry_run:
+        grpo["prefix_sharing"] = prefix_receipt(job, kept)
     if audits and (audits.importance.ratio_observations or audits.kl.token_observations):
         grpo["policy_audit"] = obj.policy_audit_receipt(audits.importance, audits.kl)
     out["grpo"] = grpo
