@@ -3,16 +3,21 @@
     python bench/bench_grpo.py                 # tiny + wide model, groups of 4 and 16, 2 rounds (~6 min, 2 cores)
     python bench/bench_grpo.py --quick         # tiny model only, 2 timed groups per side, 1 round (~1 min)
     python bench/bench_grpo.py --no-trl        # skip TRL (it needs trl==1.16 in --trl-python)
+    python bench/bench_grpo.py --models wide --group-sizes 16 --prompt-tokens 486 --completion-tokens 28 \
+        --sides kiln_batched,kiln_off,ref_batched,trl   # long shared prompts (~500 tokens), ~30-token completions
 
 Every side trains the same LoRA policy on the same pre-scored groups, one optimizer step per
 group, and runs in its own fresh interpreter so peak RSS is that side's alone:
 
 * ``kiln``        -- ``admit_grpo`` + ``run_grpo`` exactly as ``kiln train grpo`` runs them
-  (inline groups, ``token_level`` aggregation): one forward per completion, one reference
-  forward per completion with the adapter disabled, the receipt's audits, then publication.
-* ``kiln_batched`` -- the same with ``micro_batch_size`` = the group size: the group right-padded
-  in one policy forward and one reference forward inside a single ``disable_adapter()``, the
-  model's logits computed only at the action positions.
+  (inline groups, ``token_level`` aggregation, ``prefix_sharing`` auto): the group's prompt
+  once, then one suffix forward per completion (policy, and reference with the adapter
+  disabled), the receipt's audits, then publication.
+* ``kiln_batched`` -- the same with ``micro_batch_size`` = the group size: the prompt once, then
+  the group's suffixes right-padded in one policy forward and one reference forward inside a
+  single ``disable_adapter()``, the model's logits computed only at the action positions.
+* ``kiln_off``    -- ``kiln_batched`` with ``prefix_sharing`` off: every completion runs its whole
+  sequence, prompt included (the route before prompts were shared).
 * ``ref_batched`` -- a plain PyTorch loop: the group right-padded to ``[B, T]``, one no-grad
   reference forward with the adapter disabled, one policy forward, the loss, backward, step.
 * ``ref_loop``    -- the same loss with one forward per completion (Kiln's structure without
@@ -86,14 +91,17 @@ TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 RANK, ALPHA, LR, BETA, EPS, SEED = 16, 32.0, 1e-4, 0.1, 0.2, 7
 THREADS = 2
 MIB = 1024 * 1024
-SIDES = ("kiln", "kiln_batched", "ref_batched", "ref_loop", "trl")
+SIDES = ("kiln", "kiln_batched", "kiln_off", "ref_batched", "ref_loop", "trl")
 
 
 # ----------------------------------------------------------------------------- set-up (parent)
 
 
-def make_groups(tokenizer_dir: Path, group_size: int, count: int) -> list[dict[str, Any]]:
-    """``count`` groups of ``group_size`` completions, 60-66 action tokens each, distinct prompts."""
+def make_groups(
+    tokenizer_dir: Path, group_size: int, count: int, *, prompt_tokens: int = 18, completion_tokens: int = 60
+) -> list[dict[str, Any]]:
+    """``count`` groups of ``group_size`` completions, ``completion_tokens``..+6 action tokens each, distinct prompts
+    of about ``prompt_tokens`` + 14 tokens (the chat template's)."""
     from transformers import AutoTokenizer
 
     from kiln.model._tiny import tiny_corpus
@@ -112,11 +120,11 @@ def make_groups(tokenizer_dir: Path, group_size: int, count: int) -> list[dict[s
 
     groups = []
     for g in range(count):
-        prompt = f"Question {g}: " + text(11 * g + 5, 18)
+        prompt = f"Question {g}: " + text(11 * g + 5, prompt_tokens)
         completions = [
             # the action span is the text + <|im_end|> + "\n": 60..66 tokens
             {
-                "text": text(97 * g + 13 * i, 60 + (i % 5)),
+                "text": text(97 * g + 13 * i, completion_tokens + (i % 5)),
                 "reward": round(((i * 7) % group_size) / max(group_size - 1, 1), 6),
             }
             for i in range(group_size)
@@ -179,8 +187,10 @@ def side_kiln(args: argparse.Namespace) -> dict[str, Any]:
         "is_level": "token",
         "kl_reference_policy": {"kind": "base_per_step"},
     }
-    if args.worker == "kiln_batched":  # the whole group in one padded policy and one reference forward
+    if args.worker in ("kiln_batched", "kiln_off"):  # the whole group in one padded policy and reference forward
         config["micro_batch_size"] = len(groups[0]["completions"])
+    if args.worker == "kiln_off":  # every completion runs its whole sequence (the shared prompt too)
+        config["prefix_sharing"] = "off"
     name = f"bench-{os.getpid()}"
     job = admit_grpo(adapter_name=name, registry=registry, request={"groups": groups, "config": config},
                      model_path=args.model)  # fmt: skip
@@ -220,6 +230,7 @@ def side_kiln(args: argparse.Namespace) -> dict[str, Any]:
     trainer_module.logprobs = timed(trainer_module.logprobs, forward_kind)
     parts_module.logprobs = timed(parts_module.logprobs, forward_kind)
     parts_module.group_logprobs = timed(parts_module.group_logprobs, forward_kind)
+    parts_module.run_prefix = timed(parts_module.run_prefix, forward_kind)  # a group's shared prompt, once
     torch.Tensor.backward = timed(torch.Tensor.backward, "backward")
     from kiln.training import AdamW, Muon, Sgd
 
@@ -463,7 +474,7 @@ def worker(args: argparse.Namespace) -> None:
     import torch
 
     torch.set_num_threads(THREADS)
-    if args.worker in ("kiln", "kiln_batched"):
+    if args.worker in ("kiln", "kiln_batched", "kiln_off"):
         out = side_kiln(args)
     elif args.worker == "trl":
         out = side_trl(args)
@@ -512,6 +523,9 @@ def main() -> None:
         "--rounds", type=int, default=None, help="runs of each side, order alternating (default 2, 1 with --quick)"
     )
     parser.add_argument("--no-trl", action="store_true")
+    parser.add_argument("--sides", default=None, help="comma list of sides to run (default: all but trl without it)")
+    parser.add_argument("--prompt-tokens", type=int, default=18, help="prompt text tokens (the template adds 14)")
+    parser.add_argument("--completion-tokens", type=int, default=60, help="action tokens of the shortest completion")
     parser.add_argument("--trl-python", default=TRL_PYTHON)
     parser.add_argument("--dir", type=Path, default=None)
     parser.add_argument("--json", type=Path, default=None, help="also write every raw result here")
@@ -532,7 +546,10 @@ def main() -> None:
     models = ["tiny"] if args.quick else [m.strip() for m in args.models.split(",") if m.strip()]
     sizes = [int(s) for s in args.group_sizes.split(",")]
     trl_ok = not args.no_trl and Path(args.trl_python).exists()
-    sides = ["kiln", "kiln_batched", "ref_batched", "ref_loop"] + (["trl"] if trl_ok else [])
+    sides = ["kiln", "kiln_batched", "kiln_off", "ref_batched", "ref_loop"] + (["trl"] if trl_ok else [])
+    if args.sides:
+        wanted = [side.strip() for side in args.sides.split(",")]
+        sides = [side for side in sides if side in wanted]
     work = args.dir or Path(tempfile.mkdtemp(prefix="kiln-bench-grpo-"))
     work.mkdir(parents=True, exist_ok=True)
     import torch
@@ -555,8 +572,17 @@ def main() -> None:
     for model in models:
         timed = args.groups or (2 if args.quick else 8 if model == "tiny" else 4)
         for size in sizes:
-            groups_file = work / f"groups-{size}-{timed + args.warmup}.json"
-            groups_file.write_text(json.dumps(make_groups(tiny, size, timed + args.warmup)))
+            groups_file = (
+                work / f"groups-{size}-{timed + args.warmup}-{args.prompt_tokens}-{args.completion_tokens}.json"
+            )
+            made = make_groups(
+                tiny,
+                size,
+                timed + args.warmup,
+                prompt_tokens=args.prompt_tokens,
+                completion_tokens=args.completion_tokens,
+            )
+            groups_file.write_text(json.dumps(made))
             results: dict[str, list[dict[str, Any]]] = {side: [] for side in sides}
             for round_ in range(args.rounds):
                 for side in sides if round_ % 2 == 0 else sides[::-1]:
@@ -594,40 +620,44 @@ def report(rows: list[tuple[str, int, int, dict[str, list[dict[str, Any]]]]], wa
     print(f"{'model':5} {'B':>3} {'n':>2} {'side':12} {'step ms':>9} {'rounds ms':>17} {'peak':>6} {'base':>5} "
           f"{'delta':>6} {'kiln/side time':>14} {'kiln/side delta':>15} {'max |dloss|':>11}")  # fmt: skip
     for model, size, n, results in rows:
-        kiln = best(results["kiln"])
-        kdelta = max(r["peak"] - r["baseline"] for r in results["kiln"]) / MIB
+        first = "kiln" if "kiln" in results else next(iter(results))
+        kiln = best(results[first])
+        kdelta = max(r["peak"] - r["baseline"] for r in results[first]) / MIB
         for side, runs in results.items():
             r = best(runs)
             medians = [med(x) for x in runs]
             delta = max(x["peak"] - x["baseline"] for x in runs) / MIB
             peak = max(x["peak"] for x in runs) / MIB
             dloss = max(abs(a - b) for x in runs for a, b in zip(kiln["losses"], x["losses"], strict=False))
-            ratio_t = "" if side == "kiln" else f"{med(kiln) / med(r):.2f}x"
-            ratio_m = "" if side == "kiln" else f"{kdelta / delta:.2f}x" if delta > 0 else "n/a"
+            ratio_t = "" if side == first else f"{med(kiln) / med(r):.2f}x"
+            ratio_m = "" if side == first else f"{kdelta / delta:.2f}x" if delta > 0 else "n/a"
             spread = f"{min(medians):.1f}-{max(medians):.1f}"
             print(f"{model:5} {size:>3} {n:>2} {side:12} {med(r):9.1f} {spread:>17} {peak:6.0f} "
                   f"{r['baseline'] / MIB:5.0f} {delta:6.0f} {ratio_t:>14} {ratio_m:>15} "
-                  f"{'' if side == 'kiln' else f'{dloss:.1e}':>11}")  # fmt: skip
-    print("\nkiln_batched (micro_batch_size = the group) against the others: time and delta-memory ratios")
+                  f"{'' if side == first else f'{dloss:.1e}':>11}")  # fmt: skip
+    print("\nkiln_batched (micro_batch_size = the group, prefix_sharing auto) against the others: time and")
+    print("delta-memory ratios (peak-memory ratios in brackets)")
     for model, size, _n, results in rows:
         if "kiln_batched" not in results:
             continue
         batched = best(results["kiln_batched"])
         bdelta = max(r["peak"] - r["baseline"] for r in results["kiln_batched"]) / MIB
         parts = []
-        for side in ("kiln", "ref_batched", "trl"):
+        bpeak = max(r["peak"] for r in results["kiln_batched"])
+        for side in ("kiln", "kiln_off", "ref_batched", "trl"):
             if side in results:
                 other = best(results[side])
                 odelta = max(r["peak"] - r["baseline"] for r in results[side]) / MIB
+                opeak = max(r["peak"] for r in results[side])
                 mem = f"{bdelta / odelta:.2f}x" if odelta > 0 else "n/a"
-                parts.append(f"vs {side} {med(batched) / med(other):.2f}x time, {mem} delta")
+                parts.append(f"vs {side} {med(batched) / med(other):.2f}x time, {mem} delta ({bpeak / opeak:.2f}x)")
         print(f"{model:5} {size:>3}  " + "; ".join(parts))
     print("\nwhere Kiln's step goes (its least disturbed round): medians over the timed groups (ms);")
     print("disable = entering and leaving peft's disable_adapter() around each reference forward; other = the rest")
     print(f"{'model':5} {'B':>3} {'side':12} {'step':>8} {'ref fwd':>8} {'disable':>8} {'pol fwd':>8} {'objective':>9} "
           f"{'backward':>8} {'optim':>8} {'other':>8}   objective per completion us: kiln / plain")  # fmt: skip
     for model, size, _n, results in rows:
-        for side in ("kiln", "kiln_batched"):
+        for side in ("kiln", "kiln_batched", "kiln_off"):
             if side in results:
                 _phases(model, size, side, best(results[side]), med, warmup)
 
