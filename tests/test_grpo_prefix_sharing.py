@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from kiln import contracts
-from kiln.trainers import _forwards, grpo
+from kiln.trainers import _forwards
 from kiln.trainers.grpo import admit_grpo, run_grpo
 
 PROMPT = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Is the sky blue today?"}]
@@ -189,7 +189,7 @@ def test_auto_shares_where_it_computes_the_same_thing_and_says_why_not_elsewhere
 def test_a_model_that_fails_the_cached_prefix_probe_trains_every_completion_in_full(
     tmp_path, tiny_model_dir, monkeypatch
 ):
-    monkeypatch.setattr(grpo, "prefix_problem", lambda model: "ProbeModel: a forward from a cached prefix moved")
+    monkeypatch.setattr(_forwards, "prefix_problem", lambda model: "ProbeModel: a forward from a cached prefix moved")
     monkeypatch.setattr(
         _forwards, "run_prefix", lambda *a, **k: (_ for _ in ()).throw(AssertionError("shared a refused model"))
     )

@@ -16,11 +16,11 @@ from importlib import resources
 from typing import Any
 
 SCHEMA_DIGESTS: dict[str, str] = {
-    "kiln-artifacts-v1.schema.json": "sha256:95c5853e2276c02358757dd7aff31b5cd90686c917e817684925c8408a5554c8",
+    "kiln-artifacts-v1.schema.json": "sha256:57dc5688f79c03811e84895b587490915526ec789f17e280a4e65ed63be7b334",
     "kiln-checkpoint-v1.schema.json": "sha256:40f2f23b53561eaca7040113a06aea056e0ac8f95172d7f10c65195bd3f5f7f7",
     "kiln-common-v1.schema.json": "sha256:140778be5b4882abd354e3ab1194bbe6a56e891d614d0aa7c0cace8c6ff07833",
     "kiln-config-v1.schema.json": "sha256:5477f715c128cfbf67d6d5ed24d8a400c0b6d65c30d799e6b3fee5ba860db2ac",
-    "kiln-control-plane-v1.schema.json": "sha256:36cbd4e704716a446c90c8a91f9a86f142af1ff703dfc2e92278eb5c0dd0543a",
+    "kiln-control-plane-v1.schema.json": "sha256:d206d35ede4043750941ebc48ae7a258d94454f8ae60c64b9ad12c6aa37167fc",
     "kiln-observability-v1.schema.json": "sha256:6f0bc47ffee00565b9fcff807ddbbfc8e2a57ca93e1f13e915de1dde8427e513"
 }
 

@@ -43,6 +43,7 @@ __all__ = [
     "SelectedLogits",
     "group_logprobs",
     "logprobs",
+    "plan_sharing",
     "prefix_problem",
     "run_prefix",
     "selected_logits",
@@ -147,6 +148,29 @@ def prefix_problem(model: Any) -> str | None:
             f"(above {tolerance:g} x {scale:.3g})"
         )
     return None
+
+
+def plan_sharing(
+    mode: str, model: Any, head: ModelHead | None, *, blockers: Sequence[str], reference: bool
+) -> tuple[ModelHead | None, PrefixPlan]:
+    """``(head, plan)`` under ``prefix_sharing`` ``mode``: off shares nothing; ``auto`` shares where it is proven to
+    compute the same thing -- the model passes the cached-prefix probe (``prefix_problem``) and its head is
+    reproducible (proven here when only sharing needs it) -- the policy (training) forward unless one of
+    ``blockers`` (sentences: why it cannot) applies, the reference forward when ``reference`` (one runs)."""
+    from kiln.errors import RequestError
+    from kiln.training import model_head
+
+    if mode == "off":
+        return head, PrefixPlan()
+    problem = prefix_problem(model)
+    if problem is None and head is None:
+        try:
+            head = model_head(model)
+        except RequestError as refused:
+            problem = refused.message
+    if problem is not None:
+        return head, PrefixPlan(mode, reason=problem)
+    return head, PrefixPlan(mode, policy=not blockers, reference=reference, reason="; ".join(blockers) or None)
 
 
 def _right_padded(sequences: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -87,7 +87,7 @@ from kiln.trainers._forwards import (
     PrefixPlan,
     ReferencePolicy,
     logprobs,
-    prefix_problem,
+    plan_sharing,
     shared_length,
 )
 from kiln.trainers._kit import (
@@ -523,31 +523,18 @@ def _check_data(job: AdmittedGrpo) -> None:
 
 
 def prefix_plan(cfg: EffectiveGrpoConfig, model: Any, head: ModelHead | None) -> tuple[ModelHead | None, PrefixPlan]:
-    """``(head, plan)``: which forwards run a group's shared prompt once under ``prefix_sharing``, with the head
-    (proven here when only sharing needs it). ``auto`` shares wherever it is proven to compute the same thing: the
-    model's attention passes the cached-prefix probe and its head is reproducible; the policy forward needs
-    ``token_level`` aggregation (one backward per group) and no activation checkpointing (a recomputed layer keeps no
-    cache); the reference forward runs only with a KL term."""
-    if cfg.prefix_sharing == "off":
-        return head, PrefixPlan()
-    problem = prefix_problem(model)
-    if problem is None and head is None:
-        try:
-            head = model_head(model)
-        except RequestError as refused:
-            problem = refused.message
-    if problem is not None:
-        return head, PrefixPlan("auto", reason=problem)
-    reasons = []
-    policy = cfg.loss_aggregation == "token_level" and cfg.gradient_checkpointing != "on"
+    """``(head, plan)``: which forwards run a group's shared prompt once under ``prefix_sharing`` (``plan_sharing``):
+    the policy forward needs ``token_level`` aggregation (one backward per group) and no activation checkpointing (a
+    recomputed layer keeps no cache); the reference forward runs only with a KL term."""
+    blockers = []
     if cfg.loss_aggregation != "token_level":
-        reasons.append("per_sample aggregation steps after every completion, so its policy forwards cannot share")
+        blockers.append("per_sample aggregation steps after every completion, so its policy forwards cannot share")
     elif cfg.gradient_checkpointing == "on":
-        reasons.append(
+        blockers.append(
             "gradient_checkpointing recomputes each decoder layer without a key/value cache, so the policy forward "
             "runs every completion in full"
         )
-    return head, PrefixPlan("auto", policy=policy, reference=cfg.kl_on, reason="; ".join(reasons) or None)
+    return plan_sharing(cfg.prefix_sharing, model, head, blockers=blockers, reference=cfg.kl_on)
 
 
 def prefix_receipt(job: AdmittedGrpo, kept: list[GrpoGroup]) -> JsonObject:

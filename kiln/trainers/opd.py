@@ -94,7 +94,7 @@ from kiln.trainers._checkpointing import (
     publish_state,
     restore_policy,
 )
-from kiln.trainers._forwards import selected_logits
+from kiln.trainers._forwards import PrefixPlan, plan_sharing, run_prefix, selected_logits, shared_length
 from kiln.trainers._kit import (
     Cadence,
     OnCheckpoint,
@@ -180,6 +180,7 @@ class EffectiveOpdConfig(EffectiveConfig):
     echo: Echo | None
     epochs: int
     grad_checkpoint_segments: int | None  # recorded only when the request gives it
+    prefix_sharing: str  # auto | off
 
     def to_json(self) -> JsonObject:
         out = {
@@ -198,6 +199,7 @@ class EffectiveOpdConfig(EffectiveConfig):
             "clip_epsilon": self.clip_epsilon,
             "echo": None if self.echo is None else self.echo.to_json(),
             "epochs": self.epochs,
+            "prefix_sharing": self.prefix_sharing,
         }
         if self.grad_checkpoint_segments is not None:
             out["grad_checkpoint_segments"] = self.grad_checkpoint_segments
@@ -276,6 +278,7 @@ def resolve_config(
         echo=Echo.resolve(config.echo),
         epochs=config.epochs,
         grad_checkpoint_segments=config.grad_checkpoint_segments,
+        prefix_sharing=config.prefix_sharing.value,
     )
 
 
@@ -330,6 +333,7 @@ class AdmittedOpd(AdmittedJob[EffectiveOpdConfig]):
     pin: str | None = None
     teachers_root: Path | None = None
     head: ModelHead | None = None  # proven at admission when micro-batches read the logits themselves
+    sharing: PrefixPlan = field(default_factory=PrefixPlan)  # whether batched student forwards share tokens
 
     @property
     def total_steps(self) -> int:  # candidates: an optimizer step per non-empty step of candidates
@@ -461,6 +465,7 @@ def admit_request(request: Request[OpdRequest], *, adapter_name: str, context: T
         teachers_root=context.teachers_root,
         head=model_head(loaded.model) if cfg.micro_batch_size > 1 else None,
     )
+    job.head, job.sharing = sharing_plan(cfg, loaded.model, job.head)
     _check_data(job)
     job.resume = load_resume(
         point,
@@ -469,6 +474,18 @@ def admit_request(request: Request[OpdRequest], *, adapter_name: str, context: T
         progress_streams=(ROLLOUT_STREAM, "epoch-order"),
     )
     return job
+
+
+def sharing_plan(cfg: EffectiveOpdConfig, model: Any, head: ModelHead | None) -> tuple[ModelHead | None, PrefixPlan]:
+    """``(head, plan)``: whether the student's batched training forward runs the tokens its rollouts share once
+    (``plan_sharing``); only a micro-batch of several rollouts has a forward to share, and a recomputed layer
+    (activation checkpointing) keeps no key/value cache. OPD's reference is the teacher: nothing to plan there."""
+    blockers = []
+    if cfg.micro_batch_size == 1:
+        blockers.append("micro_batch_size 1: every rollout runs its own forward, so no forward holds two")
+    elif cfg.gradient_checkpointing == "on":
+        blockers.append("gradient_checkpointing recomputes each decoder layer without a key/value cache")
+    return plan_sharing(cfg.prefix_sharing, model, head, blockers=blockers, reference=False)
 
 
 def admit_opd(
@@ -809,9 +826,11 @@ def batch_loss(
     weights: list[tuple[float, float]],
     echo: Echo | None,
     timings: dict[str, float],
+    *,
+    share: bool = False,
 ) -> tuple[torch.Tensor, list[tuple[float, EnvCe]]]:
     """The summed shares of several non-empty rollouts from one right-padded forward, and per rollout its mean KL and
-    ECHO ``(CE, observation tokens)``."""
+    ECHO ``(CE, observation tokens)``; ``share``: the tokens every rollout starts with run once (``run_prefix``)."""
     wanted, observed = [], []
     for rollout in rollouts:
         p, a = len(rollout.prefix), len(rollout.action)
@@ -824,7 +843,10 @@ def batch_loss(
         observed.append(len(seen))
     model.train()
     t0 = time.perf_counter()
-    found = selected_logits(model, head, [r.prefix + r.action for r in rollouts], wanted)
+    sequences = [r.prefix + r.action for r in rollouts]
+    shared = shared_length(sequences) if share else 0
+    prefix = run_prefix(model, sequences[0][:shared]) if shared else None
+    found = selected_logits(model, head, sequences, wanted, prefix=prefix)
     timings["policy_forward_ms"] += (time.perf_counter() - t0) * 1000
     total: torch.Tensor | None = None
     out: list[tuple[float, EnvCe]] = []
@@ -851,6 +873,8 @@ def train_shares(
     width: int,
     timings: dict[str, float],
     backward: Callable[[torch.Tensor], float],
+    *,
+    share: bool = False,
 ) -> tuple[list[float], list[EnvCe], list[float | None]]:
     """Forward and ``backward`` of every non-empty rollout's share of its step's loss, ``width`` rollouts (a
     micro-batch) at a time; returns what ``backward`` returned for each backward, the ECHO ``(CE, tokens)`` of each
@@ -863,7 +887,7 @@ def train_shares(
         live = [i for i in range(start, min(start + width, len(rollouts))) if rollouts[i].action]
         if len(live) > 1:
             loss, found = batch_loss(
-                model, head, [rollouts[i] for i in live], [weights[i] for i in live], echo, timings
+                model, head, [rollouts[i] for i in live], [weights[i] for i in live], echo, timings, share=share
             )
             values.append(backward(loss))
             for i, (kl, env) in zip(live, found, strict=True):
@@ -960,6 +984,7 @@ class OpdRun(RunProgress):
                 width,
                 loop.timings,
                 lambda loss: policy.accumulate(loss, lambda: f"optimizer step {loop.global_step + 1}"),
+                share=job.sharing.policy,
             )
             seen = []
             for rollout, mean_kl in zip(rollouts, kls, strict=True):
@@ -1065,6 +1090,7 @@ class OpdRun(RunProgress):
             "teacher_content_revision": job.teacher_content_revision,
             "top_k": cfg.top_k,
             "samples_per_prompt": cfg.samples_per_prompt,
+            "prefix_sharing": {"mode": cfg.prefix_sharing, "student": job.sharing.policy, "reason": job.sharing.reason},
             "action_tokens": loop.action_tokens,
             "env_tokens": loop.env_tokens,
             "echo_combined": cfg.echo is not None and loop.echo.contributed,
