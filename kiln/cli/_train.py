@@ -140,12 +140,7 @@ def add_train_parser(sub: Any) -> None:
         p,
         "groups per optimizer step (per_sample: completions of a group; default 1); the loss is the step's token mean",
     )
-    p.add_argument(
-        "--prefix-sharing",
-        choices=["auto", "off"],
-        help="run a group's shared prompt once (auto, the default, where the model is proven to allow it) or every "
-        "completion in full (off); the receipt's grpo.prefix_sharing says what ran",
-    )
+    _add_prefix_sharing(p, "a group's shared prompt", "completion", "grpo")
     p.set_defaults(
         func=cmd_train_grpo, inline_key="groups", whole_request=True, file_config={}, request_type="GrpoRequest"
     )
@@ -168,6 +163,7 @@ def add_train_parser(sub: Any) -> None:
         p,
         "micro-batches of candidates per optimizer step (default 1); the loss is the step's mean over action positions",
     )
+    _add_prefix_sharing(p, "the tokens a micro-batch's rollouts share", "rollout", "opd")
     # a .jsonl file is a pre-scored teacher file: off_policy unless the file's config or the flags say otherwise
     p.set_defaults(
         func=cmd_train_opd,
@@ -251,6 +247,15 @@ def _add_memory_options(p: argparse.ArgumentParser) -> None:
         choices=("none", "nf4"),
         help="nf4: load the frozen base in 4-bit NormalFloat (QLoRA; needs bitsandbytes>=0.47) (default: "
         "training.quantization, else none)",
+    )
+
+
+def _add_prefix_sharing(p: argparse.ArgumentParser, what: str, unit: str, block: str) -> None:
+    p.add_argument(
+        "--prefix-sharing",
+        choices=["auto", "off"],
+        help=f"run {what} once (auto, the default, where the model is proven to allow it) or every {unit} in full "
+        f"(off); the receipt's {block}.prefix_sharing says what ran",
     )
 
 
