@@ -16,8 +16,8 @@ from importlib import resources
 from typing import Any
 
 SCHEMA_DIGESTS: dict[str, str] = {
-    "kiln-artifacts-v1.schema.json": "sha256:2ed8ad0b1a59e1d2ea492decbb2c73a8c371af1d9224c89f64bb88856aacc9ed",
-    "kiln-checkpoint-v1.schema.json": "sha256:40f2f23b53561eaca7040113a06aea056e0ac8f95172d7f10c65195bd3f5f7f7",
+    "kiln-artifacts-v1.schema.json": "sha256:bc46ab9f516e8be62dd34593166c5749ab373394abe9ed1e64d32034b453ab88",
+    "kiln-checkpoint-v1.schema.json": "sha256:9c750eed9cb630d085c0d106d2de038fe2d58299ed687c20664412b335b9eca2",
     "kiln-common-v1.schema.json": "sha256:140778be5b4882abd354e3ab1194bbe6a56e891d614d0aa7c0cace8c6ff07833",
     "kiln-config-v1.schema.json": "sha256:5477f715c128cfbf67d6d5ed24d8a400c0b6d65c30d799e6b3fee5ba860db2ac",
     "kiln-control-plane-v1.schema.json": "sha256:14ed525872cd0c12742fae1f6e2333a9e5dd2bd1923fba2f6a6323eb7f761102",
