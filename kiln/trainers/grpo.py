@@ -20,8 +20,8 @@ Read top to bottom:
    (``check_request``): every refusal of spec/40, naming the field;
 2. admission (``admit_request``, ``admit_grpo``): target, model, pinned source, ingestion with action/observation
    masks, identity -- everything that can fail before training;
-3. the plan (``filter_groups``, ``step_plan``, ``step_weights``): which groups train, in which order, and each
-   step's shares, decided before training from the rewards alone, so a checkpoint can bind the trainable order;
+3. the plan (``filter_groups``, ``step_plan``, ``step_weights``, ``rank_shares``): which groups train, in which
+   order, each step's shares and a rank's part of them, decided before training from the rewards alone, so a checkpoint can bind the trainable order;
    nothing left is ``zero_groups``, ECHO-only training without an observation token ``zero_env_tokens`` -- failures
    of the run (a failed receipt), never refusals at admission;
 4. the run (``GrpoRun``): forwards, loss (``completion_loss``, ``share_loss``), steps, audits, checkpoints, and
@@ -35,6 +35,13 @@ trainable group order, the streamed-source cursor (byte offset, lines consumed a
 digest), the EMA reference tensors and cadence, the optimizer slots and the audit
 accumulators; resuming continues with the next trainable group and ends with exactly the
 bytes of an uninterrupted run.
+
+Data parallelism (``kiln.grpo-step-completions.v1``, ``rank_shares``; ``docs/grpo.md``): over several ranks a step
+is still what one process takes. Under ``token_level`` each group of the step is split into the ranks' contiguous
+blocks of its completions, under ``per_sample`` the step's completions are dealt in turn; a rank computes the
+reference log-probabilities and the forwards of its own completions only, weighted over the whole step, and one
+collective per step sums the gradients. The audits of the step are gathered to every rank and added in completion
+order, so every rank's accumulators are one process's; rank 0 publishes.
 
 Deliberate simplifications: one pass over the groups in source order (``GrpoConfig`` has
 no epochs); one forward per completion with dense logits unless ``micro_batch_size`` > 1 (the fused SFT route is

@@ -24,7 +24,7 @@ Read top to bottom:
 2. admission (``admit_request``, ``admit_opd``): the teacher looked up and re-probed (``pinned_teacher``), the
    source it scores or has scored (``Prompts``, ``PreScored``) checked against the student's vocabulary and
    tokenizer, model, data, identity, resume -- everything that can fail before training;
-3. rollouts and their losses (``draw``, ``step_weights``, ``train_shares``);
+3. rollouts and their losses (``draw``, ``step_weights``, ``train_shares``, ``gather_step``);
 4. the run (``OpdRun``): rollout, scoring, loss, step, collapse diagnostics, checkpoints, and publication (adapter,
    receipt with the ``opd`` block, manifest). A failure after admission writes a failed receipt with its category;
 5. the loop's committed state (``OpdLoop``: ``opd_loop_state.json``) and the receipt.
@@ -49,6 +49,14 @@ forward (``kiln.trainers._forwards.selected_logits``: the model's own head and l
 rows the loss reads) and one backward; a micro-batch with a single non-empty rollout runs it alone and dense.
 Checkpoints and cancellation land between steps, where the generator state and the cursor say everything. With both
 sizes 1 this is the per-candidate loop, byte for byte.
+
+Data parallelism (``kiln.opd-step-candidates.v1``; ``docs/opd.md``): over several ranks a step is still what one
+process takes. Every rank decodes every rollout of the step from the one ``rollout-sampling`` generator -- the stream
+is sequential, and a batched, memory-bound decode costs about as much for the step's rows as for a rank's part --
+then the step's micro-batches are dealt to the ranks in turn: rank r has the teacher score, and trains, micro-batch
+j when j mod world_size == r, weighted over the whole step (``train_shares``); one collective per step sums the
+gradients, and each rollout's mean KL and ECHO cross-entropy are gathered (``gather_step``) so the collapse and ECHO
+accumulators of every rank are one process's; rank 0 publishes.
 
 Deliberate simplifications: dense student logits over the prefix + rollout; ``samples_per_prompt`` does
 not apply to a pre-scored file (one candidate per row); the receipt's collapse windows

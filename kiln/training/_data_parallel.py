@@ -54,6 +54,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from kiln.documents.jsonio import JsonValue
 from kiln.errors import NonFiniteLossError, TrainingFailedError
 
 __all__ = [
@@ -223,7 +224,7 @@ class StepSync:
             self.cancel.set()
         return total
 
-    def gather(self, payload: Any) -> list[Any]:
+    def gather(self, payload: JsonValue) -> list[JsonValue]:
         """Every rank's ``payload`` (a JSON value: numbers, strings, lists, objects), in rank order, on every rank:
         one collective of the encodings' lengths, one of the encodings (JSON text: Python floats round-trip exactly,
         and nothing is unpickled). A single process: ``[payload]``."""
