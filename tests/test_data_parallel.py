@@ -7,8 +7,9 @@
 * cancel (asked by one rank, agreed by all) then resume at world size 2 is byte-identical to an uninterrupted run;
 * a world-size-2 checkpoint is refused at world size 1, naming the world size;
 * two "nodes" (two torchrun agents meeting at one c10d rendezvous on 127.0.0.1) train the same bytes as one node of
-  two ranks;
-* GRPO and OPD refuse a world size above 1.
+  two ranks.
+
+GRPO and OPD over ranks: ``test_data_parallel_rl.py``.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import pytest
 from _server import free_port
 
 from kiln import contracts
-from kiln.errors import CheckpointError, RequestError
+from kiln.errors import CheckpointError
 from kiln.trainers import TRAINERS, TrainingContext
 from kiln.training import DataParallel, backend_for
 
@@ -211,17 +212,6 @@ def test_kiln_train_local_on_two_ranks_publishes_an_adapter_that_records_the_wor
     ).read_bytes()
     nodes_receipt = _loaded("TrainReceipt", registry / "nodes" / "train_receipt.json")
     assert nodes_receipt["runtime"]["data_parallel"] == plan
-
-
-@pytest.mark.parametrize("kind", ["grpo", "opd"])
-def test_grpo_and_opd_refuse_a_world_size_above_one(kind, tmp_path, tiny_model_dir):
-    context = TrainingContext(
-        registry=tmp_path / "adapters", model_path=str(tiny_model_dir), data_parallel=DataParallel.planned(2)
-    )
-    with pytest.raises(RequestError) as refused:
-        TRAINERS[kind].admit({"config": {}}, adapter_name="x", context=context)
-    assert refused.value.code == "training_backend_unsupported"
-    assert "world size 2" in refused.value.message
 
 
 def test_a_signal_to_kiln_train_local_cancels_every_rank_and_its_resume_command_continues_the_run(

@@ -160,7 +160,7 @@ def _rank_pids(job_id: str) -> dict[int, int]:
 
 
 @pytest.mark.slow
-def test_a_server_trains_sft_over_two_ranks_and_survives_a_rank_killed_mid_step(tmp_path, tiny_model_dir):
+def test_a_server_trains_sft_and_grpo_over_two_ranks_and_survives_a_rank_killed_mid_step(tmp_path, tiny_model_dir):
     env = {"KILN_TRAINING_NPROC_PER_NODE": "2"}
     with ServerProcess(tmp_path / "home", tiny_model_dir, env=env) as server, server.client() as http:
         assert http.get("/v1/config").json()["effective_config"]["training"]["nproc_per_node"] == 2
@@ -172,6 +172,19 @@ def test_a_server_trains_sft_over_two_ranks_and_survives_a_rank_killed_mid_step(
         assert done["train_receipt"]["runtime"]["data_parallel"] == plan
         device = done["train_receipt"]["runtime"]["execution_provenance"]["backend"]["device"]
         assert device.endswith(f", {max(1, max(1, torch.get_num_threads() - 1) // 2)} threads)"), device
+
+        # a GRPO job trains over the same ranks, under its own rule (tests/test_data_parallel_rl.py has the proofs)
+        group = {"messages": [{"role": "user", "content": "Is the sky blue?"}],
+                 "completions": [{"text": "yes", "reward": 1.0}, {"text": "no", "reward": 0.0}]}  # fmt: skip
+        answer = http.post("/v1/train/grpo", json={"groups": [group] * 2, "config": {"seed": 4, "output_name": "rl-pair", "auto_load": False}})  # fmt: skip
+        assert answer.status_code == 200, answer.text
+        rl = answer.json()["job_id"]
+        rl_done = wait_for(lambda: (d := _detail(http, rl))["state"] in ("completed", "failed") and d, timeout=300)
+        assert rl_done["state"] == "completed", rl_done.get("error")
+        assert rl_done["train_receipt"]["runtime"]["data_parallel"] == {
+            **plan,
+            "sharding": "kiln.grpo-step-completions.v1",
+        }
 
         config = {"epochs": 60, "seed": 5, "checkpoint_interval": 2, "auto_load": False}
         doomed = _submit(http, {**config, "output_name": "doomed"})

@@ -16,8 +16,8 @@ from importlib import resources
 from typing import Any
 
 SCHEMA_DIGESTS: dict[str, str] = {
-    "kiln-artifacts-v1.schema.json": "sha256:57dc5688f79c03811e84895b587490915526ec789f17e280a4e65ed63be7b334",
-    "kiln-checkpoint-v1.schema.json": "sha256:40f2f23b53561eaca7040113a06aea056e0ac8f95172d7f10c65195bd3f5f7f7",
+    "kiln-artifacts-v1.schema.json": "sha256:578c4269a0ef8bf7fe1346684c5be9c01498dfe2ac560e4415cb5b274e02cce3",
+    "kiln-checkpoint-v1.schema.json": "sha256:9c750eed9cb630d085c0d106d2de038fe2d58299ed687c20664412b335b9eca2",
     "kiln-common-v1.schema.json": "sha256:140778be5b4882abd354e3ab1194bbe6a56e891d614d0aa7c0cace8c6ff07833",
     "kiln-config-v1.schema.json": "sha256:5477f715c128cfbf67d6d5ed24d8a400c0b6d65c30d799e6b3fee5ba860db2ac",
     "kiln-control-plane-v1.schema.json": "sha256:d206d35ede4043750941ebc48ae7a258d94454f8ae60c64b9ad12c6aa37167fc",

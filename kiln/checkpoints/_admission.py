@@ -104,22 +104,28 @@ def _without_environment(aux: dict[str, Any]) -> dict[str, Any]:
     return {**aux, "execution_provenance": provenance}
 
 
-_PLANNING = ("auxiliary_state", "training_runtime_planning_identity", "data_parallel")
+_PLANNING_KEYS = ("training_runtime_planning_identity", "checkpoint_planning")  # SFT and GRPO | OPD
+_PLAN = "data_parallel"
+
+
+def _planning_key(aux: dict[str, Any]) -> str | None:
+    """Where a checkpoint's ``auxiliary_state`` keeps its planning identity (None: it has none)."""
+    return next((key for key in _PLANNING_KEYS if isinstance(aux.get(key), dict)), None)
 
 
 def _plan(aux: dict[str, Any]) -> Any:
-    """An SFT checkpoint's data-parallel plan; a single process (no plan recorded) is world size 1."""
-    planning = aux.get(_PLANNING[1])
-    if not isinstance(planning, dict):
+    """A checkpoint's data-parallel plan; a single process (no plan recorded) is world size 1."""
+    key = _planning_key(aux)
+    if key is None:
         return _ABSENT
-    return planning.get(_PLANNING[2], {"world_size": 1})
+    return aux[key].get(_PLAN, {"world_size": 1})
 
 
 def _without_plan(aux: dict[str, Any]) -> dict[str, Any]:
-    planning = aux.get(_PLANNING[1])
-    if not isinstance(planning, dict):
+    key = _planning_key(aux)
+    if key is None:
         return aux
-    return {**aux, _PLANNING[1]: {k: v for k, v in planning.items() if k != _PLANNING[2]}}
+    return {**aux, key: {k: v for k, v in aux[key].items() if k != _PLAN}}
 
 
 def _data_parallel_problems(old: dict[str, Any], new: dict[str, Any]) -> Iterator[Problem]:
@@ -127,9 +133,10 @@ def _data_parallel_problems(old: dict[str, Any], new: dict[str, Any]) -> Iterato
     a, b = _plan(old), _plan(new)
     if not isinstance(a, dict) or not isinstance(b, dict):
         return
+    planning = ("auxiliary_state", _planning_key(old) or _PLANNING_KEYS[0], _PLAN)
     world_a, world_b = a.get("world_size"), b.get("world_size")
     if world_a != world_b:
-        world = (*_PLANNING, "world_size")
+        world = (*planning, "world_size")
         yield Problem(
             ".".join(world),
             "/" + "/".join(world),
@@ -137,7 +144,7 @@ def _data_parallel_problems(old: dict[str, Any], new: dict[str, Any]) -> Iterato
             f"was trained by {world_a} rank(s) and resumes only at that world size (nodes x nproc_per_node)",
         )
         return
-    for path, x, y in _diff(a, b, _PLANNING):
+    for path, x, y in _diff(a, b, planning):
         dotted = ".".join(path)
         yield Problem(
             dotted, "/" + "/".join(path), f"{dotted} differs: {_show(x)} (checkpoint) != {_show(y)} (this run)"

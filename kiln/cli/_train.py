@@ -99,19 +99,11 @@ def add_train_parser(sub: Any) -> None:
         help="continue an interrupted run from this checkpoint (basename in the adapter registry, or an "
         "absolute path directly inside it); every other option must match the original run",
     )
-    ranks = p.add_argument_group(
-        "data parallelism (--local)",
-        "train over several ranks with torchrun: each rank a process (gloo on CPU, NCCL on CUDA) taking its share of "
-        "every optimizer step's micro-batches; a step is micro-batch x accumulation x world size conversations; "
-        "rank 0 publishes. A checkpoint resumes only at the world size it was written at.",
+    _add_ranks(
+        p,
+        "taking its share of every optimizer step's micro-batches; a step is micro-batch x accumulation x world size "
+        "conversations",
     )
-    ranks.add_argument("--nproc-per-node", type=int, default=1, metavar="N", help="ranks on this machine (default 1)")
-    ranks.add_argument("--nnodes", type=int, default=1, metavar="N", help="machines in the run (default 1)")
-    ranks.add_argument("--node-rank", type=int, default=0, metavar="R", help="this machine's index, 0..nnodes-1")
-    ranks.add_argument(
-        "--rdzv-endpoint", metavar="HOST:PORT", help="where the nodes meet (c10d rendezvous; needed with --nnodes > 1)"
-    )
-    ranks.add_argument("--rdzv-id", metavar="ID", help="the run's rendezvous id, the same on every node")
     _add_job_options(
         p,
         json_help="print the result as JSON: the server's TrainingResponse (the final "
@@ -141,6 +133,11 @@ def add_train_parser(sub: Any) -> None:
         "groups per optimizer step (per_sample: completions of a group; default 1); the loss is the step's token mean",
     )
     _add_prefix_sharing(p, "a group's shared prompt", "completion", "grpo")
+    _add_ranks(
+        p,
+        "taking a contiguous block of the completions of every group of a step (per_sample: the step's completions "
+        "dealt in turn); a step is what one process takes",
+    )
     p.set_defaults(
         func=cmd_train_grpo, inline_key="groups", whole_request=True, file_config={}, request_type="GrpoRequest"
     )
@@ -164,6 +161,11 @@ def add_train_parser(sub: Any) -> None:
         "micro-batches of candidates per optimizer step (default 1); the loss is the step's mean over action positions",
     )
     _add_prefix_sharing(p, "the tokens a micro-batch's rollouts share", "rollout", "opd")
+    _add_ranks(
+        p,
+        "decoding every rollout of a step (one generator), then scoring and training the step's micro-batches dealt "
+        "in turn; a step is what one process takes",
+    )
     # a .jsonl file is a pre-scored teacher file: off_policy unless the file's config or the flags say otherwise
     p.set_defaults(
         func=cmd_train_opd,
@@ -275,6 +277,22 @@ def _add_target_modules(p: argparse.ArgumentParser) -> None:
         help="comma-separated leaf names of the decoder-layer modules to adapt, e.g. q_proj,v_proj or c_attn "
         "(default: every linear projection of the decoder layers)",
     )
+
+
+def _add_ranks(p: argparse.ArgumentParser, share: str) -> None:
+    """The data-parallel options of a kind that trains over several ranks; ``share``: what each rank takes."""
+    ranks = p.add_argument_group(
+        "data parallelism (--local)",
+        f"train over several ranks with torchrun: each rank a process (gloo on CPU, NCCL on CUDA) {share}; rank 0 "
+        "publishes. A checkpoint resumes only at the world size it was written at.",
+    )
+    ranks.add_argument("--nproc-per-node", type=int, default=1, metavar="N", help="ranks on this machine (default 1)")
+    ranks.add_argument("--nnodes", type=int, default=1, metavar="N", help="machines in the run (default 1)")
+    ranks.add_argument("--node-rank", type=int, default=0, metavar="R", help="this machine's index, 0..nnodes-1")
+    ranks.add_argument(
+        "--rdzv-endpoint", metavar="HOST:PORT", help="where the nodes meet (c10d rendezvous; needed with --nnodes > 1)"
+    )
+    ranks.add_argument("--rdzv-id", metavar="ID", help="the run's rendezvous id, the same on every node")
 
 
 def _add_kind_options(p: argparse.ArgumentParser) -> None:

@@ -102,6 +102,6 @@ class Trainer:
 
 TRAINERS: dict[str, Trainer] = {
     "sft": Trainer("sft", SftRequest, SftConfig, sft.admit_request, sft.run_sft, sft.TEXTS, data_parallel=True),
-    "grpo": Trainer("grpo", GrpoRequest, GrpoConfig, grpo.admit_request, grpo.run_grpo, grpo.TEXTS),
-    "opd": Trainer("opd", OpdRequest, OpdConfig, opd.admit_request, opd.run_opd, opd.TEXTS),
+    "grpo": Trainer("grpo", GrpoRequest, GrpoConfig, grpo.admit_request, grpo.run_grpo, grpo.TEXTS, data_parallel=True),
+    "opd": Trainer("opd", OpdRequest, OpdConfig, opd.admit_request, opd.run_opd, opd.TEXTS, data_parallel=True),
 }

@@ -83,6 +83,7 @@ class AdmittedJob(Generic[C]):
     """An admitted job of some kind: the shared fields, and what every caller reads from any kind."""
 
     kind: ClassVar[str]
+    sharding: ClassVar[str]  # the kind's data-parallel rule (kiln.training.DataParallel)
     adapter_name: str
     registry: Path
     config: C
@@ -104,6 +105,12 @@ class AdmittedJob(Generic[C]):
     @property
     def data_parallel(self) -> DataParallel:
         return self.run.data_parallel
+
+    @property
+    def data_parallel_plan(self) -> JsonObject | None:
+        """The ``DataParallelPlan`` its planning identity, receipt and manifest record: the group's world size and
+        backend under the kind's sharding rule; None for one process (the record is omitted)."""
+        return self.data_parallel.plan(self.sharding)
 
     @property
     def total_steps(self) -> int:
@@ -163,11 +170,12 @@ class AdmittedJob(Generic[C]):
 
 
 def single_process(context: TrainingContext, kind: str) -> None:
-    """Refuse a data-parallel group for a kind that trains in one process only (GRPO, OPD)."""
+    """Refuse a data-parallel group for a kind that trains in one process only (a ``Trainer`` without
+    ``data_parallel``)."""
     if context.data_parallel.active:
         raise RequestError(
             f"{kind} trains in one process; data parallelism (world size {context.data_parallel.world_size}) is "
-            "available for sft only",
+            "not available for it",
             code="training_backend_unsupported",
             hint="run this job with nproc_per_node 1 on one node",
         )

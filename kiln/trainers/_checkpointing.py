@@ -103,7 +103,10 @@ def manifest_head(
     if cfg.optimizer.stateful:
         state_files["optimizer_state"] = OPTIMIZER_FILE
     state_files.update(extra_state_files or {})
-    planning = planning if planning is not None else planning_identity(device="cpu", segments=job.checkpoint_segments)
+    if planning is None:
+        planning = planning_identity(
+            device="cpu", data_parallel=job.data_parallel_plan, segments=job.checkpoint_segments
+        )
     return {
         "schema_version": 1,
         "manifest_type": "kiln.training-checkpoint.v1",

@@ -256,8 +256,12 @@ def publish_adapter(
 
 
 def publish_receipt_only(job: Job, receipt: JsonObject, *, losses: list[float] | None = None) -> TrainResult:
-    """A successful run that publishes no adapter (a dry run; a filter that left nothing to train): its receipt."""
+    """A successful run that publishes no adapter (a dry run; a filter that left nothing to train): its receipt
+    (written by rank 0 of a data-parallel group; the other ranks write nothing)."""
     close_request(job, None)
+    if not job.data_parallel.publishes:
+        target = job.registry / job.adapter_name
+        return TrainResult("success", target, target / RECEIPT_FILE, None, receipt, losses=list(losses or []))
     path = publish_receipt(job.registry, job.adapter_name, receipt)
     return TrainResult("success", job.registry / job.adapter_name, path, None, receipt, losses=list(losses or []))
 

@@ -1,5 +1,5 @@
 """Receipt blocks the trainers fill the same way: the envelope (``kiln.training.receipt_base``) with the base
-adapter resolved, the ``data`` and ``token_counts`` blocks with every member the run does not use at 0, and the
+adapter resolved and the data-parallel plan of a run over several ranks, the ``data`` and ``token_counts`` blocks with every member the run does not use at 0, and the
 ``echo`` block."""
 
 from __future__ import annotations
@@ -43,6 +43,8 @@ def envelope(job: AdmittedJob[EffectiveConfig], kind: str, **members: Any) -> Js
     )
     if job.memory_plan is not None:  # the planner's estimate beside the measured peak
         receipt["runtime"]["memory_plan"] = job.memory_plan.record()
+    if job.data_parallel_plan is not None:  # the ranks that trained and the kind's rule (the manifest repeats it)
+        receipt["runtime"]["data_parallel"] = job.data_parallel_plan
     return receipt
 
 

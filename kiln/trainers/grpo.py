@@ -20,8 +20,8 @@ Read top to bottom:
    (``check_request``): every refusal of spec/40, naming the field;
 2. admission (``admit_request``, ``admit_grpo``): target, model, pinned source, ingestion with action/observation
    masks, identity -- everything that can fail before training;
-3. the plan (``filter_groups``, ``step_plan``, ``step_weights``): which groups train, in which order, and each
-   step's shares, decided before training from the rewards alone, so a checkpoint can bind the trainable order;
+3. the plan (``filter_groups``, ``step_plan``, ``step_weights``, ``rank_shares``): which groups train, in which
+   order, each step's shares and a rank's part of them, decided before training from the rewards alone, so a checkpoint can bind the trainable order;
    nothing left is ``zero_groups``, ECHO-only training without an observation token ``zero_env_tokens`` -- failures
    of the run (a failed receipt), never refusals at admission;
 4. the run (``GrpoRun``): forwards, loss (``completion_loss``, ``share_loss``), steps, audits, checkpoints, and
@@ -35,6 +35,13 @@ trainable group order, the streamed-source cursor (byte offset, lines consumed a
 digest), the EMA reference tensors and cadence, the optimizer slots and the audit
 accumulators; resuming continues with the next trainable group and ends with exactly the
 bytes of an uninterrupted run.
+
+Data parallelism (``kiln.grpo-step-completions.v1``, ``rank_shares``; ``docs/grpo.md``): over several ranks a step
+is still what one process takes. Under ``token_level`` each group of the step is split into the ranks' contiguous
+blocks of its completions, under ``per_sample`` the step's completions are dealt in turn; a rank computes the
+reference log-probabilities and the forwards of its own completions only, weighted over the whole step, and one
+collective per step sums the gradients. The audits of the step are gathered to every rank and added in completion
+order, so every rank's accumulators are one process's; rank 0 publishes.
 
 Deliberate simplifications: one pass over the groups in source order (``GrpoConfig`` has
 no epochs); one forward per completion with dense logits unless ``micro_batch_size`` > 1 (the fused SFT route is
@@ -72,7 +79,6 @@ from kiln.trainers._admission import (
     base_model,
     planned_model,
     run_identity,
-    single_process,
     with_targets,
 )
 from kiln.trainers._checkpointing import (
@@ -108,11 +114,13 @@ from kiln.trainers._receipts import data_block, echo_block, envelope
 from kiln.trainers._requests import Request, dataset_path_of, parse_request, refuse_gate
 from kiln.trainers._resume import claim_target, load_resume, resume_metadata
 from kiln.training import (
+    GRPO_SHARDING_RULE,
     LORA_INIT_ALGORITHM,
     DataParallel,
     Echo,
     EffectiveConfig,
     MemorySettings,
+    StepSync,
     check_run_bounds,
     common_members,
     context_length,
@@ -354,6 +362,7 @@ class AdmittedGrpo(AdmittedJob[EffectiveGrpoConfig]):
     """An admitted GRPO job: the ingested groups, the pinned source and, for a dry run, its data's refusal."""
 
     kind: ClassVar[str] = KIND
+    sharding: ClassVar[str] = GRPO_SHARDING_RULE
     ingestion: GrpoIngestion
     tokenize_ms: float
     pin: str | None = None
@@ -398,7 +407,6 @@ def admit_request(request: Request[GrpoRequest], *, adapter_name: str, context: 
     ``KilnError`` and publishes nothing."""
     from kiln.data import check_unchanged, dataset_sha256
 
-    single_process(context, "GRPO")
     check_request(request)
     model = request.model
     config = model.config or GrpoConfig()
@@ -675,33 +683,93 @@ def step_weights(kept: list[GrpoGroup], shares: list[Share], aggregation: str) -
     ]
 
 
+Dealt = tuple[list[int], tuple[float, float]]  # a rank's completions of a share, and their (loss, ECHO) weights
+
+
+def rank_shares(kept: list[GrpoGroup], shares: list[Share], aggregation: str, group: DataParallel) -> list[Dealt]:
+    """Per share of a step, in order: the completions the rank ``group`` trains of it and their weights -- the rule
+    ``kiln.grpo-step-completions.v1`` (``kiln.training.GRPO_SHARDING_RULE``), under which the ranks' weighted parts
+    add up to one process's step loss.
+
+    One process trains every share whole, weighted by ``step_weights``. Over several ranks, ``token_level`` splits
+    each share (a group) into the ranks' contiguous blocks of its completions (``DataParallel.block``: a rank's
+    completions share their prompt) weighted by ``step_weights`` over all the ranks' blocks -- each block's action
+    and observation tokens over the step's, so a group's blocks add up to its own weights; ``per_sample`` deals the
+    step's shares (a completion each) to the ranks in turn, each with its own weights. A rank's part of a share may
+    be empty (weights 0): it trains nothing of it."""
+    if not group.active:
+        return list(zip((indices for _, indices in shares), step_weights(kept, shares, aggregation), strict=True))
+    if aggregation == "per_sample":
+        weights = step_weights(kept, shares, aggregation)
+        return [
+            (indices if group.deals(j) else [], weight)
+            for j, ((_, indices), weight) in enumerate(zip(shares, weights, strict=True))
+        ]
+    blocks = [[[indices[i] for i in rank.block(len(indices))] for rank in group.ranks()] for _, indices in shares]
+    parts = [
+        (number, block) for (number, _), per_rank in zip(shares, blocks, strict=True) for block in per_rank if block
+    ]
+    weighed = iter(step_weights(kept, parts, aggregation))
+    dealt = [[(block, next(weighed)) if block else (block, (0.0, 0.0)) for block in per_rank] for per_rank in blocks]
+    return [per_rank[group.rank] for per_rank in dealt]
+
+
 # ----------------------------------------------------------------------------- the loss of a completion and a share
+
+
+CompletionAudit = tuple[JsonObject, JsonObject | None]  # a completion's importance-sampling and KL audits
+KeptAudit = tuple[int, int, JsonObject, JsonObject | None]  # group number, completion index, its audits
 
 
 @dataclass
 class Audits:
-    """The run's audit accumulators: importance sampling, KL reference, ECHO."""
+    """The run's audit accumulators: importance sampling, KL reference, ECHO.
+
+    ``pending``: None for one process, which adds each completion's audits as it goes; a rank of a data-parallel
+    group keeps its completions' ``[group number, completion index, importance, KL]`` of the step instead, for
+    ``add_step`` to add every rank's in completion order -- the order one process adds them in."""
 
     importance: obj.ImportanceSamplingAccumulator = field(default_factory=obj.ImportanceSamplingAccumulator)
     kl: obj.KlReferenceAccumulator = field(default_factory=obj.KlReferenceAccumulator)
     echo: EchoAccumulator = field(default_factory=EchoAccumulator)
+    pending: list[KeptAudit] | None = None
+
+    def record(self, number: int, index: int, audit: CompletionAudit) -> None:
+        """Completion ``index`` of group ``number``: its audits, added now or kept for the step's gather."""
+        if self.pending is not None:
+            self.pending.append((number, index, *audit))
+            return
+        self.add(audit)
+
+    def add(self, audit: CompletionAudit) -> None:
+        importance, kl = audit
+        self.importance.add(importance)
+        if kl is not None:
+            self.kl.add(kl)
+
+    def add_step(self, gathered: list[list[KeptAudit]]) -> None:
+        """Every rank's kept audits of a step (``pending``, gathered: JSON arrays), added in completion order."""
+        for _, _, importance, kl in sorted((a for rank in gathered for a in rank), key=lambda a: (a[0], a[1])):
+            self.add((importance, kl))
+        self.pending = []
 
 
 Terms = tuple["torch.Tensor", "torch.Tensor", "torch.Tensor", "torch.Tensor"]
+Keyed = tuple[tuple[int, int], tuple[float, int] | None]  # a share's (group number, first completion), its ECHO
 
 
 def completion_loss(
     cfg: EffectiveGrpoConfig,
-    audits: Audits,
     c: GrpoCompletion,
     advantage: float,
     ref: torch.Tensor | None,
     taken: torch.Tensor,
     spread: torch.Tensor | None,
-) -> Terms:
+) -> tuple[Terms, CompletionAudit]:
     """One completion: its per-token policy(+KL) loss and action mask ``[1, T-1]``, and the log-probabilities of its
-    taken tokens with their observation mask ``[T-1]`` (ECHO). ``taken``/``spread``: the policy's log-probabilities of
-    the taken tokens and its per-position entropy (None unless the KL is entropy-aware); ``ref``: the reference's."""
+    taken tokens with their observation mask ``[T-1]`` (ECHO); and its audits. ``taken``/``spread``: the policy's
+    log-probabilities of the taken tokens and its per-position entropy (None unless the KL is entropy-aware); ``ref``:
+    the reference's."""
     import torch
 
     mask = torch.tensor(c.action_mask, dtype=torch.bool).unsqueeze(0)
@@ -720,7 +788,7 @@ def completion_loss(
         clip_high=cfg.clip_eps_high,
         cispo_max_weight=cfg.cispo_max_weight,
     )
-    audits.importance.add(is_audit)
+    kl_audit: JsonObject | None = None
     if cfg.no_policy_loss:
         per_token = torch.zeros_like(per_token)
     if cfg.kl_on and ref is not None:
@@ -733,9 +801,9 @@ def completion_loss(
             entropy=entropy,
             entropy_quantile=cfg.entropy_aware_kl_quantile,
         )
-        audits.kl.add(kl_audit)
         per_token = per_token + cfg.kl_coeff * kl
-    return per_token, mask, taken, torch.tensor(c.observation_mask, dtype=torch.bool)
+    terms = (per_token, mask, taken, torch.tensor(c.observation_mask, dtype=torch.bool))
+    return terms, (is_audit, kl_audit)
 
 
 def share_loss(
@@ -848,8 +916,12 @@ class GrpoRun(RunProgress):
         reference_logp = ReferencePolicy(policy.model, policy.params, ema, policy.timings)
         if job.resume is not None:
             loop.restore(job.resume, ema, self.audits)
+        group = job.data_parallel
+        sync = StepSync(group, policy.params, self.cancel)  # a data-parallel group's one collective per step
+        if group.active:
+            self.audits.pending = []  # each step's audits are gathered from every rank
         self.cadence = cadence = Cadence(
-            job, lambda: self._publish_checkpoint(policy, ema), self.cancel, self.on_checkpoint
+            job, lambda: self._publish_checkpoint(policy, ema), sync.cancel, self.on_checkpoint, sync=sync
         )
         entropy_kl = cfg.kl_on and cfg.entropy_aware_kl_quantile is not None
         forwards = BatchedForwards(
@@ -861,30 +933,31 @@ class GrpoRun(RunProgress):
             entropy=entropy_kl,
             sharing=job.sharing,
         )
-        # the loop: the planned steps, each a backward per share and one optimizer step
+        # the loop: the planned steps, each a backward per share (this rank's part of it) and one optimizer step
+        plan = step_plan(kept, cfg.loss_aggregation, cfg.gradient_accumulation_steps)
+        dealt = [rank_shares(kept, shares, cfg.loss_aggregation, group) for shares in plan]
+        owned: dict[int, list[int]] = {}  # per group, the completions this rank trains (all of them: one process)
+        for shares, parts_of_step in zip(plan, dealt, strict=True):
+            for (number, _), (mine, _) in zip(shares, parts_of_step, strict=True):
+                owned.setdefault(number, []).extend(mine)
         settled_at = loop.groups_committed
-        for shares in step_plan(kept, cfg.loss_aggregation, cfg.gradient_accumulation_steps):
+        for shares, parts_of_step in zip(plan, dealt, strict=True):
             if shares[-1][0] <= loop.groups_committed:
                 continue  # resumed: committed before the checkpoint (checkpoints land on step boundaries)
             values: list[float] = []
-            found: list[tuple[float, int] | None] = []
+            found: list[Keyed] = []
             value: float | None = None
-            for (number, indices), weights in zip(
-                shares, step_weights(kept, shares, cfg.loss_aggregation), strict=True
-            ):
-                terms = self._group_terms(number, forwards)
-                if cfg.loss_aggregation == "token_level":  # the whole group: batched forwards when configured
-                    batched = forwards.policy(kept[number - 1].completions, loop.timings)
-                    parts = [self._completion(policy, *term, batched[i], entropy_kl) for i, term in enumerate(terms)]
-                else:  # one completion
-                    parts = [self._completion(policy, *terms[i], None, entropy_kl) for i in indices]
-                loss, share_found = share_loss(parts, *weights, cfg.echo)
-                values.append(policy.accumulate(loss, lambda: f"optimizer step {len(loop.losses) + 1}"))
-                found.append(share_found)
+            for (number, indices), (mine, weights) in zip(shares, parts_of_step, strict=True):
+                terms = self._group_terms(number, forwards, owned[number])
+                if mine:
+                    parts = self._parts(policy, forwards, number, mine, entropy_kl)
+                    loss, share_found = share_loss(parts, *weights, cfg.echo)
+                    values.append(policy.accumulate(loss, lambda: f"optimizer step {len(loop.losses) + 1}"))
+                    found.append(((number, mine[0]), share_found))
                 if indices[-1] + 1 < len(terms):
                     continue  # per_sample: the group goes on in the next step
                 if number == shares[-1][0]:
-                    value = self._commit(policy, values, found)
+                    value = self._commit(policy, sync, values, found)
                 if ema is not None:
                     ema.update(policy.params, number)
                 loop.groups_committed = number
@@ -894,7 +967,7 @@ class GrpoRun(RunProgress):
                         {"step": number, "total": len(kept), "loss": value, "tokens": kept[number - 1].prompt_tokens}
                     )
             if value is None:  # per_sample, a step inside a group
-                self._commit(policy, values, found)
+                self._commit(policy, sync, values, found)
                 continue
             cadence.settled(
                 len(loop.losses),
@@ -904,7 +977,8 @@ class GrpoRun(RunProgress):
                 cancelled=partial(_cancelled_after_group, loop.groups_committed, len(kept)),
             )
             settled_at = loop.groups_committed
-        # publication
+        # publication: every rank holds the same weights; rank 0 publishes adapter, receipt and manifest
+        sync.check_same()
         self.delta_norms = lora_delta_norms(policy.model)
         if not kept:  # reward_filter_on_empty "skip": finish without an update
             return publish_receipt_only(job, self.receipt(None), losses=list(loop.losses))
@@ -917,11 +991,12 @@ class GrpoRun(RunProgress):
         )
 
     def _group_terms(
-        self, number: int, forwards: BatchedForwards
+        self, number: int, forwards: BatchedForwards, owned: list[int]
     ) -> list[tuple[GrpoCompletion, float, torch.Tensor | None]]:
-        """The completions of group ``number`` with their advantages and reference log-probabilities, computed once
-        when the group starts (an EMA reference is swapped into the LoRA tensors, which must not happen between a
-        policy forward and its backward)."""
+        """The completions of group ``number`` with their advantages (from every reward of the group) and the
+        reference log-probabilities of the ``owned`` ones (this rank's; None for the others), computed once when the
+        group starts (an EMA reference is swapped into the LoRA tensors, which must not happen between a policy
+        forward and its backward)."""
         import torch
 
         if number not in self.group_refs:
@@ -929,21 +1004,37 @@ class GrpoRun(RunProgress):
             completions = self.kept[number - 1].completions
             rewards = torch.tensor([c.reward for c in completions], dtype=torch.float64)
             adv = obj.advantages(rewards, self.job.config.advantage_mode).tolist()
-            refs = forwards.references(completions) if self.job.config.kl_on else [None] * len(completions)
+            refs: list[torch.Tensor | None] = [None] * len(completions)
+            if self.job.config.kl_on and owned:
+                for i, ref in zip(owned, forwards.references([completions[i] for i in owned]), strict=True):
+                    refs[i] = ref
             self.group_refs[number] = [(c, adv[i], refs[i]) for i, c in enumerate(completions)]
         return self.group_refs[number]
+
+    def _parts(
+        self, policy: Policy, forwards: BatchedForwards, number: int, mine: list[int], entropy_kl: bool
+    ) -> list[Terms]:
+        """The loss terms of completions ``mine`` of group ``number`` (``token_level``: a batched forward of them
+        when configured; ``per_sample``: one completion, its own forward)."""
+        terms = self.group_refs[number]
+        if self.job.config.loss_aggregation == "token_level":
+            completions = self.kept[number - 1].completions
+            batched = forwards.policy([completions[i] for i in mine], self.loop.timings)
+            return [self._completion(policy, number, *terms[i], batched[j], entropy_kl) for j, i in enumerate(mine)]
+        return [self._completion(policy, number, *terms[i], None, entropy_kl) for i in mine]
 
     def _completion(
         self,
         policy: Policy,
+        number: int,
         c: GrpoCompletion,
         advantage: float,
         ref: torch.Tensor | None,
         found: tuple[torch.Tensor, torch.Tensor | None] | None,
         entropy_kl: bool,
     ) -> Terms:
-        """One completion's loss terms (``completion_loss``); ``found``: its ``(taken, entropy)`` from a batched
-        forward; None runs its own forward."""
+        """One completion (of group ``number``): its loss terms (``completion_loss``), its audits recorded;
+        ``found``: its ``(taken, entropy)`` from a batched forward; None runs its own forward."""
         import torch
 
         if found is None:
@@ -952,13 +1043,25 @@ class GrpoRun(RunProgress):
             self.loop.timings["policy_forward_ms"] += (time.perf_counter() - t0) * 1000
             with torch.no_grad():
                 found = (taken, -(logp_all.exp() * logp_all).sum(-1) if entropy_kl else None)
-        return completion_loss(self.job.config, self.audits, c, advantage, ref, *found)
+        terms, audit = completion_loss(self.job.config, c, advantage, ref, *found)
+        self.audits.record(number, c.index, audit)
+        return terms
 
-    def _commit(self, policy: Policy, values: list[float], found: list[tuple[float, int] | None]) -> float:
-        """The optimizer step of the accumulated shares; its loss and ECHO cross-entropy are recorded."""
+    def _commit(self, policy: Policy, sync: StepSync, values: list[float], found: list[Keyed]) -> float:
+        """The optimizer step of the accumulated shares; its loss and ECHO cross-entropy are recorded. Over several
+        ranks the gradients and loss shares are summed first (``StepSync.reduce``), and every rank's audits and
+        ECHO cross-entropies of the step gathered and added in completion order."""
+        local = sum(values[1:], values[0]) if values else 0.0  # a rank may have no part of a step
+        value = sync.reduce(local, lambda: f"optimizer step {len(self.loop.losses) + 1}")
+        crosses: list[tuple[float, int] | None] = [share for _, share in found]
+        if sync.group.active:
+            sent = {"audits": self.audits.pending, "echo": [[*key, *share] for key, share in found if share]}
+            gathered = sync.gather(sent)
+            self.audits.add_step([rank["audits"] for rank in gathered])
+            echoes = sorted((e for rank in gathered for e in rank["echo"]), key=lambda e: (e[0], e[1]))
+            crosses = [(ce, tokens) for _, _, ce, tokens in echoes]
         policy.apply()
-        value = sum(values[1:], values[0])
-        self.audits.echo.add(step_echo_ce(found))
+        self.audits.echo.add(step_echo_ce(crosses))
         self.loop.losses.append(value)
         return value
 

@@ -24,7 +24,7 @@ Read top to bottom:
 2. admission (``admit_request``, ``admit_opd``): the teacher looked up and re-probed (``pinned_teacher``), the
    source it scores or has scored (``Prompts``, ``PreScored``) checked against the student's vocabulary and
    tokenizer, model, data, identity, resume -- everything that can fail before training;
-3. rollouts and their losses (``draw``, ``step_weights``, ``train_shares``);
+3. rollouts and their losses (``draw``, ``step_weights``, ``train_shares``, ``gather_step``);
 4. the run (``OpdRun``): rollout, scoring, loss, step, collapse diagnostics, checkpoints, and publication (adapter,
    receipt with the ``opd`` block, manifest). A failure after admission writes a failed receipt with its category;
 5. the loop's committed state (``OpdLoop``: ``opd_loop_state.json``) and the receipt.
@@ -50,6 +50,14 @@ rows the loss reads) and one backward; a micro-batch with a single non-empty rol
 Checkpoints and cancellation land between steps, where the generator state and the cursor say everything. With both
 sizes 1 this is the per-candidate loop, byte for byte.
 
+Data parallelism (``kiln.opd-step-candidates.v1``; ``docs/opd.md``): over several ranks a step is still what one
+process takes. Every rank decodes every rollout of the step from the one ``rollout-sampling`` generator -- the stream
+is sequential, and a batched, memory-bound decode costs about as much for the step's rows as for a rank's part --
+then the step's micro-batches are dealt to the ranks in turn: rank r has the teacher score, and trains, micro-batch
+j when j mod world_size == r, weighted over the whole step (``train_shares``); one collective per step sums the
+gradients, and each rollout's mean KL and ECHO cross-entropy are gathered (``gather_step``) so the collapse and ECHO
+accumulators of every rank are one process's; rank 0 publishes.
+
 Deliberate simplifications: dense student logits over the prefix + rollout; ``samples_per_prompt`` does
 not apply to a pre-scored file (one candidate per row); the receipt's collapse windows
 are cumulative (each entry covers the run up to its step); per-module gradient norms are
@@ -62,6 +70,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -83,7 +92,6 @@ from kiln.trainers._admission import (
     planned_model,
     requested_precision,
     run_identity,
-    single_process,
     with_targets,
 )
 from kiln.trainers._checkpointing import (
@@ -113,10 +121,12 @@ from kiln.trainers._requests import Request, dataset_path_of, parse_request, ref
 from kiln.trainers._resume import claim_target, load_resume, resume_metadata
 from kiln.training import (
     LORA_INIT_ALGORITHM,
+    OPD_SHARDING_RULE,
     DataParallel,
     Echo,
     EffectiveConfig,
     MemorySettings,
+    StepSync,
     check_run_bounds,
     common_members,
     context_length,
@@ -321,6 +331,7 @@ class AdmittedOpd(AdmittedJob[EffectiveOpdConfig]):
     """An admitted OPD job: the source and its candidates, the pinned teacher and its revisions."""
 
     kind: ClassVar[str] = KIND
+    sharding: ClassVar[str] = OPD_SHARDING_RULE
     source: OpdPrompts | OffPolicyFile  # prompts (on_policy) or the pre-scored file (off_policy)
     route: str  # "prompts" | "teacher_jsonl"
     teacher: PinnedTeacher
@@ -404,7 +415,6 @@ def admit_request(request: Request[OpdRequest], *, adapter_name: str, context: T
     ``KilnError`` and publishes nothing."""
     from kiln.model import max_positions, resolve_precision, special_tokens, stop_token_ids
 
-    single_process(context, "OPD")
     mode = check_request(request)
     config = request.model.config or OpdConfig()
     registry = context.registry
@@ -873,17 +883,22 @@ def train_shares(
     width: int,
     timings: dict[str, float],
     backward: Callable[[torch.Tensor], float],
+    group: DataParallel,
     *,
     share: bool = False,
 ) -> tuple[list[float], list[EnvCe], list[float | None]]:
     """Forward and ``backward`` of every non-empty rollout's share of its step's loss, ``width`` rollouts (a
-    micro-batch) at a time; returns what ``backward`` returned for each backward, the ECHO ``(CE, tokens)`` of each
-    non-empty rollout, and each rollout's mean KL (None for an empty one)."""
+    micro-batch) at a time -- the micro-batches of the rank ``group`` (micro-batch ``j`` is rank ``j mod
+    world_size``'s; all of them in one process), each share weighted over the whole step; returns what ``backward``
+    returned for each backward, and per rollout its ECHO ``(CE, tokens)`` and its mean KL (None: an empty rollout,
+    one without an observation token (ECHO), or another rank's)."""
     weights = step_weights(rollouts, echo is not None)
     values: list[float] = []
-    envs: list[EnvCe] = []
+    envs: list[EnvCe] = [None] * len(rollouts)
     kls: list[float | None] = [None] * len(rollouts)
-    for start in range(0, len(rollouts), width):
+    for j, start in enumerate(range(0, len(rollouts), width)):
+        if not group.deals(j):
+            continue
         live = [i for i in range(start, min(start + width, len(rollouts))) if rollouts[i].action]
         if len(live) > 1:
             loss, found = batch_loss(
@@ -891,14 +906,24 @@ def train_shares(
             )
             values.append(backward(loss))
             for i, (kl, env) in zip(live, found, strict=True):
-                kls[i] = kl
-                envs.append(env)
+                kls[i], envs[i] = kl, env
             continue
         for i in live:
-            loss, kls[i], env = candidate_loss(model, rollouts[i], echo, weights[i], timings)
+            loss, kls[i], envs[i] = candidate_loss(model, rollouts[i], echo, weights[i], timings)
             values.append(backward(loss))
-            envs.append(env)
     return values, envs, kls
+
+
+def gather_step(sync: StepSync, envs: list[EnvCe], kls: list[float | None]) -> tuple[list[EnvCe], list[float | None]]:
+    """A step's per-rollout ECHO ``(CE, tokens)`` and mean KL (``train_shares``), each rollout's from the rank that
+    trained it, on every rank (``StepSync.gather``; one process: as they are)."""
+    if not sync.group.active:
+        return envs, kls
+    mine = [[i, kl, *(env or (None, 0))] for i, (kl, env) in enumerate(zip(kls, envs, strict=True)) if kl is not None]
+    for rank in sync.gather(mine):
+        for i, kl, ce, tokens in rank:
+            kls[i], envs[i] = kl, None if ce is None else (ce, tokens)
+    return envs, kls
 
 
 # ----------------------------------------------------------------------------- the run
@@ -959,13 +984,17 @@ class OpdRun(RunProgress):
             from kiln.teachers import open_scorer
 
             self.scorer = open_scorer(job.teacher, registry_dir=job.registry)
+        group = job.data_parallel
+        sync = StepSync(group, policy.params, self.cancel)  # a data-parallel group's one collective per step
         self.cadence = cadence = Cadence(
-            job, lambda: self._publish_checkpoint(policy, generator), self.cancel, self.on_checkpoint
+            job, lambda: self._publish_checkpoint(policy, generator), sync.cancel, self.on_checkpoint, sync=sync
         )
         total, width, per_step = job.total_steps, cfg.micro_batch_size, job.per_step
         slots = steps_per_epoch(len(job.candidates), per_step)
         order_epoch, order = -1, []
-        # the loop: a step of candidates -- their rollouts from the policy at the step's start, then their losses
+        where = partial(_optimizer_step, loop)
+        # the loop: a step of candidates -- their rollouts from the policy at the step's start, then their losses;
+        # over several ranks every rank decodes every rollout (one generator), scores and trains its micro-batches
         while loop.consumed < total:
             if order_epoch != loop.epoch_index:  # the order is drawn once per epoch, not per candidate
                 order_epoch, order = loop.epoch_index, epoch_order(cfg.seed, loop.epoch_index, len(job.candidates))
@@ -973,8 +1002,10 @@ class OpdRun(RunProgress):
             position, first_step = loop.epoch_index * slots + loop.cursor // per_step, loop.global_step
             rollouts = [
                 r
-                for start in range(0, len(members), width)
-                for r in draw(job, model, generator, loop, members[start : start + width], self.scorer)
+                for j, start in enumerate(range(0, len(members), width))
+                for r in draw(
+                    job, model, generator, loop, members[start : start + width], self.scorer if group.deals(j) else None
+                )
             ]
             values, found, kls = train_shares(
                 model,
@@ -983,9 +1014,14 @@ class OpdRun(RunProgress):
                 cfg.echo,
                 width,
                 loop.timings,
-                lambda loss: policy.accumulate(loss, lambda: f"optimizer step {loop.global_step + 1}"),
+                lambda loss: policy.accumulate(loss, where),
+                group,
                 share=job.sharing.policy,
             )
+            # a group sums every step, also one of empty rollouts (where the ranks agree to stop), and gathers the
+            # rollouts' KL and ECHO from the ranks that trained them
+            value = sync.reduce(sum(values[1:], values[0]) if values else 0.0, where)
+            found, kls = gather_step(sync, found, kls)
             seen = []
             for rollout, mean_kl in zip(rollouts, kls, strict=True):
                 action = rollout.action
@@ -994,10 +1030,12 @@ class OpdRun(RunProgress):
                 loop.empty += 0 if action else 1
                 seen.append((rollout, text, mean_kl))
             loop.env_tokens += sum(env[1] for env in found if env is not None)
-            if values:  # a step whose rollouts are all empty takes no optimizer step (and keeps its place)
+            if any(r.action for r in rollouts):  # a step of empty rollouts takes no optimizer step (keeps its place)
                 policy.apply(position=position)
                 loop.echo.add(step_echo_ce(found))
-                loop.losses.append(sum(values[1:], values[0]))
+                loop.losses.append(value)
+            else:
+                policy.optimizer.zero_grad(set_to_none=True)  # the group's zeros, summed
             for rollout, text, mean_kl in seen:
                 loop.collapse.add(tokens=len(rollout.action), truncated=rollout.truncated, mean_kl=mean_kl, text=text)
                 loop.settle()
@@ -1015,7 +1053,8 @@ class OpdRun(RunProgress):
                     f"{loop.global_step}); resume from {name}"
                 ),
             )
-        # publication
+        # publication: every rank holds the same weights; rank 0 publishes adapter, receipt and manifest
+        sync.check_same()
         loop.snapshots.append(loop.collapse.snapshot(loop.global_step))
         self.delta_norms = lora_delta_norms(model)
         if not loop.losses:
@@ -1117,6 +1156,10 @@ class OpdRun(RunProgress):
 
 
 # ----------------------------------------------------------------------------- how the command line describes a run
+
+
+def _optimizer_step(loop: OpdLoop) -> str:
+    return f"optimizer step {loop.global_step + 1}"
 
 
 def _headline(job: AdmittedOpd) -> str:

@@ -83,6 +83,7 @@ from kiln.trainers._requests import Request, dataset_path_of, parse_config, pars
 from kiln.trainers._resume import claim_target, load_resume, resume_metadata
 from kiln.training import (
     LORA_INIT_ALGORITHM,
+    SHARDING_RULE,
     DataParallel,
     EffectiveConfig,
     MemorySettings,
@@ -197,6 +198,7 @@ class AdmittedSft(AdmittedJob[EffectiveSftConfig]):
     """An admitted SFT job: the kept rows, the loss route and the model's proven head."""
 
     kind: ClassVar[str] = KIND
+    sharding: ClassVar[str] = SHARDING_RULE
     ingestion: SftIngestion
     tokenize_ms: float
     loss_route: LossRouteChoice  # route, fixed chunk size, implementation
@@ -259,7 +261,7 @@ class AdmittedSft(AdmittedJob[EffectiveSftConfig]):
             planning=planning_identity(
                 device="cpu",
                 sft_loss_route=self.route,
-                data_parallel=self.data_parallel.plan(),
+                data_parallel=self.data_parallel_plan,
                 segments=self.checkpoint_segments,
             ),
             auxiliary={
@@ -599,8 +601,6 @@ class SftRun(RunProgress):
             sft_loss_implementation=job.loss_route.implementation,
             sft_logits=job.head.as_record(),
         )
-        if job.data_parallel.active:
-            receipt["runtime"]["data_parallel"] = job.data_parallel.plan()
         return receipt
 
 

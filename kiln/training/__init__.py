@@ -16,7 +16,15 @@ from kiln.training._config import (
     context_length,
     refuse,
 )
-from kiln.training._data_parallel import SHARDING_RULE, DataParallel, RanksDivergedError, StepSync, backend_for
+from kiln.training._data_parallel import (
+    GRPO_SHARDING_RULE,
+    OPD_SHARDING_RULE,
+    SHARDING_RULE,
+    DataParallel,
+    RanksDivergedError,
+    StepSync,
+    backend_for,
+)
 from kiln.training._defaults import default_by
 from kiln.training._failures import classify_failure
 from kiln.training._head import ModelHead, decoder_of, model_head
@@ -50,9 +58,11 @@ from kiln.training._warm_start import warm_start
 
 __all__ = [
     "ADAPTER_FILE",
+    "GRPO_SHARDING_RULE",
     "LORA_INIT_ALGORITHM",
     "MAX_ALPHA_OVER_RANK",
     "MAX_TOTAL_STEPS",
+    "OPD_SHARDING_RULE",
     "OPTIMIZER_FILE",
     "SHARDING_RULE",
     "AdamW",

@@ -1,20 +1,39 @@
-"""Data parallelism: one SFT step spread over several ranks (processes) of a ``torch.distributed`` group.
+"""Data parallelism: one optimizer step spread over several ranks (processes) of a ``torch.distributed`` group.
 
-The rule (``SHARDING_RULE``, recorded in the checkpoint's planning identity, the receipt and the adapter manifest):
+Each kind has its rule (recorded in the checkpoint's planning identity, the receipt and the adapter manifest as the
+plan's ``sharding``); what they share:
 
-1. An optimizer step consumes ``micro_batch_size x gradient_accumulation_steps x world_size`` consecutive rows of the
-   epoch's seeded order (``kiln.documents.batch_plan.rows_per_step``), the last step of an epoch what is left.
-2. The step's rows are cut, in order, into micro-batches of ``micro_batch_size`` rows; micro-batch ``j`` goes to rank
-   ``j mod world_size`` (``DataParallel.micro_batches``). A rank may get none in a short last step.
-3. Every rank scales each micro-batch's loss by its share of the *step's* supervised tokens (every rank knows the
-   whole plan), so the sum of the ranks' gradients is the gradient of the step's token mean: ``StepSync.reduce``
-   sums the LoRA gradients, the loss shares and the ranks' cancellation flags in one collective, and every rank then
-   takes the same optimizer step, checks the same loss for finiteness and agrees on the same step to stop at.
-4. Rank 0 alone publishes (checkpoints, receipt, adapter); ``StepSync.check_same`` proves before each publication
-   that every rank holds byte-identical LoRA weights.
+* every rank holds the whole LoRA model and scales its losses by their share of the *step's* tokens (every rank
+  knows the whole plan), so the sum of the ranks' gradients is the gradient of the step's loss: ``StepSync.reduce``
+  sums the LoRA gradients, the loss shares and the ranks' cancellation flags in one collective, and every rank then
+  takes the same optimizer step, checks the same loss for finiteness and agrees on the same step to stop at;
+* what a rank learns about its own part of the step that the run records (GRPO's audits, OPD's per-rollout KL and
+  ECHO cross-entropy) is gathered to every rank (``StepSync.gather``: JSON, never pickle) and added in the order one
+  process would add it, so every rank's accumulators are the same;
+* rank 0 alone publishes (checkpoints, receipt, adapter); ``StepSync.check_same`` proves before each publication
+  that every rank holds byte-identical LoRA weights.
 
-Every rank's cursor is the global cursor and no stream draws per rank (the epoch order and the LoRA initialisation
-are seeded and global), so the checkpoint binds each rank's position through the world size and this rule.
+The rules:
+
+* ``SHARDING_RULE`` (``kiln.sft-step-round-robin.v1``, SFT): a step consumes ``micro_batch_size x
+  gradient_accumulation_steps x world_size`` consecutive rows of the epoch's seeded order
+  (``kiln.documents.batch_plan.rows_per_step``), the last step of an epoch what is left; the step's rows are cut, in
+  order, into micro-batches of ``micro_batch_size`` rows and micro-batch ``j`` goes to rank ``j mod world_size``
+  (``DataParallel.micro_batches``). A rank may get none in a short last step.
+* ``GRPO_SHARDING_RULE`` (``kiln.grpo-step-completions.v1``): a step is what one process takes. Under
+  ``token_level`` each group of the step is split into ``world_size`` contiguous blocks of its completions (rank
+  ``r`` takes ``[r*n//W, (r+1)*n//W)``: ``DataParallel.block``), so a rank's completions share their group's prompt;
+  under ``per_sample`` the step's shares (a completion each) are dealt in turn (``DataParallel.deals``).
+* ``OPD_SHARDING_RULE`` (``kiln.opd-step-candidates.v1``): a step is what one process takes. Every rank decodes all
+  the step's rollouts from the one ``rollout-sampling`` generator (the generator is sequential, so the stream stays
+  the single-process stream: a batched decode is memory-bound, and decoding the whole step costs a rank about what
+  decoding its part would), then the step's micro-batches of candidates are dealt in turn
+  (``DataParallel.micro_batches``): rank ``r`` has the teacher score, and trains, micro-batch ``j`` when
+  ``j mod world_size == r``.
+
+Every rank's cursor is the global cursor and no stream draws per rank (the epoch order, the LoRA initialisation and
+OPD's rollouts are seeded and global), so the checkpoint binds each rank's position through the world size and the
+rule; a checkpoint resumes only at the world size, backend and rule it was written with.
 
 ``DataParallel.from_environment`` reads the group ``torchrun`` describes (``WORLD_SIZE``, ``RANK``) and joins it
 with the backend of the training device (``backend_for``): Kiln's trainers train on the CPU, so the ranks sum CPU
@@ -24,7 +43,9 @@ backend of a CUDA training device. Without ``torchrun`` it is the single-process
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import json
 import math
 import os
 import sys
@@ -33,11 +54,21 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from kiln.documents.jsonio import JsonValue
 from kiln.errors import NonFiniteLossError, TrainingFailedError
 
-__all__ = ["SHARDING_RULE", "DataParallel", "RanksDivergedError", "StepSync"]
+__all__ = [
+    "GRPO_SHARDING_RULE",
+    "OPD_SHARDING_RULE",
+    "SHARDING_RULE",
+    "DataParallel",
+    "RanksDivergedError",
+    "StepSync",
+]
 
-SHARDING_RULE = "kiln.sft-step-round-robin.v1"
+SHARDING_RULE = "kiln.sft-step-round-robin.v1"  # SFT
+GRPO_SHARDING_RULE = "kiln.grpo-step-completions.v1"
+OPD_SHARDING_RULE = "kiln.opd-step-candidates.v1"
 LEAVE_TIMEOUT_S = 60  # how long a rank waits at the closing barrier for the others
 TRAINING_DEVICE = "cpu"  # where the trainers put the model (kiln.trainers: planning identity, loss route)
 
@@ -69,16 +100,30 @@ class DataParallel:
         """Whether this rank writes artifacts and events (rank 0 does, and a single process)."""
         return self.rank == 0
 
-    def plan(self) -> dict[str, Any] | None:
-        """The ``DataParallelPlan`` record, or None for a single process (the record is then omitted)."""
+    def plan(self, sharding: str = SHARDING_RULE) -> dict[str, Any] | None:
+        """The ``DataParallelPlan`` record under the kind's ``sharding`` rule, or None for a single process (the
+        record is then omitted)."""
         if not self.active:
             return None
-        return {"world_size": self.world_size, "backend": self.backend, "sharding": SHARDING_RULE}
+        return {"world_size": self.world_size, "backend": self.backend, "sharding": sharding}
 
     def micro_batches(self, rows: list[int], micro: int) -> list[list[int]]:
         """This rank's micro-batches of a step's ``rows``: the step cut in order, dealt to the ranks in turn."""
         batches = [rows[start : start + micro] for start in range(0, len(rows), micro)]
         return batches[self.rank :: self.world_size]
+
+    def block(self, count: int) -> range:
+        """This rank's contiguous block of ``count`` items split over the ranks: ``[r*count//W, (r+1)*count//W)``
+        (the blocks tile the items in rank order; a rank's may be empty when ``count`` < ``world_size``)."""
+        return range(self.rank * count // self.world_size, (self.rank + 1) * count // self.world_size)
+
+    def deals(self, position: int) -> bool:
+        """Whether item ``position`` of a sequence dealt to the ranks in turn is this rank's."""
+        return position % self.world_size == self.rank
+
+    def ranks(self) -> list[DataParallel]:
+        """Every rank of this group, in order (what each one takes under a rule is a pure function of it)."""
+        return [dataclasses.replace(self, rank=rank) for rank in range(self.world_size)]
 
     @classmethod
     def planned(cls, world_size: int, nproc_per_node: int | None = None, *, threads: int | None = None) -> DataParallel:
@@ -178,6 +223,28 @@ class StepSync:
         if flags > 0 and self.cancel is not None:
             self.cancel.set()
         return total
+
+    def gather(self, payload: JsonValue) -> list[JsonValue]:
+        """Every rank's ``payload`` (a JSON value: numbers, strings, lists, objects), in rank order, on every rank:
+        one collective of the encodings' lengths, one of the encodings (JSON text: Python floats round-trip exactly,
+        and nothing is unpickled). A single process: ``[payload]``."""
+        if not self.group.active:
+            return [payload]
+        import torch
+        import torch.distributed as dist
+
+        data = json.dumps(payload, separators=(",", ":")).encode()
+        device = "cuda" if self.group.backend == "nccl" else "cpu"  # NCCL gathers CUDA tensors only
+        length = torch.tensor([len(data)], dtype=torch.int64, device=device)
+        lengths = [torch.zeros_like(length) for _ in range(self.group.world_size)]
+        dist.all_gather(lengths, length)
+        sizes = [int(n.item()) for n in lengths]
+        mine = torch.zeros(max(sizes), dtype=torch.uint8)
+        mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        mine = mine.to(device)
+        gathered = [torch.zeros_like(mine) for _ in sizes]
+        dist.all_gather(gathered, mine)
+        return [json.loads(bytes(t[:n].cpu().tolist())) for t, n in zip(gathered, sizes, strict=True)]
 
     def check_same(self) -> None:
         """Every rank holds byte-identical LoRA weights (a digest of them gathered from each rank); raises
