@@ -1,6 +1,34 @@
-"""Assertions the exact-resume tests share."""
+"""Assertions the exact-resume tests share, and the inline GRPO run several test files start."""
 
 from __future__ import annotations
+
+
+def grpo_run(tmp_path, model_dir, name, groups, config, **kwargs):
+    """A GRPO run of inline ``groups`` under ``config`` on ``model_dir``, its adapter ``name`` in ``tmp_path``."""
+    from kiln.trainers.grpo import admit_grpo, run_grpo
+
+    job = admit_grpo(
+        adapter_name=name,
+        registry=tmp_path / "adapters",
+        request={"groups": groups, "config": config},
+        model_path=str(model_dir),
+    )
+    return run_grpo(job, **kwargs)
+
+
+def adapter_weights(result):
+    """The trained adapter's tensors."""
+    from safetensors.torch import load_file
+
+    return load_file(result.adapter_dir / "adapter_model.safetensors")
+
+
+def assert_same_adapter(a, b):
+    """``b`` ended with ``a``'s losses and adapter bytes."""
+    assert b.losses == a.losses
+    assert (b.adapter_dir / "adapter_model.safetensors").read_bytes() == (
+        a.adapter_dir / "adapter_model.safetensors"
+    ).read_bytes()
 
 
 def assert_same_run(a, b):

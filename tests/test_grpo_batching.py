@@ -12,11 +12,10 @@ import threading
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from _runs import adapter_weights, grpo_run
 
 from kiln import contracts
 from kiln.errors import CheckpointError
-from kiln.trainers.grpo import admit_grpo, run_grpo
 
 PROMPT = [{"role": "user", "content": "Is the sky blue? Answer yes or no."}]
 GROUP = {
@@ -39,20 +38,6 @@ ECHO_GROUP = {
 }
 
 
-def _run(tmp_path, tiny_model_dir, name, groups, config, **kwargs):
-    job = admit_grpo(
-        adapter_name=name,
-        registry=tmp_path / "adapters",
-        request={"groups": groups, "config": config},
-        model_path=str(tiny_model_dir),
-    )
-    return run_grpo(job, **kwargs)
-
-
-def _weights(result):
-    return load_file(result.adapter_dir / "adapter_model.safetensors")
-
-
 @pytest.mark.parametrize(
     ("groups", "config"),
     [
@@ -70,12 +55,12 @@ def test_batched_forwards_train_as_one_forward_per_completion(tmp_path, tiny_mod
     # SGD: the update is linear in the gradient, so fp32 rounding in the forward stays rounding in the weights
     # (Adam divides by the root of the second moment and turns a 1e-9 change of a near-zero gradient into +-lr)
     base = {"seed": 4, "learning_rate": 0.05, "optimizer": {"kind": "sgd"}, **config}
-    one = _run(tmp_path, tiny_model_dir, "one", groups, base)
-    batched = _run(tmp_path, tiny_model_dir, "batched", groups, {**base, "micro_batch_size": width})
+    one = grpo_run(tmp_path, tiny_model_dir, "one", groups, base)
+    batched = grpo_run(tmp_path, tiny_model_dir, "batched", groups, {**base, "micro_batch_size": width})
     assert one.status == batched.status == "success", batched.receipt.get("failure_message")
     assert len(batched.losses) == len(one.losses)
     torch.testing.assert_close(torch.tensor(batched.losses), torch.tensor(one.losses), rtol=1e-5, atol=1e-6)
-    a, b = _weights(one), _weights(batched)
+    a, b = adapter_weights(one), adapter_weights(batched)
     assert a.keys() == b.keys()
     for name in a:
         torch.testing.assert_close(b[name], a[name], rtol=1e-4, atol=1e-6, msg=name)
@@ -94,9 +79,9 @@ def test_batched_forwards_train_as_one_forward_per_completion(tmp_path, tiny_mod
 
 def test_a_batched_run_resumes_to_the_bytes_of_an_uninterrupted_one(tmp_path, tiny_model_dir):
     config = {"seed": 3, "checkpoint_interval": 2, "micro_batch_size": 3}
-    straight = _run(tmp_path, tiny_model_dir, "straight", [GROUP] * 5, config)
+    straight = grpo_run(tmp_path, tiny_model_dir, "straight", [GROUP] * 5, config)
     stop = threading.Event()
-    cut = _run(
+    cut = grpo_run(
         tmp_path,
         tiny_model_dir,
         "cut",
@@ -107,14 +92,14 @@ def test_a_batched_run_resumes_to_the_bytes_of_an_uninterrupted_one(tmp_path, ti
     )
     assert cut.cancelled
     with pytest.raises(CheckpointError, match=r"effective_config\.micro_batch_size"):
-        _run(
+        grpo_run(
             tmp_path,
             tiny_model_dir,
             "cut",
             [GROUP] * 5,
             {**config, "micro_batch_size": 2, "resume_checkpoint": cut.checkpoints[-1].name},
         )
-    resumed = _run(
+    resumed = grpo_run(
         tmp_path, tiny_model_dir, "cut", [GROUP] * 5, {**config, "resume_checkpoint": cut.checkpoints[-1].name}
     )
     assert resumed.status == "success", resumed.receipt.get("failure_message")

@@ -11,7 +11,7 @@ import threading
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from _runs import adapter_weights, assert_same_adapter, grpo_run
 
 from kiln import contracts
 from kiln.trainers import _forwards
@@ -47,24 +47,10 @@ ECHO_GROUP = {
 SGD = {"seed": 5, "learning_rate": 0.05, "optimizer": {"kind": "sgd"}}
 
 
-def _run(tmp_path, tiny_model_dir, name, groups, config, **kwargs):
-    job = admit_grpo(
-        adapter_name=name,
-        registry=tmp_path / "adapters",
-        request={"groups": groups, "config": config},
-        model_path=str(tiny_model_dir),
-    )
-    return run_grpo(job, **kwargs)
-
-
-def _weights(result):
-    return load_file(result.adapter_dir / "adapter_model.safetensors")
-
-
 def _assert_same_training(shared, full):
     assert shared.status == full.status == "success", shared.receipt.get("failure_message")
     torch.testing.assert_close(torch.tensor(shared.losses), torch.tensor(full.losses), rtol=1e-5, atol=1e-6)
-    a, b = _weights(full), _weights(shared)
+    a, b = adapter_weights(full), adapter_weights(shared)
     assert a.keys() == b.keys()
     for name in a:
         torch.testing.assert_close(b[name], a[name], rtol=1e-4, atol=1e-6, msg=name)
@@ -98,8 +84,8 @@ def test_a_shared_prompt_trains_what_every_completion_run_in_full_trains(
     tmp_path, tiny_model_dir, groups, config, width
 ):
     base = {**SGD, "micro_batch_size": width, **config}
-    full = _run(tmp_path, tiny_model_dir, "full", groups, {**base, "prefix_sharing": "off"})
-    shared = _run(tmp_path, tiny_model_dir, "shared", groups, base)
+    full = grpo_run(tmp_path, tiny_model_dir, "full", groups, {**base, "prefix_sharing": "off"})
+    shared = grpo_run(tmp_path, tiny_model_dir, "shared", groups, base)
     _assert_same_training(shared, full)
     block = shared.receipt["grpo"]["prefix_sharing"]
     lengths = [
@@ -133,7 +119,7 @@ def test_off_never_runs_a_prompt_on_its_own(tmp_path, tiny_model_dir, monkeypatc
 
     monkeypatch.setattr(_forwards, "run_prefix", refuse)
     for width in (1, 4):
-        result = _run(
+        result = grpo_run(
             tmp_path,
             tiny_model_dir,
             f"off{width}",
@@ -178,8 +164,8 @@ def test_auto_shares_where_it_computes_the_same_thing_and_says_why_not_elsewhere
     tmp_path, tiny_model_dir, config, policy, reference, reason
 ):
     base = {**SGD, "micro_batch_size": 4, **config}
-    shared = _run(tmp_path, tiny_model_dir, "auto", [GROUP8], base)
-    full = _run(tmp_path, tiny_model_dir, "off", [GROUP8], {**base, "prefix_sharing": "off"})
+    shared = grpo_run(tmp_path, tiny_model_dir, "auto", [GROUP8], base)
+    full = grpo_run(tmp_path, tiny_model_dir, "off", [GROUP8], {**base, "prefix_sharing": "off"})
     _assert_same_training(shared, full)
     block = shared.receipt["grpo"]["prefix_sharing"]
     assert (block["policy"], block["reference"]) == (policy, reference)
@@ -193,7 +179,7 @@ def test_a_model_that_fails_the_cached_prefix_probe_trains_every_completion_in_f
     monkeypatch.setattr(
         _forwards, "run_prefix", lambda *a, **k: (_ for _ in ()).throw(AssertionError("shared a refused model"))
     )
-    result = _run(tmp_path, tiny_model_dir, "refused", [GROUP8], {**SGD, "micro_batch_size": 4})
+    result = grpo_run(tmp_path, tiny_model_dir, "refused", [GROUP8], {**SGD, "micro_batch_size": 4})
     assert result.status == "success"
     block = result.receipt["grpo"]["prefix_sharing"]
     assert (block["policy"], block["reference"], block["shared_groups"]) == (False, False, 0)
@@ -243,10 +229,10 @@ def test_the_probe_names_a_decoder_that_ignores_its_cache():
 def test_a_shared_run_resumes_to_the_bytes_of_an_uninterrupted_one(tmp_path, tiny_model_dir):
     config = {"seed": 3, "checkpoint_interval": 1, "micro_batch_size": 4, "loss": {"echo": {"lambda": 0.1}}}
     groups = [GROUP8, ECHO_GROUP, GROUP8]
-    straight = _run(tmp_path, tiny_model_dir, "straight", groups, config)
+    straight = grpo_run(tmp_path, tiny_model_dir, "straight", groups, config)
     assert straight.receipt["grpo"]["prefix_sharing"]["policy"]
     stop = threading.Event()
-    cut = _run(
+    cut = grpo_run(
         tmp_path,
         tiny_model_dir,
         "cut",
@@ -256,12 +242,11 @@ def test_a_shared_run_resumes_to_the_bytes_of_an_uninterrupted_one(tmp_path, tin
         cancel=stop,
     )
     assert cut.cancelled
-    resumed = _run(tmp_path, tiny_model_dir, "cut", groups, {**config, "resume_checkpoint": cut.checkpoints[-1].name})
+    resumed = grpo_run(
+        tmp_path, tiny_model_dir, "cut", groups, {**config, "resume_checkpoint": cut.checkpoints[-1].name}
+    )
     assert resumed.status == "success", resumed.receipt.get("failure_message")
-    assert resumed.losses == straight.losses
-    assert (resumed.adapter_dir / "adapter_model.safetensors").read_bytes() == (
-        straight.adapter_dir / "adapter_model.safetensors"
-    ).read_bytes()
+    assert_same_adapter(straight, resumed)
     assert resumed.receipt["grpo"]["prefix_sharing"] == straight.receipt["grpo"]["prefix_sharing"]
 
 

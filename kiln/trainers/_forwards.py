@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
+    from transformers import DynamicCache
 
     from kiln.data import GrpoCompletion
     from kiln.training import ModelHead
@@ -75,7 +76,7 @@ class Prefix:
 
     length: int
     hidden: torch.Tensor
-    cache: Any
+    cache: DynamicCache
 
 
 def shared_length(sequences: Sequence[Sequence[int]]) -> int:
@@ -105,7 +106,7 @@ def run_prefix(model: Any, ids: Sequence[int]) -> Prefix:
     return Prefix(len(ids), out.last_hidden_state[0], out.past_key_values)
 
 
-def _expanded(cache: Any, batch: int) -> Any:
+def _expanded(cache: DynamicCache, batch: int) -> DynamicCache:
     """A fresh cache holding ``cache``'s keys and values (batch 1) for each of ``batch`` rows: expanded views, so the
     gradient of every row flows back into the one prompt forward."""
     from transformers import DynamicCache
@@ -180,7 +181,9 @@ def _right_padded(sequences: Sequence[Sequence[int]]) -> tuple[torch.Tensor, tor
     return ids, attention
 
 
-def _suffix_hidden(body: Any, prefix: Prefix, suffixes: Sequence[Sequence[int]]) -> tuple[torch.Tensor, int]:
+def _suffix_hidden(
+    body: torch.nn.Module, prefix: Prefix, suffixes: Sequence[Sequence[int]]
+) -> tuple[torch.Tensor, int]:
     """``([B, W, H], W)``: the right-padded ``suffixes`` through the decoder after ``prefix``'s cached keys and values
     (positions from ``prefix.length`` on)."""
     import torch
@@ -395,14 +398,9 @@ class BatchedForwards:
         shared = shared_length(sequences) if self.sharing.reference else 0
         if self.width == 1 and not shared:
             return [self.reference(torch.tensor(c.input_ids, dtype=torch.long)) for c in completions]
+        # one adapter switch (or EMA swap) for the group: its prompt once when shared, then width sequences at a time
         wanted = [self._wanted(c) for c in completions]
-        if shared:  # one prompt forward for the whole group, then its suffixes width at a time
-            return list(self.reference.group(self.head, sequences, wanted, width=self.width, shared=shared))
-        return [
-            taken
-            for part in self._batches(completions)
-            for taken in self.reference.group(self.head, [c.input_ids for c in part], [self._wanted(c) for c in part])
-        ]
+        return list(self.reference.group(self.head, sequences, wanted, width=self.width, shared=shared))
 
     def policy(
         self, completions: Sequence[GrpoCompletion], timings: dict[str, float]
