@@ -16,11 +16,11 @@ from importlib import resources
 from typing import Any
 
 SCHEMA_DIGESTS: dict[str, str] = {
-    "kiln-artifacts-v1.schema.json": "sha256:578c4269a0ef8bf7fe1346684c5be9c01498dfe2ac560e4415cb5b274e02cce3",
-    "kiln-checkpoint-v1.schema.json": "sha256:9c750eed9cb630d085c0d106d2de038fe2d58299ed687c20664412b335b9eca2",
+    "kiln-artifacts-v1.schema.json": "sha256:d26152defb6fe89d32713f895931aee7c5c119ca393817edb45bcd157da0b213",
+    "kiln-checkpoint-v1.schema.json": "sha256:17933dd5106b78e2a97cf6be1b87c38037d4f15a4123f44b79ec053f410101b0",
     "kiln-common-v1.schema.json": "sha256:140778be5b4882abd354e3ab1194bbe6a56e891d614d0aa7c0cace8c6ff07833",
-    "kiln-config-v1.schema.json": "sha256:5477f715c128cfbf67d6d5ed24d8a400c0b6d65c30d799e6b3fee5ba860db2ac",
-    "kiln-control-plane-v1.schema.json": "sha256:d206d35ede4043750941ebc48ae7a258d94454f8ae60c64b9ad12c6aa37167fc",
+    "kiln-config-v1.schema.json": "sha256:ef95c786ee6b2faefba123c88620fa4805c78fae5c4216dea6f13b36f48a1c79",
+    "kiln-control-plane-v1.schema.json": "sha256:b0dd54a6e61f86b7f9f8987986c0d8ec1b8dd8a5bd3ce5cda79b90261e9f54c1",
     "kiln-observability-v1.schema.json": "sha256:6f0bc47ffee00565b9fcff807ddbbfc8e2a57ca93e1f13e915de1dde8427e513"
 }
 

@@ -49,6 +49,7 @@ FLAG_OF = {
     "epochs": "--epochs",
     "seed": "--seed",
     "precision": "--precision",
+    "device": "--device",
     "gradient_checkpointing": "--gradient-checkpointing",
     "quantization": "--quantization",
     "max_tokens": "--max-tokens",
@@ -180,6 +181,7 @@ def training_config(args: argparse.Namespace) -> dict[str, Any]:
         ("gradient_accumulation_steps", getattr(args, "gradient_accumulation_steps", None)),
         ("prefix_sharing", getattr(args, "prefix_sharing", None)),
         ("precision", getattr(args, "precision", None)),
+        ("device", getattr(args, "device", None)),
         ("gradient_checkpointing", getattr(args, "gradient_checkpointing", None)),
         ("quantization", getattr(args, "quantization", None)),
         ("seed", args.seed),
@@ -236,6 +238,7 @@ def training_flags(args: argparse.Namespace) -> list[tuple[str, Any]]:
         ("--overlong-row-policy", getattr(args, "overlong_row_policy", None)),
         ("--group-by-length", True if getattr(args, "group_by_length", False) else None),
         ("--precision", getattr(args, "precision", None)),
+        ("--device", getattr(args, "device", None)),
         ("--gradient-checkpointing", getattr(args, "gradient_checkpointing", None)),
         ("--quantization", getattr(args, "quantization", None)),
     ]

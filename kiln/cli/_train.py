@@ -11,6 +11,7 @@ progress bar until it ends. The parsers are here; the local runs are in ``kiln.c
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from typing import Any
 
@@ -230,8 +231,27 @@ def _add_schedule(p: argparse.ArgumentParser) -> None:
     )
 
 
+def device_setting(value: str) -> str:
+    """An argparse type: ``auto``, ``cpu``, ``cuda`` or ``cuda:N`` (checked before torch is imported; whether this
+    machine has the device is admission's question)."""
+    if not DEVICE_SETTING.fullmatch(value):
+        raise argparse.ArgumentTypeError(f"{value!r} is not a device; use auto, cpu, cuda or cuda:N")
+    return value
+
+
+DEVICE_SETTING = re.compile(r"auto|cpu|cuda(:(0|[1-9][0-9]{0,3}))?")
+DEVICE_HELP = (
+    "where to compute: cpu, cuda (the current CUDA device), cuda:N, or auto (the first CUDA device when there is one, "
+    "else the CPU)"
+)
+
+
 def _add_memory_options(p: argparse.ArgumentParser) -> None:
-    """How the frozen base is held and what the backward pass keeps (docs/training.md, "Precision and memory")."""
+    """Where the job computes, how the frozen base is held and what the backward pass keeps (docs/training.md,
+    "Precision and memory"; docs/gpu.md)."""
+    p.add_argument(
+        "--device", type=device_setting, metavar="DEVICE", help=f"{DEVICE_HELP} (default: training.device, else auto)"
+    )
     p.add_argument(
         "--precision",
         choices=("fp32", "bf16", "auto"),

@@ -7,6 +7,9 @@
                              bf16 or NF4)
 ``capture_identity(...)``    base-weight shard manifest, config/tokenizer/template digests,
                              execution provenance and training precision -- once per process
+``resolve_device(setting)``  auto | cpu | cuda | cuda:N to cpu or cuda:N, or a refusal naming what this machine has;
+                             ``apply_determinism``, ``execution_envelope``: CUDA's reproducibility settings and the
+                             envelope a CUDA run's exact resume holds in
 ``create_tiny(path, seed)``  write a tiny model (same tokenizer, weights from ``seed``)
 ``forward_logits(model, ids)`` the model's own logits (after its post-processing): every log-probability's source
 ``RowBatch(model)``          sequences decoded together, one forward per step, each row's logits bit for bit its own
@@ -14,6 +17,17 @@
 
 from __future__ import annotations
 
+from kiln.model._device import (
+    apply_determinism,
+    cuda_device_count,
+    determinism_settings,
+    device_free_bytes,
+    device_memory_bytes,
+    execution_envelope,
+    is_cuda,
+    resolve_device,
+    runtime_device,
+)
 from kiln.model._identity import ModelIdentity, capture_identity, git_source, training_precision, weights_cache_dir
 from kiln.model._loader import (
     LoadedModel,
@@ -46,13 +60,20 @@ __all__ = [
     "RowBatch",
     "Sampling",
     "WeightsInfo",
+    "apply_determinism",
     "capture_identity",
     "check_model_dir",
     "choose",
     "create_tiny",
+    "cuda_device_count",
+    "determinism_settings",
+    "device_free_bytes",
+    "device_memory_bytes",
     "ensure_default_tiny",
+    "execution_envelope",
     "forward_logits",
     "git_source",
+    "is_cuda",
     "load_base_model",
     "load_weights",
     "max_positions",
@@ -61,9 +82,11 @@ __all__ = [
     "padded_forward_logits",
     "pick_token",
     "read_weights_info",
+    "resolve_device",
     "resolve_model_path",
     "resolve_precision",
     "right_padded",
+    "runtime_device",
     "sample",
     "sample_batch",
     "special_tokens",

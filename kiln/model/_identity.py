@@ -190,7 +190,8 @@ def _runtime(device: str, threads: int | None = None) -> tuple[dict[str, Any], l
     if device == "cpu":
         label = f"cpu ({platform.machine()}, {threads} threads)"
     else:
-        label = f"{device} ({torch.cuda.get_device_name(0)})" if torch.cuda.is_available() else device
+        index = torch.device(device).index or 0
+        label = f"{device} ({torch.cuda.get_device_name(index)})" if torch.cuda.is_available() else device
     return runtime, sorted(features), label
 
 

@@ -48,6 +48,7 @@ class LoadedModel:
     weights: WeightsInfo | None = None  # the safetensors headers
     precision: str = "fp32"  # what the loaded weights are held in: fp32 | bf16
     quantization: str = "none"  # none | nf4
+    device: str = "cpu"  # where the loaded weights are: cpu | cuda:N (kiln.model.resolve_device)
 
     @property
     def vocab_size(self) -> int:
@@ -132,10 +133,12 @@ def _check_weight_files(path: Path) -> None:
 
 
 def load_base_model(
-    path: Path, *, is_default: bool = False, precision: str = "fp32", quantization: str = "none"
+    path: Path, *, is_default: bool = False, precision: str = "fp32", quantization: str = "none", device: str = "cpu"
 ) -> LoadedModel:
     """Load model and tokenizer from a local directory; base weights are frozen."""
-    return load_weights(open_base_model(path, is_default=is_default), precision=precision, quantization=quantization)
+    return load_weights(
+        open_base_model(path, is_default=is_default), precision=precision, quantization=quantization, device=device
+    )
 
 
 def open_base_model(path: Path, *, is_default: bool = False) -> LoadedModel:
@@ -168,13 +171,23 @@ def resolve_precision(requested: str, loaded: LoadedModel) -> str:
     return "bf16" if stored == "bf16" else "fp32"
 
 
-def load_weights(loaded: LoadedModel, *, precision: str = "fp32", quantization: str = "none") -> LoadedModel:
+def load_weights(
+    loaded: LoadedModel, *, precision: str = "fp32", quantization: str = "none", device: str = "cpu"
+) -> LoadedModel:
     """``loaded`` with its frozen weights in ``precision`` (``fp32`` | ``bf16``), NF4-quantized when
-    ``quantization`` is ``nf4``. Weights already loaded that way are kept."""
+    ``quantization`` is ``nf4``, on ``device`` (``cpu`` | ``cuda:N``, resolved). Weights already loaded that way are
+    kept; weights loaded that way on another device are moved (a copy: the caller's stay where they are)."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision {precision!r} is not one of {sorted(PRECISIONS)}")
     if loaded.model is not None and (loaded.precision, loaded.quantization) == (precision, quantization):
-        return loaded
+        if loaded.device == device:
+            return loaded
+        if quantization == "none":
+            import copy
+
+            stage(f"copying the weights of {loaded.path.name} to {device}")
+            moved = copy.deepcopy(loaded.model).to(device) if loaded.device == "cpu" else loaded.model.to(device)
+            return dataclasses.replace(loaded, model=moved, device=device)
     size = f"{human_bytes(loaded.weights.stored_bytes)}, " if loaded.weights is not None else ""
     stage(f"loading the weights of {loaded.path.name} ({size}{precision}{', NF4' if quantization == 'nf4' else ''})")
     quiet_hub()
@@ -186,6 +199,8 @@ def load_weights(loaded: LoadedModel, *, precision: str = "fp32", quantization: 
         extra["quantization_config"] = nf4_config(getattr(torch, PRECISIONS[precision]))
     elif quantization != "none":
         raise ValueError(f"quantization {quantization!r} is not one of {list(QUANTIZATIONS)}")
+    if device != "cpu":
+        extra["device_map"] = {"": device}  # straight onto the device: no host copy of a large model
     model = AutoModelForCausalLM.from_pretrained(
         loaded.path, local_files_only=True, dtype=getattr(torch, PRECISIONS[precision]), use_safetensors=True, **extra
     )
@@ -198,7 +213,9 @@ def load_weights(loaded: LoadedModel, *, precision: str = "fp32", quantization: 
             # forward runs without gradient, and only for widths divisible by 32: one weight format, one path
             if hasattr(module, "support_avx512bf16_for_cpu"):
                 module.support_avx512bf16_for_cpu = False
-    return dataclasses.replace(loaded, model=model, config=model.config, precision=precision, quantization=quantization)
+    return dataclasses.replace(
+        loaded, model=model, config=model.config, precision=precision, quantization=quantization, device=device
+    )
 
 
 def nf4_config(compute_dtype: Any) -> Any:

@@ -107,6 +107,11 @@ class AdmittedJob(Generic[C]):
         return self.run.data_parallel
 
     @property
+    def device(self) -> str:
+        """Where the job computes: ``cpu`` or ``cuda:N`` (resolved at admission)."""
+        return self.loaded.device
+
+    @property
     def data_parallel_plan(self) -> JsonObject | None:
         """The ``DataParallelPlan`` its planning identity, receipt and manifest record: the group's world size and
         backend under the kind's sharding rule; None for one process (the record is omitted)."""
@@ -214,9 +219,11 @@ def planned_model(
     ``tokens``: the longest sequence one forward sees; ``loss_logits``: the float32 logits the loss holds at once; ``point``: the checkpoint resumed (its activation checkpointing is kept when the request says ``auto``);
     ``segments``: the request's ``grad_checkpoint_segments``; ``check``: refuse a plan over budget (a dry run trains
     nothing and is not held to one)."""
-    from kiln.model import resolve_precision
+    from kiln.model import apply_determinism, device_free_bytes, resolve_device, resolve_precision
     from kiln.training import ModelShape, memory_budget, plan_memory
 
+    device = resolve_device(cfg.device)  # a device this machine lacks is refused before any weight loads
+    apply_determinism(device)  # before anything initialises CUDA
     precision = resolve_precision(cfg.precision, loaded)
     checkpointing = cfg.gradient_checkpointing
     if checkpointing == "auto" and point is not None and point.gradient_checkpointing in ("on", "off"):
@@ -252,7 +259,7 @@ def planned_model(
         micro_batch_size=cfg.micro_batch_size,
         tokens=tokens,
         loss_logits=loss_logits,
-        budget=memory_budget(context.memory.memory_limit_bytes),
+        budget=memory_budget(context.memory.memory_limit_bytes, device_free=device_free_bytes(device)),
         seq_len_field=seq_len_field,
         processes=context.data_parallel.world_size,
     )
@@ -260,14 +267,15 @@ def planned_model(
         plan.check()
     cfg = dataclasses.replace(cfg, precision=precision, gradient_checkpointing=plan.run.gradient_checkpointing)
     fix_mmap_threshold()  # freed activations go back to the system: the second step's peak stays at the first's
-    return load_weights_for(loaded, cfg), cfg, plan
+    return load_weights_for(loaded, cfg, device), cfg, plan
 
 
-def load_weights_for(loaded: LoadedModel, cfg: EffectiveConfig) -> LoadedModel:
-    """``loaded`` with its weights in the precision and quantization ``cfg`` resolved (kept when they already are)."""
+def load_weights_for(loaded: LoadedModel, cfg: EffectiveConfig, device: str) -> LoadedModel:
+    """``loaded`` with its weights in the precision and quantization ``cfg`` resolved, on ``device`` (kept when
+    they already are)."""
     from kiln.model import load_weights
 
-    return load_weights(loaded, precision=cfg.precision, quantization=cfg.quantization)
+    return load_weights(loaded, precision=cfg.precision, quantization=cfg.quantization, device=device)
 
 
 def run_identity(
@@ -276,16 +284,15 @@ def run_identity(
     """Deterministic algorithms switched on (the provenance records it), then the precision policy of ``optimizer``
     under ``precision`` and the identity of the model and of the process(es) that will train -- their number and
     intra-op threads, when admission runs in another process (a server's, ``kiln train --local`` of several ranks)."""
-    import torch
+    from kiln.model import apply_determinism, capture_identity, training_precision
 
-    from kiln.model import capture_identity, training_precision
-
-    torch.use_deterministic_algorithms(True)
+    apply_determinism(loaded.device)
     compute = "bf16" if precision == "bf16" else "f32"
     policy = training_precision(optimizer_kind=optimizer.kind, activation_dtype=compute)
     identity = capture_identity(
         loaded.path,
         loaded.tokenizer,
+        device=loaded.device,
         inference_dtype=compute,
         training_policy=policy,
         intra_op_threads=data_parallel.threads,

@@ -21,6 +21,7 @@ from kiln.checkpoints import LoadedCheckpoint, PublishedCheckpoint, checkpoint_i
 from kiln.documents.digests import file_sha256, prefixed
 from kiln.documents.jsonio import JsonObject
 from kiln.errors import RequestError
+from kiln.model import execution_envelope, runtime_device
 from kiln.trainers._admission import AdmittedJob
 from kiln.training import (
     ADAPTER_FILE,
@@ -105,7 +106,7 @@ def manifest_head(
     state_files.update(extra_state_files or {})
     if planning is None:
         planning = planning_identity(
-            device="cpu", data_parallel=job.data_parallel_plan, segments=job.checkpoint_segments
+            device=runtime_device(job.device), data_parallel=job.data_parallel_plan, segments=job.checkpoint_segments
         )
     return {
         "schema_version": 1,
@@ -123,7 +124,13 @@ def manifest_head(
         "state_files": state_files,
         "auxiliary_state": {
             "loop_state_type": f"kiln.{kind}-loop-state.v1",
-            **auxiliary_identity(job.identity, job.precision, planning, threads=job.data_parallel.threads),
+            **auxiliary_identity(
+                job.identity,
+                job.precision,
+                planning,
+                threads=job.data_parallel.threads,
+                envelope=execution_envelope(job.device),
+            ),
             planning_key: planning,
             **auxiliary,
         },

@@ -56,6 +56,7 @@ from kiln.documents.digests import json_sha256, raw_hex
 from kiln.documents.epoch_order import ALGORITHM_ID, epoch_order
 from kiln.documents.jsonio import JsonObject
 from kiln.errors import RequestError, TrainingFailedError
+from kiln.model import runtime_device
 from kiln.trainers._admission import (
     AdmittedJob,
     TrainingContext,
@@ -259,7 +260,7 @@ class AdmittedSft(AdmittedJob[EffectiveSftConfig]):
                 "lora-init": {"algorithm": LORA_INIT_ALGORITHM, "seed": cfg.seed, "position": lora_init_position},
             },
             planning=planning_identity(
-                device="cpu",
+                device=runtime_device(self.device),
                 sft_loss_route=self.route,
                 data_parallel=self.data_parallel_plan,
                 segments=self.checkpoint_segments,

@@ -35,6 +35,7 @@ from kiln_contracts.models.kiln_control_plane_v1_schema import (
     MuonOptimizer,
     Quantization,
     SgdOptimizer,
+    TrainingDevice,
     TrainingPrecision,
 )
 
@@ -116,6 +117,7 @@ class CommonMembers(TypedDict):
     precision: str
     gradient_checkpointing: str
     quantization: str
+    device: str
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -140,6 +142,9 @@ class EffectiveConfig:
     precision: str
     gradient_checkpointing: str
     quantization: str
+    # where the job computes, as requested (or the caller's default): auto | cpu | cuda | cuda:N. Not an effective
+    # config member: the planning identity's runtime_device and, on CUDA, the execution envelope record where it ran
+    device: str = "auto"
 
     @property
     def targets(self) -> list[str]:
@@ -211,6 +216,8 @@ class ConfigModel(Protocol):
     def gradient_checkpointing(self) -> GradientCheckpointing | None: ...
     @property
     def quantization(self) -> Quantization | None: ...
+    @property
+    def device(self) -> TrainingDevice | None: ...
 
 
 def common_members(
@@ -226,7 +233,7 @@ def common_members(
 
     ``seed``: the checkpoint's when resuming (authoritative), else the request's or a fresh one is drawn.
     ``checkpoint_interval``: what a request without one gets (the server's ``training.checkpoint_interval``).
-    ``memory``: the precision, activation checkpointing and quantization a request without them gets.
+    ``memory``: the precision, activation checkpointing, quantization and device a request without them gets.
     The LoRA scale guardrail refuses ``lora_alpha / lora_rank`` above 2 unless ``allow_high_lora_scale``."""
     optimizer = resolve_optimizer(config.optimizer)
     try:
@@ -271,6 +278,7 @@ def common_members(
             else config.gradient_checkpointing.value
         ),
         quantization=defaults.quantization if config.quantization is None else config.quantization.value,
+        device=defaults.device if config.device is None else config.device.root,
     )
 
 

@@ -68,6 +68,7 @@ class MemorySettings:
     gradient_checkpointing: str = "auto"
     quantization: str = "none"
     memory_limit_bytes: int | None = None
+    device: str = "auto"  # auto | cpu | cuda | cuda:N (kiln.model.resolve_device)
 
     @classmethod
     def of(cls, training: Any) -> MemorySettings:
@@ -77,6 +78,7 @@ class MemorySettings:
             gradient_checkpointing=str(training.gradient_checkpointing),
             quantization=str(training.quantization),
             memory_limit_bytes=training.memory_limit_bytes,
+            device=str(training.device),
         )
 
 
@@ -95,10 +97,13 @@ class MemoryBudget:
         return f"{_gib(self.bytes or 0)} ({where})"
 
 
-def memory_budget(limit: int | None) -> MemoryBudget:
-    """The configured limit, else the host's available memory now (``MemAvailable``), else no budget."""
+def memory_budget(limit: int | None, *, device_free: int | None = None) -> MemoryBudget:
+    """The configured limit, else a device run's free device memory now (``device_free``: what every resident copy
+    leaves), else the host's available memory now (``MemAvailable``), else no budget."""
     if limit is not None:
         return MemoryBudget(limit, "configured_limit")
+    if device_free is not None:
+        return MemoryBudget(device_free, "device_memory")
     available = host_available_memory()
     return MemoryBudget(available, "host_available_memory" if available is not None else "unknown")
 

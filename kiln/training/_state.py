@@ -177,13 +177,28 @@ def planning_identity(
 
 
 def auxiliary_identity(
-    identity: Any, precision: dict[str, Any], planning: dict[str, Any], *, threads: int | None = None
+    identity: Any,
+    precision: dict[str, Any],
+    planning: dict[str, Any],
+    *,
+    threads: int | None = None,
+    envelope: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The identity members of ``auxiliary_state`` shared by every training kind (``threads``: a data-parallel rank's
-    intra-op threads, when admission runs in another process)."""
+    intra-op threads, when admission runs in another process; ``envelope``: a CUDA run's execution envelope, which
+    ``backend_runtime`` carries -- absent on the CPU)."""
     import torch
 
     provenance = identity.execution_provenance
+    runtime: dict[str, Any] = {
+        "backend": provenance["backend"]["name"],
+        "device": provenance["backend"]["device"],
+        "torch_version": str(torch.__version__),
+        "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+        "intra_op_threads": torch.get_num_threads() if threads is None else threads,
+    }
+    if envelope is not None:
+        runtime["execution_envelope"] = envelope
     return {
         "model_config_sha256": identity.config_hash,
         "tokenizer_config_sha256": identity.tokenizer_config_hash,
@@ -192,13 +207,7 @@ def auxiliary_identity(
         "base_model_weights_sha256": identity.base_weight_shard_manifest["aggregate_sha256"],
         "base_weight_shard_manifest": identity.base_weight_shard_manifest,
         "execution_provenance": provenance,
-        "backend_runtime": {
-            "backend": provenance["backend"]["name"],
-            "device": provenance["backend"]["device"],
-            "torch_version": str(torch.__version__),
-            "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
-            "intra_op_threads": torch.get_num_threads() if threads is None else threads,
-        },
+        "backend_runtime": runtime,
         "kiln_train_version": __version__,
         "gradient_checkpoint_plan_sha256": json_sha256(
             gradient_checkpoint_plan(planning["gradient_checkpoint_policy"].get("segments"))
