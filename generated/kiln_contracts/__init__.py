@@ -17,7 +17,7 @@ from typing import Any
 
 SCHEMA_DIGESTS: dict[str, str] = {
     "kiln-artifacts-v1.schema.json": "sha256:d26152defb6fe89d32713f895931aee7c5c119ca393817edb45bcd157da0b213",
-    "kiln-checkpoint-v1.schema.json": "sha256:17933dd5106b78e2a97cf6be1b87c38037d4f15a4123f44b79ec053f410101b0",
+    "kiln-checkpoint-v1.schema.json": "sha256:120954613fb47a3c2b968c297811ff4152c990073b9288c0eaa8482b732e3ed6",
     "kiln-common-v1.schema.json": "sha256:140778be5b4882abd354e3ab1194bbe6a56e891d614d0aa7c0cace8c6ff07833",
     "kiln-config-v1.schema.json": "sha256:ef95c786ee6b2faefba123c88620fa4805c78fae5c4216dea6f13b36f48a1c79",
     "kiln-control-plane-v1.schema.json": "sha256:b0dd54a6e61f86b7f9f8987986c0d8ec1b8dd8a5bd3ce5cda79b90261e9f54c1",

@@ -63,7 +63,7 @@ def resolve_device(setting: str, *, field: str = "device", pointer: str | None =
         )
     if count == 0:
         raise RequestError(
-            f"{field} {setting}: this machine has no CUDA device ({_why_no_cuda()})",
+            f"{field}: {setting} needs a CUDA device, and this machine has none ({_why_no_cuda()})",
             code="training_backend_unsupported",
             pointer=pointer,
             hint="use --device cpu (or auto, which picks the CPU here), or run on a machine with an NVIDIA GPU, its "
@@ -77,7 +77,7 @@ def resolve_device(setting: str, *, field: str = "device", pointer: str | None =
     if index >= count:
         visible = ", ".join(f"cuda:{i}" for i in range(count))
         raise RequestError(
-            f"{field} {setting}: this machine has {count} CUDA device{'s' if count > 1 else ''} ({visible})",
+            f"{field}: {setting} is not a CUDA device of this machine, which has {count} ({visible})",
             code="training_backend_unsupported",
             pointer=pointer,
             hint=f"use one of {visible}, or check CUDA_VISIBLE_DEVICES",

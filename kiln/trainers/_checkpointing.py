@@ -25,10 +25,16 @@ from kiln.model import execution_envelope, runtime_device
 from kiln.trainers._admission import AdmittedJob
 from kiln.training import (
     ADAPTER_FILE,
+    CUDA_RNG_FILE,
+    CUDA_RNG_STREAM,
     OPTIMIZER_FILE,
     EffectiveConfig,
     adapter_tensors,
     auxiliary_identity,
+    cuda_rng_capture,
+    cuda_rng_position,
+    cuda_rng_restore,
+    cuda_rng_stream,
     encode_tensors,
     optimizer_tensors,
     planning_identity,
@@ -82,6 +88,14 @@ def optimizer_identity(cfg: EffectiveConfig, total_steps: int) -> tuple[JsonObje
     )
 
 
+def _with_cuda_stream(rng_states: JsonObject, device: str) -> JsonObject:
+    """A trainer's streams, with the CUDA device generator's on a CUDA run (sorted, as the manifest writes them)."""
+    stream = cuda_rng_stream(device)
+    if stream is None:
+        return rng_states
+    return dict(sorted({**rng_states, CUDA_RNG_STREAM: stream}.items()))
+
+
 def manifest_head(
     job: Job,
     kind: str,
@@ -118,7 +132,7 @@ def manifest_head(
         "precision_policy": job.precision,
         "progress": {"total_steps": total_steps},
         "data": data,
-        "rng_states": rng_states,
+        "rng_states": _with_cuda_stream(rng_states, job.device),
         "optimizer": optimizer_block,
         "scheduler": scheduler_block,
         "state_files": state_files,
@@ -183,7 +197,7 @@ def publish_state(
             adapter_tensors(params),
             optimizer_tensors(optimizer, params) if cfg.optimizer.stateful else None,
             loop_document(),
-            extra_tensors() if extra_tensors is not None else {},
+            {**(extra_tensors() if extra_tensors is not None else {}), **cuda_rng_capture(job.device)},
         )
 
     def encode(
@@ -197,6 +211,9 @@ def publish_state(
         manifest["progress"] = progress.as_manifest()
         manifest["optimizer"]["step"] = progress.global_step
         manifest["scheduler"]["step"] = progress.global_step
+        if CUDA_RNG_STREAM in manifest["rng_states"]:
+            state = extra[CUDA_RNG_FILE][1]["state"]
+            manifest["rng_states"][CUDA_RNG_STREAM]["position"] = cuda_rng_position(state)
         files = {
             ADAPTER_FILE: ("adapter-parameters", encode_tensors(adapter)),
             loop_state_file_name(kind): ("loss-history", contracts.render(LOOP_STATE_TYPES[kind], loop_doc)),
@@ -228,8 +245,11 @@ def base_adapter_block(job: Job) -> JsonObject | None:
 def restore_policy(
     resume: LoadedCheckpoint, params: dict[str, torch.nn.Parameter], optimizer: torch.optim.Optimizer
 ) -> None:
-    """Adapter tensors and optimizer slots from an exact-resume checkpoint."""
+    """Adapter tensors and optimizer slots from an exact-resume checkpoint, and on CUDA the device generator's state
+    (a checkpoint's ``cuda-global`` stream; the device is the parameters')."""
     manifest = resume.manifest
     restore_adapter(params, resume.blobs[manifest["state_files"]["adapter_parameters"]])
     state_file = manifest["optimizer"].get("state_file")
     restore_optimizer(optimizer, params, resume.blobs[state_file] if state_file else None)
+    device = str(next(iter(params.values())).device) if params else "cpu"
+    cuda_rng_restore(device, manifest["rng_states"], resume.blobs)

@@ -44,10 +44,17 @@ from kiln.training._schedule import Schedule
 from kiln.training._seeds import resolve_seed
 from kiln.training._state import (
     ADAPTER_FILE,
+    CUDA_RNG_ALGORITHM,
+    CUDA_RNG_FILE,
+    CUDA_RNG_STREAM,
     LORA_INIT_ALGORITHM,
     OPTIMIZER_FILE,
     adapter_tensors,
     auxiliary_identity,
+    cuda_rng_capture,
+    cuda_rng_position,
+    cuda_rng_restore,
+    cuda_rng_stream,
     encode_tensors,
     optimizer_tensors,
     planning_identity,
@@ -58,6 +65,9 @@ from kiln.training._warm_start import warm_start
 
 __all__ = [
     "ADAPTER_FILE",
+    "CUDA_RNG_ALGORITHM",
+    "CUDA_RNG_FILE",
+    "CUDA_RNG_STREAM",
     "GRPO_SHARDING_RULE",
     "LORA_INIT_ALGORITHM",
     "MAX_ALPHA_OVER_RANK",
@@ -91,6 +101,10 @@ __all__ = [
     "classify_failure",
     "common_members",
     "context_length",
+    "cuda_rng_capture",
+    "cuda_rng_position",
+    "cuda_rng_restore",
+    "cuda_rng_stream",
     "decoder_of",
     "default_by",
     "encode_tensors",

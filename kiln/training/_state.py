@@ -36,10 +36,17 @@ BOUNDARY_POLICY = {
 
 __all__ = [
     "ADAPTER_FILE",
+    "CUDA_RNG_ALGORITHM",
+    "CUDA_RNG_FILE",
+    "CUDA_RNG_STREAM",
     "LORA_INIT_ALGORITHM",
     "OPTIMIZER_FILE",
     "adapter_tensors",
     "auxiliary_identity",
+    "cuda_rng_capture",
+    "cuda_rng_position",
+    "cuda_rng_restore",
+    "cuda_rng_stream",
     "encode_tensors",
     "optimizer_tensors",
     "planning_identity",
@@ -132,7 +139,67 @@ def restore_optimizer(optimizer: Any, params: Mapping[str, Any], blob: bytes | N
                     f"{tuple(param.shape)}",
                     "optimizer_state",
                 )
-        optimizer.state[param] = {slot: tensor.clone() for slot, tensor in sorted(slots.items())}
+        # a slot the shape of its parameter lives where the parameter does; a 0-dim one (a step count) stays on the
+        # host, where torch's optimizers keep it
+        optimizer.state[param] = {
+            slot: tensor.to(param.device, copy=True) if tensor.dim() else tensor.clone()
+            for slot, tensor in sorted(slots.items())
+        }
+
+
+CUDA_RNG_STREAM = "cuda-global"  # the global generator of the CUDA device a run trains on
+CUDA_RNG_ALGORITHM = "kiln.torch-cuda-global-state.v1"
+CUDA_RNG_FILE = "cuda_rng.safetensors"
+
+
+def _cuda_index(device: str) -> int | None:
+    """The CUDA device index of ``device``, or None for any other device (nothing of CUDA is touched then)."""
+    if device != "cuda" and not device.startswith("cuda:"):
+        return None
+    return int(device.partition(":")[2] or 0)
+
+
+def cuda_rng_stream(device: str) -> dict[str, Any] | None:
+    """The ``rng_states`` record of a CUDA run's global device generator (position 0: ``cuda_rng_capture`` fills it
+    in); None on every other device, so a CPU checkpoint has no such stream and no such file."""
+    index = _cuda_index(device)
+    if index is None:
+        return None
+    import torch
+
+    with torch.cuda.device(index):
+        seed = int(torch.cuda.initial_seed())
+    return {"algorithm": CUDA_RNG_ALGORITHM, "seed": seed, "position": 0, "state_file": CUDA_RNG_FILE}
+
+
+def cuda_rng_capture(device: str) -> dict[str, tuple[str, dict[str, Any]]]:
+    """``{file: ("rng-state", {"state": ...})}`` with the CUDA generator's state of ``device``; empty elsewhere."""
+    index = _cuda_index(device)
+    if index is None:
+        return {}
+    import torch
+
+    return {CUDA_RNG_FILE: ("rng-state", {"state": torch.cuda.get_rng_state(index).clone()})}
+
+
+def cuda_rng_position(state: Any) -> int:
+    """How far a CUDA (Philox) generator has gone: the offset its state's last 8 bytes hold (little-endian)."""
+    raw = bytes(state.tolist())
+    return int.from_bytes(raw[8:16], "little") if len(raw) >= 16 else 0
+
+
+def cuda_rng_restore(device: str, rng_states: Mapping[str, Any], blobs: Mapping[str, bytes]) -> bool:
+    """Put a checkpoint's CUDA generator state back on ``device``; False when the checkpoint has none (a CPU run's:
+    then nothing is touched)."""
+    stream = rng_states.get(CUDA_RNG_STREAM)
+    index = _cuda_index(device)
+    if stream is None or index is None:
+        return False
+    import torch
+
+    state = _decode(blobs[stream["state_file"]], CUDA_RNG_FILE)["state"]
+    torch.cuda.set_rng_state(state, index)
+    return True
 
 
 def _host_memory_bytes() -> int:
