@@ -370,7 +370,9 @@ def main(argv: list[str] | None = None) -> int:
     from kiln.training import DataParallel
 
     threads = spec.launch.threads_per_rank
-    group = DataParallel.from_environment(threads=None if threads is None else threads.root)
+    config = spec.request.model_dump(mode="json", by_alias=True).get("config") or {}
+    device = str(config.get("device") or "cpu")  # a replay always names its device setting
+    group = DataParallel.from_environment(threads=None if threads is None else threads.root, device=device)
     cancel = threading.Event()
 
     def on_signal(_signum: int, _frame: Any) -> None:

@@ -38,7 +38,13 @@ from kiln.model._loader import (
     resolve_model_path,
     resolve_precision,
 )
-from kiln.model._logits import forward_logits, next_token_logprobs, padded_forward_logits, right_padded
+from kiln.model._logits import (
+    forward_logits,
+    model_device,
+    next_token_logprobs,
+    padded_forward_logits,
+    right_padded,
+)
 from kiln.model._rows import RowBatch
 from kiln.model._sampling import (
     Sampling,
@@ -77,6 +83,7 @@ __all__ = [
     "load_base_model",
     "load_weights",
     "max_positions",
+    "model_device",
     "next_token_logprobs",
     "open_base_model",
     "padded_forward_logits",

@@ -13,11 +13,17 @@ from __future__ import annotations
 from typing import Any
 
 
+def model_device(model: Any) -> Any:
+    """The ``torch.device`` a model's weights are on (its first parameter's)."""
+    return next(model.parameters()).device
+
+
 def forward_logits(model: Any, ids: Any) -> Any:
-    """``[T, V]`` float32 logits of ``ids`` (a ``[T]`` or ``[1, T]`` LongTensor) from the model's own forward."""
+    """``[T, V]`` float32 logits of ``ids`` (a ``[T]`` or ``[1, T]`` LongTensor, on any device: it is moved to the
+    model's) from the model's own forward."""
     if ids.dim() == 1:
         ids = ids.unsqueeze(0)
-    return model(input_ids=ids).logits[0].float()
+    return model(input_ids=ids.to(model_device(model))).logits[0].float()
 
 
 def padded_forward_logits(model: Any, ids: Any, attention_mask: Any) -> Any:
@@ -33,9 +39,9 @@ def next_token_logprobs(model: Any, ids: Any) -> Any:
     return torch.log_softmax(forward_logits(model, ids), dim=-1)
 
 
-def right_padded(sequences: list[Any]) -> tuple[Any, Any]:
-    """``(ids, attention_mask)`` ``[B, longest]`` LongTensors: each sequence from the left, then id 0 (never read:
-    the mask excludes it)."""
+def right_padded(sequences: list[Any], device: Any = None) -> tuple[Any, Any]:
+    """``(ids, attention_mask)`` ``[B, longest]`` LongTensors on ``device`` (default: the CPU): each sequence from
+    the left, then id 0 (never read: the mask excludes it)."""
     import torch
 
     width = max(len(s) for s in sequences)
@@ -44,4 +50,6 @@ def right_padded(sequences: list[Any]) -> tuple[Any, Any]:
     for i, seq in enumerate(sequences):
         ids[i, : len(seq)] = torch.as_tensor(seq, dtype=torch.long)
         attention[i, : len(seq)] = 1
-    return ids, attention
+    if device is None:
+        return ids, attention
+    return ids.to(device), attention.to(device)

@@ -158,26 +158,28 @@ def sample(
 ) -> tuple[list[int], bool]:
     """Up to ``max_new`` sampled ids after ``prefix`` (a sampled stop id is kept and ends the
     rollout); returns ``(ids, truncated)`` where ``truncated`` means the limit, not a stop
-    id, ended it. Non-finite logits raise ``FloatingPointError``."""
+    id, ended it. Non-finite logits raise ``FloatingPointError``. Each draw runs on the host (the logits of the last
+    position are copied there), so ``generator`` is a CPU generator whatever the model's device."""
     import torch
 
     ids: list[int] = []
     if max_new <= 0:
         return ids, False
     cache = None
-    step = torch.tensor([prefix], dtype=torch.long)
+    device = next(model.parameters()).device
+    step = torch.tensor([prefix], dtype=torch.long, device=device)
     with torch.no_grad():
         for _ in range(max_new):
             out = model(input_ids=step, past_key_values=cache, use_cache=True)
             cache = out.past_key_values
-            logits = out.logits[0, -1].float()
+            logits = out.logits[0, -1].float().cpu()
             if not bool(torch.isfinite(logits).all()):
                 raise FloatingPointError(f"non-finite student logits after {len(ids)} rollout tokens")
             token = pick_token(logits, temperature, top_p, generator)
             ids.append(token)
             if token in stop_ids:
                 return ids, False
-            step = torch.tensor([[token]], dtype=torch.long)
+            step = torch.tensor([[token]], dtype=torch.long, device=device)
     return ids, True
 
 
@@ -217,6 +219,8 @@ def sample_batch(
     for r, prefix in enumerate(prefixes):
         ids[r, width - len(prefix) :] = torch.tensor(prefix, dtype=torch.long)
         mask[r, width - len(prefix) :] = 1
+    device = next(model.parameters()).device
+    ids, mask = ids.to(device), mask.to(device)
     positions = (mask.cumsum(-1) - 1).clamp_min(0)
     outputs: list[list[int]] = [[] for _ in prefixes]
     truncated = [limit > 0 for limit in max_new]
@@ -228,7 +232,7 @@ def sample_batch(
                 input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True
             )
             cache = out.past_key_values
-            last = out.logits[:, -1].float()
+            last = out.logits[:, -1].float().cpu()  # drawn on the host, from the CPU generator
             step = torch.zeros((len(prefixes), 1), dtype=torch.long)
             for r in range(len(prefixes)):
                 if not active[r]:
@@ -242,7 +246,7 @@ def sample_batch(
                     active[r], truncated[r] = False, False
                 elif len(outputs[r]) >= max_new[r]:
                     active[r] = False
-            ids = step
-            mask = torch.cat([mask, torch.ones((len(prefixes), 1), dtype=torch.long)], dim=1)
+            ids = step.to(device)
+            mask = torch.cat([mask, torch.ones((len(prefixes), 1), dtype=torch.long, device=device)], dim=1)
             positions = positions[:, -1:] + 1
     return list(zip(outputs, truncated, strict=True))

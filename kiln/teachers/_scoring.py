@@ -129,9 +129,10 @@ def _check_request(prefix_ids: list[int], action_ids: list[int], k: int, max_top
 
 
 class LocalScorer:
-    """A ``local`` teacher loaded in this process (float32, CPU), with its pinned adapter when it has one."""
+    """A ``local`` teacher loaded in this process (float32, on the student's device), with its pinned adapter when
+    it has one; its scores come back on the host."""
 
-    def __init__(self, pinned: Any, *, registry_dir: Path):
+    def __init__(self, pinned: Any, *, registry_dir: Path, device: str = "cpu"):
         from kiln.model import load_base_model
 
         identity = pinned.identity
@@ -139,7 +140,7 @@ class LocalScorer:
         self.max_top_k = min(identity["max_top_k"], identity["max_prompt_logprob_candidates"])
         self.vocab_size = identity["vocab_size"]
         self.max_model_len = identity["max_model_len"]
-        loaded = load_base_model(Path(pinned.model_id))
+        loaded = load_base_model(Path(pinned.model_id), device=device)
         model = loaded.model
         if pinned.adapter is not None:
             directory = Path(registry_dir) / pinned.adapter
@@ -186,7 +187,7 @@ class LocalScorer:
         if len(pairs) == 1:
             return [self.score(*pairs[0], k)]
         sequences = [self._checked(prefix_ids, action_ids, k) for prefix_ids, action_ids in pairs]
-        ids, mask = right_padded(sequences)
+        ids, mask = right_padded(sequences, next(self._model.parameters()).device)
         with torch.no_grad():
             logp = torch.log_softmax(padded_forward_logits(self._model, ids, mask), dim=-1).cpu()
         return [
@@ -275,10 +276,10 @@ class RemoteScorer:
             self._client = None
 
 
-def open_scorer(pinned: Any, *, registry_dir: Path) -> TeacherScorer:
+def open_scorer(pinned: Any, *, registry_dir: Path, device: str = "cpu") -> TeacherScorer:
     """The scorer of a pinned teacher; ``registry_dir`` is the adapter registry a ``local`` teacher's adapter is in."""
     if pinned.kind == "local":
-        return LocalScorer(pinned, registry_dir=registry_dir)
+        return LocalScorer(pinned, registry_dir=registry_dir, device=device)
     if pinned.kind == "remote":
         return RemoteScorer(pinned)
     raise RequestError(

@@ -154,6 +154,7 @@ class AdmittedJob(Generic[C]):
         """The config a replay of this job sends (a server's dequeue, a rank of ``kiln train --local``): the effective
         config, every default resolved and the seed filled in, with the requested resume checkpoint."""
         config = self.config.to_json()
+        config["device"] = self.config.device  # the setting (not an effective config member): each rank resolves it
         if resume_checkpoint is not None:
             config["resume_checkpoint"] = resume_checkpoint
         return config
@@ -285,8 +286,11 @@ def run_identity(
     under ``precision`` and the identity of the model and of the process(es) that will train -- their number and
     intra-op threads, when admission runs in another process (a server's, ``kiln train --local`` of several ranks)."""
     from kiln.model import apply_determinism, capture_identity, training_precision
+    from kiln.training import backend_for
 
     apply_determinism(loaded.device)
+    if data_parallel.active:  # the ranks sum tensors where they train: gloo on the CPU, NCCL on CUDA
+        data_parallel = dataclasses.replace(data_parallel, backend=backend_for(loaded.device))
     compute = "bf16" if precision == "bf16" else "f32"
     policy = training_precision(optimizer_kind=optimizer.kind, activation_dtype=compute)
     identity = capture_identity(

@@ -102,7 +102,7 @@ def run_prefix(model: Any, ids: Sequence[int]) -> Prefix:
     import torch
 
     body, _ = _decoder(model)
-    out = body(input_ids=torch.tensor([list(ids)], dtype=torch.long), use_cache=True)
+    out = body(input_ids=torch.tensor([list(ids)], dtype=torch.long, device=_device(body)), use_cache=True)
     return Prefix(len(ids), out.last_hidden_state[0], out.past_key_values)
 
 
@@ -131,7 +131,7 @@ def prefix_problem(model: Any) -> str | None:
     sequences = [prompt + [(11 * i + 7 * n) % vocab for i in range(n)] for n in PROBE_SUFFIXES]
     try:
         with torch.no_grad():
-            ids, attention = _right_padded(sequences)
+            ids, attention = _right_padded(sequences, _device(body))
             full = body(input_ids=ids, attention_mask=attention).last_hidden_state.float()
             prefix = run_prefix(model, prompt)
             split = _suffix_hidden(body, prefix, [s[PROBE_PROMPT:] for s in sequences])[0].float()
@@ -174,10 +174,15 @@ def plan_sharing(
     return head, PrefixPlan(mode, policy=not blockers, reference=reference, reason="; ".join(blockers) or None)
 
 
-def _right_padded(sequences: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+def _device(module: Any) -> torch.device:
+    """Where a module's weights are: every tensor a forward of it reads is made there."""
+    return next(module.parameters()).device
+
+
+def _right_padded(sequences: Sequence[Sequence[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     from kiln.model import right_padded
 
-    ids, attention = right_padded([list(sequence) for sequence in sequences])
+    ids, attention = right_padded([list(sequence) for sequence in sequences], device)
     return ids, attention
 
 
@@ -188,10 +193,12 @@ def _suffix_hidden(
     (positions from ``prefix.length`` on)."""
     import torch
 
-    ids, attention = _right_padded(suffixes)
+    ids, attention = _right_padded(suffixes, _device(body))
     batch, width = ids.shape
-    attention = torch.cat([torch.ones((batch, prefix.length), dtype=attention.dtype), attention], dim=1)
-    positions = (prefix.length + torch.arange(width)).unsqueeze(0).expand(batch, -1)
+    attention = torch.cat(
+        [torch.ones((batch, prefix.length), dtype=attention.dtype, device=ids.device), attention], dim=1
+    )
+    positions = (prefix.length + torch.arange(width, device=ids.device)).unsqueeze(0).expand(batch, -1)
     hidden = body(
         input_ids=ids,
         attention_mask=attention,
@@ -236,9 +243,10 @@ def selected_logits(
     body, out = _decoder(model)
     if head is None:  # admission proves the head whenever a batch can hold several sequences
         raise AssertionError("a batched forward needs the model's head, proven at admission")
-    positions = [torch.as_tensor(w, dtype=torch.bool).nonzero().squeeze(1) for w in wanted]
+    device = _device(body)
+    positions = [torch.as_tensor(w, dtype=torch.bool).nonzero().squeeze(1).to(device) for w in wanted]
     if prefix is None:
-        ids, attention = _right_padded(sequences)
+        ids, attention = _right_padded(sequences, device)
         width = ids.shape[1]
         hidden = body(input_ids=ids, attention_mask=attention).last_hidden_state
         flat = torch.cat([i * width + p for i, p in enumerate(positions)])
@@ -250,7 +258,10 @@ def selected_logits(
     table = torch.cat([prefix.hidden, suffix.reshape(-1, suffix.shape[-1])])  # the prompt's rows, then the suffixes'
     flat = torch.cat([torch.where(p < start, p, start + i * width + p - start) for i, p in enumerate(positions)])
     targets = torch.cat(
-        [torch.as_tensor(list(s), dtype=torch.long)[p + 1] for s, p in zip(sequences, positions, strict=True)]
+        [
+            torch.as_tensor(list(s), dtype=torch.long, device=device)[p + 1]
+            for s, p in zip(sequences, positions, strict=True)
+        ]
     )
     rows = table.index_select(0, flat).float()
     return SelectedLogits(head.logit_map.head_logits(rows, out.weight, out.bias), positions, targets)
@@ -264,6 +275,7 @@ def logprobs(model: Any, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     from kiln.model import forward_logits
 
     logits = forward_logits(model, ids)[:-1]
+    ids = ids.to(logits.device)
     logp = torch.log_softmax(logits, dim=-1)
     return logp, logp.gather(-1, ids[1:].unsqueeze(-1)).squeeze(-1)
 
@@ -292,7 +304,7 @@ def group_logprobs(
     results, start = [], 0
     for seq, pos in zip(sequences, positions, strict=True):
         stop = start + pos.numel()
-        zeros = torch.zeros(len(seq) - 1, dtype=taken.dtype)
+        zeros = torch.zeros(len(seq) - 1, dtype=taken.dtype, device=taken.device)
         row = zeros.index_put((pos,), taken[start:stop])
         results.append((row, None if spread is None else zeros.index_put((pos,), spread[start:stop].detach())))
         start = stop

@@ -772,16 +772,17 @@ def completion_loss(
     the reference's."""
     import torch
 
-    mask = torch.tensor(c.action_mask, dtype=torch.bool).unsqueeze(0)
+    device = taken.device  # the policy's: every tensor of the loss is made where its log-probabilities are
+    mask = torch.tensor(c.action_mask, dtype=torch.bool, device=device).unsqueeze(0)
     new = taken.unsqueeze(0)
     behavior = None
     if cfg.behavior_policy == "recorded":
         behavior = torch.zeros_like(new)
-        behavior[mask] = torch.tensor(c.recorded_logprobs, dtype=new.dtype)
+        behavior[mask] = torch.tensor(c.recorded_logprobs, dtype=new.dtype, device=device)
     per_token, is_audit = obj.policy_loss(
         new,
         behavior,
-        torch.tensor([[advantage]], dtype=new.dtype),
+        torch.tensor([[advantage]], dtype=new.dtype, device=device),
         mask,
         is_level=cfg.is_level,
         clip_low=cfg.clip_epsilon,
@@ -802,7 +803,7 @@ def completion_loss(
             entropy_quantile=cfg.entropy_aware_kl_quantile,
         )
         per_token = per_token + cfg.kl_coeff * kl
-    terms = (per_token, mask, taken, torch.tensor(c.observation_mask, dtype=torch.bool))
+    terms = (per_token, mask, taken, torch.tensor(c.observation_mask, dtype=torch.bool, device=device))
     return terms, (is_audit, kl_audit)
 
 

@@ -807,11 +807,11 @@ def candidate_loss(
     its mean per-position KL, and its ECHO ``(CE, observation tokens)``."""
     import torch
 
-    from kiln.model import forward_logits
+    from kiln.model import forward_logits, model_device
 
     prefix, action = rollout.prefix, rollout.action
     model.train()
-    ids = torch.tensor([prefix + action], dtype=torch.long)
+    ids = torch.tensor([prefix + action], dtype=torch.long, device=model_device(model))
     t0 = time.perf_counter()
     logits = forward_logits(model, ids)
     timings["policy_forward_ms"] += (time.perf_counter() - t0) * 1000
@@ -823,7 +823,7 @@ def candidate_loss(
     observed = observed_positions(rollout)
     env = None
     if echo is not None and observed:
-        positions = torch.tensor(observed, dtype=torch.long)
+        positions = torch.tensor(observed, dtype=torch.long, device=ids.device)
         term, env = echo_from_logits(logits[positions - 1], ids[0, positions], echo.lam, weights[1])
         loss = loss + term
     return loss, mean_kl, env
@@ -983,7 +983,7 @@ class OpdRun(RunProgress):
         if job.route == "prompts":
             from kiln.teachers import open_scorer
 
-            self.scorer = open_scorer(job.teacher, registry_dir=job.registry)
+            self.scorer = open_scorer(job.teacher, registry_dir=job.registry, device=job.device)
         group = job.data_parallel
         sync = StepSync(group, policy.params, self.cancel)  # a data-parallel group's one collective per step
         self.cadence = cadence = Cadence(

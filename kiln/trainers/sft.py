@@ -479,7 +479,8 @@ class SftRun(RunProgress):
         )
         causal = policy.model.get_base_model()
         body, head = decoder_of(causal), causal.get_output_embeddings()
-        rows_of = [(list(ex.input_ids), torch.tensor(ex.labels[1:], dtype=torch.long)) for ex in examples]
+        on = next(body.parameters()).device  # the labels live where the loss reads them
+        rows_of = [(list(ex.input_ids), torch.tensor(ex.labels[1:], dtype=torch.long, device=on)) for ex in examples]
         # the loop: one optimizer step over a step's rows, cut into micro-batches
         while loop.global_step < loop.total:
             step_rows = loop.step_rows()
@@ -616,12 +617,14 @@ def _forward(body: Any, rows: list[tuple[list[int], torch.Tensor]]) -> tuple[tor
     out (the rows' positions in order, as if each had run alone)."""
     import torch
 
+    device = next(body.parameters()).device
     if len(rows) == 1:
         ids, targets = rows[0]
-        return body(input_ids=torch.tensor(ids, dtype=torch.long).unsqueeze(0)).last_hidden_state[0, :-1], targets
+        single = torch.tensor(ids, dtype=torch.long, device=device).unsqueeze(0)
+        return body(input_ids=single).last_hidden_state[0, :-1], targets
     from kiln.model import right_padded
 
-    ids, mask = right_padded([row_ids for row_ids, _ in rows])
+    ids, mask = right_padded([row_ids for row_ids, _ in rows], device)
     hidden = body(input_ids=ids, attention_mask=mask).last_hidden_state[:, :-1]
     return hidden[mask[:, 1:].bool()], torch.cat([targets for _, targets in rows])
 

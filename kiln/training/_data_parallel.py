@@ -36,9 +36,9 @@ OPD's rollouts are seeded and global), so the checkpoint binds each rank's posit
 rule; a checkpoint resumes only at the world size, backend and rule it was written with.
 
 ``DataParallel.from_environment`` reads the group ``torchrun`` describes (``WORLD_SIZE``, ``RANK``) and joins it
-with the backend of the training device (``backend_for``): Kiln's trainers train on the CPU, so the ranks sum CPU
-tensors over ``gloo`` -- also on a machine with GPUs, where ``nccl`` would refuse CPU tensors; ``nccl`` is the
-backend of a CUDA training device. Without ``torchrun`` it is the single-process plan, and nothing here runs.
+with the backend of the training device (``backend_for``): a job on the CPU sums CPU tensors over ``gloo`` (also on
+a machine with GPUs, where ``nccl`` would refuse CPU tensors); a job on CUDA (``device`` ``cuda`` or ``auto``) puts
+rank ``r`` of a node on ``cuda:LOCAL_RANK`` and sums over ``nccl``. Without ``torchrun`` it is the single-process plan, and nothing here runs.
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ SHARDING_RULE = "kiln.sft-step-round-robin.v1"  # SFT
 GRPO_SHARDING_RULE = "kiln.grpo-step-completions.v1"
 OPD_SHARDING_RULE = "kiln.opd-step-candidates.v1"
 LEAVE_TIMEOUT_S = 60  # how long a rank waits at the closing barrier for the others
-TRAINING_DEVICE = "cpu"  # where the trainers put the model (kiln.trainers: planning identity, loss route)
+TRAINING_DEVICE = "cpu"  # the device a group is planned for before a job's own device is resolved
 
 
 def backend_for(device: str) -> str:
@@ -142,9 +142,13 @@ class DataParallel:
         )
 
     @classmethod
-    def from_environment(cls, threads: int | None = None, environ: dict[str, str] | None = None) -> DataParallel:
+    def from_environment(
+        cls, threads: int | None = None, environ: dict[str, str] | None = None, *, device: str = "cpu"
+    ) -> DataParallel:
         """The group ``torchrun`` launched this process into, joined, with ``threads`` intra-op threads (what the
-        job was admitted for); a single process without one."""
+        job was admitted for); a single process without one. ``device``: the job's device setting -- when it trains
+        on CUDA (``cuda``, or ``auto`` on a machine with CUDA), each rank takes the CUDA device of its
+        ``LOCAL_RANK`` (so ``cuda`` resolves to it) and the group sums over NCCL; otherwise over gloo."""
         import torch
 
         if threads is not None:
@@ -156,6 +160,9 @@ class DataParallel:
         import torch.distributed as dist
 
         backend = backend_for(TRAINING_DEVICE)
+        if device in ("cuda", "auto") and torch.cuda.is_available():
+            torch.cuda.set_device(int(env.get("LOCAL_RANK", "0")))
+            backend = backend_for("cuda")
         if not dist.is_initialized():
             dist.init_process_group(backend=backend)
         rank = dist.get_rank()
@@ -234,7 +241,7 @@ class StepSync:
         import torch.distributed as dist
 
         data = json.dumps(payload, separators=(",", ":")).encode()
-        device = "cuda" if self.group.backend == "nccl" else "cpu"  # NCCL gathers CUDA tensors only
+        device = "cuda" if self.group.backend == "nccl" else "cpu"  # NCCL gathers CUDA tensors (the rank's device)
         length = torch.tensor([len(data)], dtype=torch.int64, device=device)
         lengths = [torch.zeros_like(length) for _ in range(self.group.world_size)]
         dist.all_gather(lengths, length)

@@ -44,7 +44,7 @@ def echo_from_logits(
 ) -> tuple[torch.Tensor, tuple[float, int] | None]:
     """ECHO's part of a step's loss from the logits ``rows`` of a sequence's observation targets ``targets``: λ times
     their mean cross-entropy, times ``weight`` (its share of the step); and ``(CE, tokens)`` (None: no token)."""
-    taken = torch.log_softmax(rows.float(), dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    taken = torch.log_softmax(rows.float(), dim=-1).gather(-1, targets.to(rows.device).unsqueeze(-1)).squeeze(-1)
     term, env_ce = echo_loss(taken, torch.ones_like(taken, dtype=torch.bool), lam)
     return (term if weight == 1.0 else term * weight), (None if env_ce is None else (env_ce, len(targets)))
 

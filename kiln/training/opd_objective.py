@@ -32,13 +32,14 @@ def top_k_reverse_kl(student_logits: Any, teacher_ids: Any, teacher_logprobs: An
     """Mean and per-position reverse KL of the renormalised top-K distributions.
 
     ``student_logits`` ``[A, V]`` (differentiable), ``teacher_ids`` ``[A, K]`` (long),
-    ``teacher_logprobs`` ``[A, K]``. Returns ``(loss, per_position [A])``.
+    ``teacher_logprobs`` ``[A, K]`` (on any device: they are read where the student's logits are). Returns
+    ``(loss, per_position [A])``.
     """
     import torch
 
-    picked = student_logits.float().gather(-1, teacher_ids)
+    picked = student_logits.float().gather(-1, teacher_ids.to(student_logits.device))
     log_p = picked - torch.logsumexp(picked, dim=-1, keepdim=True)
-    teacher = teacher_logprobs.to(log_p.dtype)
+    teacher = teacher_logprobs.to(log_p.device, log_p.dtype)
     log_q = teacher - torch.logsumexp(teacher, dim=-1, keepdim=True)
     per_position = (log_p.exp() * (log_p - log_q)).sum(-1)
     return per_position.mean(), per_position
