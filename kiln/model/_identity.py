@@ -190,8 +190,9 @@ def _runtime(device: str, threads: int | None = None) -> tuple[dict[str, Any], l
     if device == "cpu":
         label = f"cpu ({platform.machine()}, {threads} threads)"
     else:
+        # the device model, not its index: a run resumes on another card of the same model (the envelope binds it)
         index = torch.device(device).index or 0
-        label = f"{device} ({torch.cuda.get_device_name(index)})" if torch.cuda.is_available() else device
+        label = f"cuda ({torch.cuda.get_device_name(index)})" if torch.cuda.is_available() else device
     return runtime, sorted(features), label
 
 
