@@ -407,3 +407,25 @@ def test_a_cuda_checkpoint_is_refused_on_the_cpu(tmp_path, tiny_model_dir, monke
     with pytest.raises(CheckpointError) as caught:
         _run_in(None, monkeypatch, tmp_path, tiny_model_dir, {**config, "resume_checkpoint": checkpoint.name})
     assert caught.value.reason == "auxiliary_state.backend_runtime.execution_envelope"
+
+
+@pytest.mark.parametrize("kind", ["sft", "grpo", "opd"])
+def test_every_kind_refuses_a_server_default_device_this_machine_lacks(kind, tmp_path, tiny_model_dir, teachers):
+    from kiln.trainers import TRAINERS, TrainingContext
+    from kiln.training import MemorySettings
+
+    bodies = {
+        "sft": {"examples": ROWS},
+        "grpo": {"groups": [{"messages": ROWS[0]["messages"][:1], "completions": [{"text": "a", "reward": 1.0}]}]},
+        "opd": {"teacher": "tutor", "prompts": [{"messages": ROWS[0]["messages"][:1]}]},
+    }
+    context = TrainingContext(
+        registry=tmp_path / "adapters",
+        model_path=str(tiny_model_dir),
+        teachers_root=teachers,
+        memory=MemorySettings(device="cuda:1"),  # the server's training.device
+    )
+    with pytest.raises(RequestError) as caught:
+        TRAINERS[kind].admit({**bodies[kind], "config": {"output_name": "bot"}}, adapter_name="bot", context=context)
+    assert caught.value.code == "training_backend_unsupported"
+    assert caught.value.message.startswith("device: cuda:1 needs a CUDA device")

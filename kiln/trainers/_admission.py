@@ -280,7 +280,12 @@ def load_weights_for(loaded: LoadedModel, cfg: EffectiveConfig, device: str) -> 
 
 
 def run_identity(
-    loaded: LoadedModel, optimizer: Optimizer, data_parallel: DataParallel, precision: str = "fp32"
+    loaded: LoadedModel,
+    optimizer: Optimizer,
+    data_parallel: DataParallel,
+    precision: str = "fp32",
+    *,
+    device: str | None = None,
 ) -> RunIdentity:
     """Deterministic algorithms switched on (the provenance records it), then the precision policy of ``optimizer``
     under ``precision`` and the identity of the model and of the process(es) that will train -- their number and
@@ -288,15 +293,16 @@ def run_identity(
     from kiln.model import apply_determinism, capture_identity, training_precision
     from kiln.training import backend_for
 
-    apply_determinism(loaded.device)
+    device = loaded.device if device is None else device  # OPD captures it before the weights load
+    apply_determinism(device)
     if data_parallel.active:  # the ranks sum tensors where they train: gloo on the CPU, NCCL on CUDA
-        data_parallel = dataclasses.replace(data_parallel, backend=backend_for(loaded.device))
+        data_parallel = dataclasses.replace(data_parallel, backend=backend_for(device))
     compute = "bf16" if precision == "bf16" else "f32"
     policy = training_precision(optimizer_kind=optimizer.kind, activation_dtype=compute)
     identity = capture_identity(
         loaded.path,
         loaded.tokenizer,
-        device=loaded.device,
+        device=device,
         inference_dtype=compute,
         training_policy=policy,
         intra_op_threads=data_parallel.threads,

@@ -413,7 +413,7 @@ class AdmittedOpd(AdmittedJob[EffectiveOpdConfig]):
 def admit_request(request: Request[OpdRequest], *, adapter_name: str, context: TrainingContext) -> AdmittedOpd:
     """An ``OpdRequest`` admitted in ``context`` (its teachers registry, its default checkpoint interval); raises
     ``KilnError`` and publishes nothing."""
-    from kiln.model import max_positions, resolve_precision, special_tokens, stop_token_ids
+    from kiln.model import max_positions, resolve_device, resolve_precision, special_tokens, stop_token_ids
 
     mode = check_request(request)
     config = request.model.config or OpdConfig()
@@ -431,7 +431,9 @@ def admit_request(request: Request[OpdRequest], *, adapter_name: str, context: T
     # the identity comes first: the source is checked against the student's tokenizer, and the effective config
     # against the source's teacher (its top-K bound)
     precision = resolve_precision(requested_precision(config.precision, context), opened)
-    identity = run_identity(opened, resolve_optimizer(config.optimizer), context.data_parallel, precision)
+    device = resolve_device(context.memory.device if config.device is None else config.device.root)
+    optimizer = resolve_optimizer(config.optimizer)
+    identity = run_identity(opened, optimizer, context.data_parallel, precision, device=device)
     start = time.perf_counter()
     source = admitted_source(mode, request, teacher, opened, identity)
     cfg = resolve_config(
@@ -441,6 +443,7 @@ def admit_request(request: Request[OpdRequest], *, adapter_name: str, context: T
         model_max_len=max_len,
         seed=None if point is None else point.seed,
         checkpoint_interval=context.checkpoint_interval,
+        memory=context.memory,
     )
     data = source.read(cfg)
     data.tokenize_ms = (time.perf_counter() - start) * 1000
