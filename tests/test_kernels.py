@@ -275,7 +275,7 @@ def test_every_route_names_its_implementation():
     assert choice.implementation == "torch.fused-linear-ce.online-grad.v2"
     assert LOSS_ROUTES == ("full_logits", "active_rows", "fused_chunked_linear_ce", "triton_fused_linear_ce")
     assert kiln.kernels.ROUTE_IMPLEMENTATIONS[TRITON_FUSED_LINEAR_CE] == "triton.fused-linear-ce.row-programs.v1"
-    assert TORCH_ROUTES + (TRITON_FUSED_LINEAR_CE,) == LOSS_ROUTES
+    assert (*TORCH_ROUTES, TRITON_FUSED_LINEAR_CE) == LOSS_ROUTES
 
 
 def _imports(path):

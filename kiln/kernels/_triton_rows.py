@@ -1,9 +1,16 @@
 """The Triton program of the ``triton_fused_linear_ce`` route: one program per supervised row of a logits chunk.
 
 Only ``_triton_ce`` imports this module, and only inside a function, so ``import kiln.kernels`` never needs
-triton. The kernel body is a plain function; ``row_kernel`` decorates it with ``triton.jit`` for the mode in
-force at launch (``TRITON_INTERPRET``, which triton reads when a function is decorated), so a process that
-turns the interpreter on or off after import still gets a kernel of the right kind.
+triton.
+
+Triton 3.8 reads ``TRITON_INTERPRET`` when ``triton.jit`` decorates a function: with it on the result is an
+interpreted function (Python on numpy), otherwise a compiled one, and an interpreted kernel cannot call a
+compiled function. Triton's own ``tl.sum`` and ``tl.max`` are ``@jit`` functions decorated when triton is
+imported, so a kernel calling them runs in the interpreter only if the variable was set before that import.
+This kernel therefore calls no ``@jit`` function: its body is decorated at the first launch in each mode
+(``_kernel``), and it reduces with ``tl.reduce`` (a builtin) over two combine functions, which the interpreter
+calls as plain Python whatever their kind. The interpreter then runs the kernel whenever
+``TRITON_INTERPRET=1`` is set at launch, before or after triton was imported.
 
 Each program reads one row ``z`` (fp32, the head's output with its bias) of the chunk's logits buffer:
 
@@ -30,6 +37,16 @@ import triton.language as tl
 
 MIN_BLOCK = 16
 MAX_BLOCK = 4096
+
+
+@triton.jit
+def _add(a: tl.tensor, b: tl.tensor) -> tl.tensor:
+    return a + b
+
+
+@triton.jit
+def _max(a: tl.tensor, b: tl.tensor) -> tl.tensor:
+    return tl.maximum(a, b)
 
 
 def _row_cross_entropy(
@@ -62,9 +79,9 @@ def _row_cross_entropy(
             magnitude = (1.0 - e) / (1.0 + e)
             y = tl.where(u < 0.0, -magnitude, magnitude) * softcap
         y = tl.where(inside, y, float("-inf"))
-        target_logit += tl.sum(tl.where(cols == target, y, 0.0), axis=0)
-        new_max = tl.maximum(running_max, tl.max(y, axis=0))
-        running_sum = running_sum * tl.exp(running_max - new_max) + tl.sum(tl.exp(y - new_max), axis=0)
+        target_logit += tl.reduce(tl.where(cols == target, y, 0.0), 0, _add)
+        new_max = tl.maximum(running_max, tl.reduce(y, 0, _max))
+        running_sum = running_sum * tl.exp(running_max - new_max) + tl.reduce(tl.exp(y - new_max), 0, _add)
         running_max = new_max
     lse = running_max + tl.log(running_sum)
     tl.store(losses + row, lse - target_logit)
@@ -130,9 +147,9 @@ def block_size(vocab: int) -> int:
 def _kernel(interpret: bool) -> Any:
     """``_row_cross_entropy`` under ``triton.jit``, decorated (and cached) per interpreter mode.
 
-    ``triton.jit`` reads ``TRITON_INTERPRET`` when it decorates, so the mode in force at the first launch in each
-    mode picks the kind. The kernel calls no other jit function: a callee is found by its global name, which can
-    hold one kind only, so the logit map is written out in both passes.
+    ``triton.jit`` reads ``TRITON_INTERPRET`` as it decorates, which is the mode of this launch. The kernel calls
+    no helper ``@jit`` function (a callee is found by its global name, which holds one kind only), so the logit
+    map is written out in both passes.
     """
     del interpret  # the cache key: triton.jit reads the same setting itself
     return triton.jit(_row_cross_entropy)
