@@ -143,7 +143,7 @@ class _TritonLinearCrossEntropy(torch.autograd.Function):
         vocab = weight.shape[0]
         chunk = min(rows_per_chunk, count)
         # a narrower head is cast a slice at a time, each slice holding at most as many values as the buffer
-        head_slice = vocab if weight.dtype == COMPUTE else max(1, chunk * vocab // width)
+        head_slice = vocab if weight.dtype == COMPUTE else max(1, chunk * vocab // max(width, 1))
         buffer = rows.new_empty((chunk, vocab))
         losses = rows.new_empty(count)
         grad_rows = rows.new_empty((count if want_grad else 0, width))
