@@ -1,4 +1,8 @@
-"""SFT loss routes: parity with the full-logits reference, gradients, determinism and memory."""
+"""SFT loss routes: parity with the full-logits reference, gradients, determinism and memory.
+
+These run the torch routes; the Triton route (which needs CUDA or triton's interpreter) has its own file,
+tests/test_triton_ce.py, that runs it against the same references.
+"""
 
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ from kiln.kernels import (
     FULL_LOGITS,
     FUSED_CHUNKED_LINEAR_CE,
     LOSS_ROUTES,
+    TRITON_FUSED_LINEAR_CE,
     LossRouteChoice,
     choose_loss_route,
     default_chunk_size,
@@ -28,6 +33,7 @@ from kiln.kernels import (
 
 KERNELS_DIR = Path(kiln.kernels.__file__).parent
 CHEAP_ROUTES = (ACTIVE_ROWS, FUSED_CHUNKED_LINEAR_CE)
+TORCH_ROUTES = (FULL_LOGITS, ACTIVE_ROWS, FUSED_CHUNKED_LINEAR_CE)  # every route but the Triton one
 # Measured worst differences from full_logits over the parity cases (loss ~9, |d(hidden)| <= ~0.1):
 #   fp32: loss 1.9e-6 abs (2.2e-7 rel); d(hidden) 3.0e-7 abs, 4.9e-5 rel on the smallest entries.
 #   bf16 inputs (fp32 compute, bf16 gradient): loss 9.5e-7 abs; d(hidden) bit-identical.
@@ -88,7 +94,7 @@ def test_cheap_routes_match_full_logits_on_loss_and_hidden_gradient(route, dtype
     assert torch.count_nonzero(grad[ignored]) == 0
 
 
-@pytest.mark.parametrize("route", LOSS_ROUTES)
+@pytest.mark.parametrize("route", TORCH_ROUTES)
 def test_bf16_inputs_are_reduced_in_fp32(route):
     hidden, weight, labels = make_problem(40, 1000, 24, supervised=23, dtype=torch.bfloat16)
     loss, grad = loss_and_grad(route, hidden, weight, labels, **chunk_kwargs(route, 96))
@@ -98,7 +104,7 @@ def test_bf16_inputs_are_reduced_in_fp32(route):
     torch.testing.assert_close(grad, wide_grad.bfloat16(), rtol=8e-3, atol=1e-5)
 
 
-@pytest.mark.parametrize("route", LOSS_ROUTES)
+@pytest.mark.parametrize("route", TORCH_ROUTES)
 def test_no_supervised_row_gives_zero_loss_and_zero_gradient_not_nan(route):
     hidden, weight, labels = make_problem(12, 50, 8, supervised=0)
     loss, grad = loss_and_grad(route, hidden, weight, labels, **chunk_kwargs(route, 16))
@@ -106,7 +112,7 @@ def test_no_supervised_row_gives_zero_loss_and_zero_gradient_not_nan(route):
     assert torch.equal(grad, torch.zeros_like(hidden))
 
 
-@pytest.mark.parametrize("route", LOSS_ROUTES)
+@pytest.mark.parametrize("route", TORCH_ROUTES)
 def test_empty_sequence_gives_zero_loss_connected_to_hidden(route):
     hidden, weight, labels = make_problem(0, 50, 8, supervised=0)
     loss, grad = loss_and_grad(route, hidden, weight, labels)
@@ -127,7 +133,7 @@ def test_lora_adapter_gradients_agree_across_routes():
     labels[:11] = -100
 
     grads = {}
-    for route in LOSS_ROUTES:
+    for route in TORCH_ROUTES:
         lora_a = lora_a0.clone().requires_grad_()
         lora_b = lora_b0.clone().requires_grad_()
         hidden = torch.tanh(base(inputs) + inputs @ lora_a.T @ lora_b.T)
@@ -165,7 +171,7 @@ def test_routes_pass_gradcheck_in_float64(route):
     assert torch.autograd.gradcheck(lambda h: sft_loss(route, h, weight, labels, **kwargs), (hidden,))
 
 
-@pytest.mark.parametrize("route", LOSS_ROUTES)
+@pytest.mark.parametrize("route", TORCH_ROUTES)
 def test_two_runs_give_bit_identical_loss_and_gradients(route):
     hidden, weight, labels = make_problem(64, 3000, 32, supervised=40)
     first = loss_and_grad(route, hidden, weight, labels, **chunk_kwargs(route, 512))
@@ -241,7 +247,8 @@ def test_default_chunk_is_the_largest_power_of_two_within_the_budget():
 def test_public_surface_of_kernels_is_pinned():
     assert kiln.kernels.__all__ == [
         "ACTIVE_ROWS", "FULL_LOGITS", "FUSED_CHUNKED_LINEAR_CE", "IDENTITY", "LOSS_ROUTES", "ROUTE_IMPLEMENTATIONS",
-        "LogitMap", "LossRouteChoice", "choose_loss_route", "default_chunk_size", "select_loss_route", "sft_loss",
+        "TRITON_FUSED_LINEAR_CE", "LogitMap", "LossRouteChoice", "check_route_device", "choose_loss_route",
+        "default_chunk_size", "default_row_chunk", "select_loss_route", "sft_loss",
     ]  # fmt: skip
 
 
@@ -266,20 +273,60 @@ def test_every_route_names_its_implementation():
     choice = kiln.kernels.choose_loss_route("cpu", torch.float32, max_rows=1024, vocab=151_936, hidden=896)
     assert (choice.route, choice.chunk_size) == ("fused_chunked_linear_ce", 8192)
     assert choice.implementation == "torch.fused-linear-ce.online-grad.v2"
-    assert LOSS_ROUTES == ("full_logits", "active_rows", "fused_chunked_linear_ce")
+    assert LOSS_ROUTES == ("full_logits", "active_rows", "fused_chunked_linear_ce", "triton_fused_linear_ce")
+    assert kiln.kernels.ROUTE_IMPLEMENTATIONS[TRITON_FUSED_LINEAR_CE] == "triton.fused-linear-ce.row-programs.v1"
+    assert (*TORCH_ROUTES, TRITON_FUSED_LINEAR_CE) == LOSS_ROUTES
+
+
+def _imports(path):
+    """``(imported module, at module level?)`` for every import in ``path`` (relative ones as ``.name``)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    top_level = {id(node) for node in tree.body}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield alias.name, id(node) in top_level
+        elif isinstance(node, ast.ImportFrom):
+            yield "." * node.level + (node.module or ""), id(node) in top_level
 
 
 def test_kernels_package_imports_only_torch_and_the_standard_library():
+    """triton is optional: only the kernel module imports it at its top, and that module is imported lazily."""
+    kernel_module = "_triton_rows"
     for path in sorted(KERNELS_DIR.glob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
-            if isinstance(node, ast.ImportFrom) and node.level > 0:
+        for name, at_top in _imports(path):
+            if name.startswith("."):
+                assert not (at_top and name == f".{kernel_module}"), f"{path.name} imports {name} at module level"
                 continue
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
-            if isinstance(node, ast.ImportFrom):
-                names = [node.module]
-            for name in names:
-                top = name.split(".")[0]
-                assert top == "torch" or top in sys.stdlib_module_names, f"{path.name} imports {name}"
+            top = name.split(".")[0]
+            allowed = top == "torch" or top in sys.stdlib_module_names
+            allowed |= top == "triton" and (path.stem == kernel_module or not at_top)
+            assert allowed, f"{path.name} imports {name}" + (" at module level" if at_top else "")
+
+
+def test_the_package_imports_and_selects_torch_routes_without_triton():
+    probe = textwrap.dedent(
+        """
+        import sys
+        sys.modules["triton"] = None  # an import of triton now raises ImportError
+        import torch
+        import kiln.kernels as k
+        assert k.select_loss_route("cuda", torch.float32) == k.FUSED_CHUNKED_LINEAR_CE
+        assert k.select_loss_route("cpu", torch.float32) == k.FUSED_CHUNKED_LINEAR_CE
+        try:
+            k.check_route_device(k.TRITON_FUSED_LINEAR_CE, "cuda")
+        except ValueError as error:
+            assert "needs the triton package" in str(error), error
+        else:
+            raise AssertionError("the Triton route was accepted without triton")
+        hidden = torch.randn(4, 3, requires_grad=True)
+        k.sft_loss(k.FUSED_CHUNKED_LINEAR_CE, hidden, torch.randn(5, 3), torch.tensor([1, -100, 4, 0])).backward()
+        """
+    )
+    repo = str(KERNELS_DIR.parent.parent)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
 
 
 PEAK_PROBE = textwrap.dedent(
@@ -360,7 +407,7 @@ def reference_loss(hidden, weight, labels, bias, logit_map):
 
 @pytest.mark.parametrize("with_bias", [False, True], ids=["no-bias", "bias"])
 @pytest.mark.parametrize("name", LOGIT_MAPS)
-@pytest.mark.parametrize("route", LOSS_ROUTES)
+@pytest.mark.parametrize("route", TORCH_ROUTES)
 def test_every_route_applies_the_models_logit_post_processing(route, name, with_bias):
     logit_map = LOGIT_MAPS[name]
     hidden, weight, labels = make_problem(40, 1000, 8, supervised=23)
@@ -379,7 +426,7 @@ def test_every_route_applies_the_models_logit_post_processing(route, name, with_
 
 
 @pytest.mark.parametrize("name", LOGIT_MAPS)
-@pytest.mark.parametrize("route", LOSS_ROUTES)
+@pytest.mark.parametrize("route", TORCH_ROUTES)
 def test_post_processing_passes_gradcheck_in_float64(route, name):
     hidden, weight, labels = make_problem(7, 11, 5, supervised=4, dtype=torch.float64)
     weight = weight * 4
@@ -389,7 +436,7 @@ def test_post_processing_passes_gradcheck_in_float64(route, name):
     assert torch.autograd.gradcheck(lambda h: sft_loss(route, h, weight, labels, **kwargs), (hidden,))
 
 
-@pytest.mark.parametrize("route", LOSS_ROUTES)
+@pytest.mark.parametrize("route", TORCH_ROUTES)
 def test_the_identity_map_is_bit_identical_to_no_map(route):
     hidden, weight, labels = make_problem(64, 3000, 32, supervised=40)
     plain = loss_and_grad(route, hidden, weight, labels, **chunk_kwargs(route, 512))
