@@ -429,3 +429,43 @@ def test_every_kind_refuses_a_server_default_device_this_machine_lacks(kind, tmp
         TRAINERS[kind].admit({**bodies[kind], "config": {"output_name": "bot"}}, adapter_name="bot", context=context)
     assert caught.value.code == "training_backend_unsupported"
     assert caught.value.message.startswith("device: cuda:1 needs a CUDA device")
+
+
+def test_sft_selects_its_loss_route_for_the_jobs_device(tmp_path, tiny_model_dir, monkeypatch):
+    import kiln.kernels as kernels
+
+    seen = []
+    real = kernels.choose_loss_route
+
+    def spy(device, dtype, **kwargs):
+        seen.append(str(device))
+        return real(device, dtype, **kwargs)
+
+    monkeypatch.setattr(kernels, "choose_loss_route", spy)
+    job = admit_sft(
+        adapter_name="bot",
+        registry=tmp_path / "adapters",
+        config={"device": "cpu"},
+        examples=ROWS,
+        model_path=str(tiny_model_dir),
+    )
+    assert seen == ["cpu"]
+    assert job.route == "fused_chunked_linear_ce"
+
+
+def test_a_loss_route_this_device_cannot_run_fails_before_the_first_step(tmp_path, tiny_model_dir, monkeypatch):
+    import kiln.kernels as kernels
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    forged = kernels.LossRouteChoice(kernels.TRITON_FUSED_LINEAR_CE, 8)
+    monkeypatch.setattr(kernels, "choose_loss_route", lambda *args, **kwargs: forged)
+    job = admit_sft(
+        adapter_name="bot", registry=tmp_path / "adapters", config={}, examples=ROWS, model_path=str(tiny_model_dir)
+    )
+    steps = []
+    result = run_sft(job, progress=steps.append)
+    assert result.status == "failed"
+    assert steps == []  # nothing trained
+    receipt = json.loads((result.adapter_dir / "train_receipt.json").read_text())
+    assert receipt["failure_message"].startswith("RequestError: loss route: the triton_fused_linear_ce loss route")
+    assert "not on device cpu" in receipt["failure_message"]

@@ -272,6 +272,18 @@ class AdmittedSft(AdmittedJob[EffectiveSftConfig]):
         )
 
 
+def _loss_logits(choice: LossRouteChoice, max_rows: int, vocab: int) -> int:
+    """The float32 logits the loss holds at once: the torch fused route a chunk of the vocabulary for every supervised
+    row, the Triton route every column for a chunk of rows, the others every column for every row."""
+    from kiln.kernels import TRITON_FUSED_LINEAR_CE
+
+    if choice.chunk_size is None:
+        return max_rows * vocab
+    if choice.route == TRITON_FUSED_LINEAR_CE:
+        return min(max_rows, choice.chunk_size) * vocab
+    return max_rows * min(vocab, choice.chunk_size)
+
+
 def admit_request(request: Request[SftRequest], *, adapter_name: str, context: TrainingContext) -> AdmittedSft:
     """An ``SftRequest`` (inline ``examples`` or a ``dataset_path``) admitted in ``context``; raises ``KilnError``
     and publishes nothing. A resume is fully loaded and compared with this run here."""
@@ -279,7 +291,7 @@ def admit_request(request: Request[SftRequest], *, adapter_name: str, context: T
 
     from kiln.data import ingest_sft
     from kiln.kernels import choose_loss_route
-    from kiln.model import resolve_precision
+    from kiln.model import resolve_device, resolve_precision
 
     refuse_gate(request.model.post_eval)
     config = request.model.config or SftConfig()
@@ -312,13 +324,14 @@ def admit_request(request: Request[SftRequest], *, adapter_name: str, context: T
     # a micro-batch's supervised rows, at most: its rows' supervised tokens, the largest first
     max_rows = sum(sorted((ex.supervised_tokens for ex in ingestion.examples), reverse=True)[: cfg.micro_batch_size])
     dtype = torch.bfloat16 if resolve_precision(cfg.precision, opened) == "bf16" else torch.float32
-    choice = choose_loss_route("cpu", dtype, max_rows=max_rows, vocab=vocab, hidden=opened.hidden_size)
+    device = resolve_device(cfg.device)  # the route is the device's (planned_model resolves it the same way)
+    choice = choose_loss_route(device, dtype, max_rows=max_rows, vocab=vocab, hidden=opened.hidden_size)
     loaded, cfg, plan = planned_model(
         opened,
         cfg,
         context,
         tokens=max(len(ex.input_ids) for ex in ingestion.examples),
-        loss_logits=max_rows * min(vocab, choice.chunk_size or vocab),
+        loss_logits=_loss_logits(choice, max_rows, vocab),
         point=point,
         segments=None if config.grad_checkpoint_segments is None else config.grad_checkpoint_segments.root,
         seq_len_field="max_seq_len",
@@ -456,9 +469,13 @@ class SftRun(RunProgress):
     def train(self) -> TrainResult:
         import torch
 
-        from kiln.kernels import sft_loss
+        from kiln.kernels import check_route_device, sft_loss
 
         job, loop, cfg, examples = self.job, self.loop, self.job.config, self.job.ingestion.examples
+        try:  # a route recorded for another machine (a replay, a resume) fails here, before anything allocates
+            check_route_device(job.route, job.device)
+        except ValueError as exc:
+            raise RequestError(f"loss route: {exc}", code="training_backend_unsupported") from None
         # setup: the policy (fresh, warm-started or restored), the loop's position, the checkpoint cadence
         policy = Policy(job, restore=restore_policy)
         self.timings = policy.timings
