@@ -16,11 +16,11 @@ from importlib import resources
 from typing import Any
 
 SCHEMA_DIGESTS: dict[str, str] = {
-    "kiln-artifacts-v1.schema.json": "sha256:d26152defb6fe89d32713f895931aee7c5c119ca393817edb45bcd157da0b213",
+    "kiln-artifacts-v1.schema.json": "sha256:247e78b8f988baea7b8ade6ea489be064c1039a833e42a41d72c9ee990798dc0",
     "kiln-checkpoint-v1.schema.json": "sha256:120954613fb47a3c2b968c297811ff4152c990073b9288c0eaa8482b732e3ed6",
     "kiln-common-v1.schema.json": "sha256:140778be5b4882abd354e3ab1194bbe6a56e891d614d0aa7c0cace8c6ff07833",
     "kiln-config-v1.schema.json": "sha256:ef95c786ee6b2faefba123c88620fa4805c78fae5c4216dea6f13b36f48a1c79",
-    "kiln-control-plane-v1.schema.json": "sha256:b0dd54a6e61f86b7f9f8987986c0d8ec1b8dd8a5bd3ce5cda79b90261e9f54c1",
+    "kiln-control-plane-v1.schema.json": "sha256:e330553a51b833cd1c84e1a9b00273375cf56fd2892fe14978ccc8cb0142584c",
     "kiln-observability-v1.schema.json": "sha256:6f0bc47ffee00565b9fcff807ddbbfc8e2a57ca93e1f13e915de1dde8427e513"
 }
 
