@@ -469,3 +469,39 @@ def test_a_loss_route_this_device_cannot_run_fails_before_the_first_step(tmp_pat
     receipt = json.loads((result.adapter_dir / "train_receipt.json").read_text())
     assert receipt["failure_message"].startswith("RequestError: loss route: the triton_fused_linear_ce loss route")
     assert "not on device cpu" in receipt["failure_message"]
+
+
+def test_a_device_runs_planning_identity_records_the_devices_memory():
+    from kiln.training import planning_identity
+
+    assert planning_identity(device="cpu")["effective_memory"]["source"] == "host_physical_memory"
+    on_card = planning_identity(device="cuda", device_bytes=80 * 2**30)
+    assert on_card["runtime_device"] == "cuda"
+    assert on_card["effective_memory"] == {"total_bytes": 80 * 2**30, "source": "device_reported"}
+
+
+@pytest.mark.parametrize(
+    ("setting", "backend", "placed"), [("cuda", "nccl", 1), ("auto", "nccl", 1), ("cpu", "gloo", None)]
+)
+def test_a_cuda_rank_takes_its_local_device_and_sums_over_nccl(setting, backend, placed, monkeypatch):
+    import torch.distributed as dist
+
+    from kiln.training import DataParallel
+
+    _fake_cuda(monkeypatch, count=2)
+    chosen, joined = [], []
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda backend: joined.append(backend))
+    monkeypatch.setattr(dist, "get_rank", lambda: 1)
+    monkeypatch.setattr(dist, "get_world_size", lambda: 2)
+    threads = torch.get_num_threads()
+    try:
+        group = DataParallel.from_environment(
+            threads=threads, environ={"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1"}, device=setting
+        )
+    finally:
+        torch.set_num_threads(threads)
+    assert group.backend == backend
+    assert joined == [backend]
+    assert chosen == ([] if placed is None else [placed])

@@ -1,7 +1,8 @@
 """Where Kiln computes: the ``device`` setting, CUDA's determinism settings and the execution envelope.
 
 * ``resolve_device(setting)``: ``auto`` | ``cpu`` | ``cuda`` | ``cuda:N`` to a concrete ``cpu`` or ``cuda:N``
-  (``auto``: the first CUDA device when this machine has one, else the CPU); a device the machine lacks is refused
+  (``auto``: the current CUDA device -- ``cuda:0``, or a torchrun rank's own -- when this machine has one, else the
+  CPU); a device the machine lacks is refused
   with what it has and why (a CPU-only torch, no visible device, an index past the last), never a traceback;
 * ``apply_determinism(device)``: the one place that makes CUDA execution reproducible -- deterministic algorithms,
   ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` (set only when unset, and before CUDA initialises: cuBLAS reads it once),
@@ -52,8 +53,8 @@ def resolve_device(setting: str, *, field: str = "device", pointer: str | None =
     if setting == "cpu":
         return "cpu"
     count = cuda_device_count()
-    if setting == "auto":
-        return "cuda:0" if count else "cpu"
+    if setting == "auto":  # the current CUDA device: cuda:0, or a rank's own (torch.cuda.set_device)
+        return _current() if count else "cpu"
     match = _CUDA.fullmatch(setting)
     if match is None:
         raise RequestError(
@@ -70,9 +71,7 @@ def resolve_device(setting: str, *, field: str = "device", pointer: str | None =
             "driver and a CUDA build of torch",
         )
     if match.group(1) is None:
-        import torch
-
-        return f"cuda:{torch.cuda.current_device()}"
+        return _current()
     index = int(match.group(1))
     if index >= count:
         visible = ", ".join(f"cuda:{i}" for i in range(count))
@@ -83,6 +82,12 @@ def resolve_device(setting: str, *, field: str = "device", pointer: str | None =
             hint=f"use one of {visible}, or check CUDA_VISIBLE_DEVICES",
         )
     return f"cuda:{index}"
+
+
+def _current() -> str:
+    import torch
+
+    return f"cuda:{torch.cuda.current_device()}"
 
 
 def _why_no_cuda() -> str:

@@ -21,7 +21,7 @@ from kiln.checkpoints import LoadedCheckpoint, PublishedCheckpoint, checkpoint_i
 from kiln.documents.digests import file_sha256, prefixed
 from kiln.documents.jsonio import JsonObject
 from kiln.errors import RequestError
-from kiln.model import execution_envelope, runtime_device
+from kiln.model import device_memory_bytes, execution_envelope, runtime_device
 from kiln.trainers._admission import AdmittedJob
 from kiln.training import (
     ADAPTER_FILE,
@@ -120,7 +120,10 @@ def manifest_head(
     state_files.update(extra_state_files or {})
     if planning is None:
         planning = planning_identity(
-            device=runtime_device(job.device), data_parallel=job.data_parallel_plan, segments=job.checkpoint_segments
+            device=runtime_device(job.device),
+            data_parallel=job.data_parallel_plan,
+            segments=job.checkpoint_segments,
+            device_bytes=device_memory_bytes(job.device),
         )
     return {
         "schema_version": 1,

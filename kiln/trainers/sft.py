@@ -56,7 +56,7 @@ from kiln.documents.digests import json_sha256, raw_hex
 from kiln.documents.epoch_order import ALGORITHM_ID, epoch_order
 from kiln.documents.jsonio import JsonObject
 from kiln.errors import RequestError, TrainingFailedError
-from kiln.model import runtime_device
+from kiln.model import device_memory_bytes, runtime_device
 from kiln.trainers._admission import (
     AdmittedJob,
     TrainingContext,
@@ -261,6 +261,7 @@ class AdmittedSft(AdmittedJob[EffectiveSftConfig]):
             },
             planning=planning_identity(
                 device=runtime_device(self.device),
+                device_bytes=device_memory_bytes(self.device),
                 sft_loss_route=self.route,
                 data_parallel=self.data_parallel_plan,
                 segments=self.checkpoint_segments,

@@ -221,6 +221,7 @@ def planning_identity(
     sft_loss_route: str | None = None,
     data_parallel: dict[str, Any] | None = None,
     segments: int | None = None,
+    device_bytes: int | None = None,
 ) -> dict[str, Any]:
     """Planning identity v3 (GRPO, OPD) or, with an SFT loss route, v4 (with the data-parallel plan of a run over
     several ranks). ``segments``: the decoder layers recomputed one by one under activation checkpointing (None:
@@ -231,9 +232,9 @@ def planning_identity(
         "gradient_checkpoint_policy": policy,
         "checkpoint_boundary_policy": dict(BOUNDARY_POLICY),
         "runtime_device": device,
-        "effective_memory": {
-            "total_bytes": _host_memory_bytes(),
-            "source": "host_physical_memory" if device == "cpu" else "device_reported",
+        "effective_memory": {  # a device run's: the device's own memory (``device_bytes``)
+            "total_bytes": _host_memory_bytes() if device_bytes is None else device_bytes,
+            "source": "host_physical_memory" if device_bytes is None else "device_reported",
         },
     }
     if sft_loss_route:
