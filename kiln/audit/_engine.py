@@ -205,6 +205,9 @@ def _request(run: _Published, sources: AuditSources, resume: str | None) -> Json
     if resume is not None:
         request["config"]["resume_checkpoint"] = resume
     request["config"].pop("auto_load", None)
+    # where the run trained (its provenance's backend), not this machine's default: a CPU run re-executes on the CPU
+    # of a machine with a GPU, and a CUDA run's envelope is checked at the resume admission
+    request["config"]["device"] = "cuda" if run.provenance["backend"]["name"] == "torch-cuda" else "cpu"
     return request
 
 
