@@ -16,12 +16,12 @@ from importlib import resources
 from typing import Any
 
 SCHEMA_DIGESTS: dict[str, str] = {
-    "kiln-artifacts-v1.schema.json": "sha256:d26152defb6fe89d32713f895931aee7c5c119ca393817edb45bcd157da0b213",
+    "kiln-artifacts-v1.schema.json": "sha256:8f9e4524f4b5508bcde9b0fdd6064bb7fe0ff55d8cd60ebe6c1e9bb6be232d16",
     "kiln-checkpoint-v1.schema.json": "sha256:17933dd5106b78e2a97cf6be1b87c38037d4f15a4123f44b79ec053f410101b0",
     "kiln-common-v1.schema.json": "sha256:140778be5b4882abd354e3ab1194bbe6a56e891d614d0aa7c0cace8c6ff07833",
-    "kiln-config-v1.schema.json": "sha256:ef95c786ee6b2faefba123c88620fa4805c78fae5c4216dea6f13b36f48a1c79",
-    "kiln-control-plane-v1.schema.json": "sha256:b0dd54a6e61f86b7f9f8987986c0d8ec1b8dd8a5bd3ce5cda79b90261e9f54c1",
-    "kiln-observability-v1.schema.json": "sha256:6f0bc47ffee00565b9fcff807ddbbfc8e2a57ca93e1f13e915de1dde8427e513"
+    "kiln-config-v1.schema.json": "sha256:08e376a1b709a4aae08ddefeae72ab46a09dc3e9b455da57efae3cc8e764f197",
+    "kiln-control-plane-v1.schema.json": "sha256:7ffb35adf668f9979c2cfc5fc64917f07a581d5204ecb63c399def2961f49113",
+    "kiln-observability-v1.schema.json": "sha256:b10ca73fa169bff71f63462a55285f7b2350ad816bdfacbd1900b635d5b4335b"
 }
 
 __all__ = ["ENTRYPOINTS", "SCHEMA_DIGESTS", "load_bundle", "openapi_document"]
