@@ -97,7 +97,9 @@ def test_a_measured_figure_gains_the_copy_that_is_released_for_the_job():
     budget = budget_beside_serving_copy(free, during=0, now=3 * GIB, job_device="cuda:0")
     assert (budget.bytes, budget.serving_copy_bytes, budget.moved_by) == (23 * GIB, 0, 3 * GIB)
     assert "frees when it is released" in budget.describe()
-    host = budget_beside_serving_copy(MemoryBudget(8 * GIB, "host_available_memory"), during=0, now=GIB, job_device="cpu")
+    host = budget_beside_serving_copy(
+        MemoryBudget(8 * GIB, "host_available_memory"), during=0, now=GIB, job_device="cpu"
+    )
     assert host.bytes == 9 * GIB
 
 
@@ -300,7 +302,8 @@ def test_the_server_holds_its_copy_on_the_device_it_was_given_and_reports_it(ser
     server, http = served
     body = _health(http)
     assert body["memory"]["device"] == "cpu"
-    assert body["memory"]["device_total_bytes"] is None and body["memory"]["device_allocated_bytes"] is None
+    assert body["memory"]["device_total_bytes"] is None
+    assert body["memory"]["device_allocated_bytes"] is None
     assert body["serving"] == "resident"
     assert body["execution_identity"]["device"].startswith("cpu")
     serving = server.engine.serving
@@ -348,7 +351,7 @@ def test_a_released_copy_answers_503_with_retry_after_and_comes_back_with_its_ad
 
 
 def test_while_released_cpu_serves_from_a_cpu_copy_during_the_job(served, policy, monkeypatch):
-    server, http = served
+    _, http = served
     policy("release", "cpu")
     before = _chat(http)
     held = HeldJob(monkeypatch)

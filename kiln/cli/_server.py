@@ -116,3 +116,6 @@ def _print_health(health: dict[str, Any]) -> None:
             f"active job: {job['job_id']} ({job['job_type']}, adapter {job['adapter_name']}, "
             f"{job['progress'] * 100:.0f}%" + (", cancelling)" if job["cancel_requested"] else ")")
         )
+    serving = health.get("serving")  # absent from a server older than the serving copy's release
+    if serving is not None:
+        print(f"serving copy: {serving} ({health['memory']['device']})")
