@@ -8,6 +8,7 @@ released by then: the release runs before the worker), never by a sleep.
 
 from __future__ import annotations
 
+import re
 import shutil
 import threading
 import time
@@ -132,6 +133,30 @@ def test_the_serving_copy_record_applies_the_rule_for_the_jobs_device():
     assert after.budget(MemoryBudget(23 * GIB, "device_memory"), "cuda:0").bytes == 23 * GIB
 
 
+def test_a_jobs_budget_beside_a_server_counts_the_serving_copy_its_source_cannot_see(monkeypatch, tmp_path):
+    """The wiring in admission (``budget_for``): a configured limit on the copy's CUDA device loses a kept copy; the
+    device's free memory (which sees it already) does not; a copy released for the job gives its room back."""
+    import kiln.model
+    from kiln.trainers import TrainingContext
+    from kiln.trainers._admission import budget_for
+    from kiln.training import MemorySettings
+
+    monkeypatch.setattr(kiln.model, "device_free_bytes", lambda device: 20 * GIB if device.startswith("cuda") else None)
+
+    def budget(limit, policy, device="cuda:0"):
+        copy = ServingCopy(device="cuda:0", bytes=3 * GIB, policy=policy, resident=True)
+        memory = MemorySettings(memory_limit_bytes=limit, serving_copy=copy)
+        return budget_for(TrainingContext(registry=tmp_path, memory=memory), device)
+
+    assert budget(40 * GIB, "keep").bytes == 37 * GIB
+    assert budget(None, "keep").bytes == 20 * GIB
+    assert budget(None, "auto").bytes == 23 * GIB
+    assert budget(40 * GIB, "auto").bytes == 40 * GIB  # released: the limit is the job's alone
+    assert budget(40 * GIB, "keep", device="cuda:1").bytes == 40 * GIB
+    plain = budget_for(TrainingContext(registry=tmp_path, memory=MemorySettings(memory_limit_bytes=40 * GIB)), "cuda:0")
+    assert (plain.bytes, plain.serving_copy_bytes) == (40 * GIB, None)
+
+
 def test_a_worker_spec_carries_the_serving_copy_into_the_workers_plan(tmp_path, tiny_model_dir):
     from kiln.artifacts.worker_spec import build_worker_spec
     from kiln.jobs.worker import spec_context
@@ -186,8 +211,9 @@ def test_serve_device_sets_the_serving_and_the_training_device(monkeypatch, tmp_
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="refusing CUDA needs a machine without it")
+@pytest.mark.parametrize("device", ["cuda", "cuda:1"])
 def test_serve_on_a_device_this_machine_lacks_stops_with_the_reason_and_no_traceback(
-    monkeypatch, tmp_path, tiny_model_dir, capsys
+    monkeypatch, tmp_path, tiny_model_dir, capsys, device
 ):
     import uvicorn
 
@@ -198,9 +224,9 @@ def test_serve_on_a_device_this_machine_lacks_stops_with_the_reason_and_no_trace
 
     monkeypatch.setattr(uvicorn.Server, "run", never)
     monkeypatch.setenv("KILN_MODEL_PATH", str(tiny_model_dir))
-    assert main(["serve", "--device", "cuda:1"]) == 1
+    assert main(["serve", "--device", device]) == 1
     err = capsys.readouterr().err
-    assert "error [training_backend_unsupported]: model.device cuda:1: this machine has no CUDA device" in err
+    assert f"error [training_backend_unsupported]: model.device {device}: this machine has no CUDA device" in err
     assert "hint: use --device cpu" in err
     assert "Traceback" not in err
     assert "loading the weights" not in err  # refused before any weight loads
@@ -315,8 +341,9 @@ def test_the_server_holds_its_copy_on_the_device_it_was_given_and_reports_it(ser
     assert server.engine.base.model is not server.generator._model
 
 
-def test_a_released_copy_answers_503_with_retry_after_and_comes_back_with_its_adapter(served, monkeypatch):
+def test_a_released_copy_answers_503_with_retry_after_and_comes_back_with_its_adapter(served, monkeypatch, capsys):
     server, http = served
+    monkeypatch.setattr("kiln.host.progress._enabled", True)  # stage lines on, as under `kiln serve`
     before = _chat(http)
     assert before["kiln"]["adapter"] == "bot"
     held = HeldJob(monkeypatch)
@@ -348,6 +375,10 @@ def test_a_released_copy_answers_503_with_retry_after_and_comes_back_with_its_ad
     assert after["choices"] == before["choices"]
     assert after["kiln"] == before["kiln"]  # the same adapter, bound to the reloaded copy
     assert _health(http)["active_adapter"] == "bot"
+    err = capsys.readouterr().err
+    assert "releasing the serving copy (cpu) for a job on cpu: generation answers 503 meanwhile…" in err
+    assert re.search(r"^serving copy released in \d+\.\d\d s$", err, re.MULTILINE), err
+    assert re.search(r"^serving copy back on cpu in \d+\.\d\d s$", err, re.MULTILINE), err
 
 
 def test_while_released_cpu_serves_from_a_cpu_copy_during_the_job(served, policy, monkeypatch):

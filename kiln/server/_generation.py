@@ -94,7 +94,7 @@ import re
 import threading
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -238,7 +238,7 @@ class Generator:
 
     # --- the served copy ----------------------------------------------------------------
 
-    def hold(self) -> Any:
+    def hold(self) -> Callable[[], None]:
         """One request's hold on the served model, from its admission to its last token; returns the function that
         lets go of it (once, however often it is called). Refused with the release's error while no model is
         served; held back while one copy is swapped for another."""
@@ -344,6 +344,7 @@ class Generator:
         current = self._active
         if current is not None and current.name == name and not reload:
             return checked("LoadAdapterResponse", {"status": "loaded", **current.identity()})
+        self._served()  # while the serving copy is released: serving_unavailable, not a load error of `name`
         try:
             adapter = self._read_adapter(name, allow_quarantined=allow_quarantined)
         except KilnError as exc:
@@ -585,6 +586,7 @@ class Generator:
 
     def _read_adapter(self, name: str, *, allow_quarantined: bool = False) -> _Adapter:
         """Read, verify and materialise a registry adapter (see the module docstring for the order)."""
+        model, device, epoch = self._served()  # the copy its layers are bound to
         directory = adapter_directory(self._registry, name)  # adapter_not_found
         if attempt_record(directory.path):
             raise NotFoundError(
@@ -600,7 +602,6 @@ class Generator:
                 f"adapter {name!r} is quarantined by its serving canary: {canary['failure_reason']}",
                 hint="load it explicitly with allow_quarantined: true to serve it anyway",
             )
-        model, device, epoch = self._served()
         return _Adapter(
             name=name,
             content_revision=files.content_revision,
