@@ -449,3 +449,31 @@ def test_a_stream_still_decoding_after_the_drain_ends_with_the_release_error(ser
     serving = server.engine.serving
     gen.swap(load_base_model(serving.path, is_default=False).model, refusal=reloaded(), drain_s=1)
     assert gen.active()["name"] == "bot"
+
+
+def test_a_reload_that_fails_leaves_the_copy_released_and_health_degraded_until_the_next_job(served, monkeypatch):
+    import kiln.model
+    from kiln.server import _training
+
+    _, http = served
+    outcome = {"state": "failed", "error": "training_error: injected", "receipt_path": None, "adapter_path": None}
+    monkeypatch.setattr(_training, "run_spec", lambda *args, **kwargs: outcome)
+    real_load = kiln.model.load_base_model
+
+    def unreadable(*args, **kwargs):
+        raise OSError("the model directory went away")
+
+    monkeypatch.setattr(kiln.model, "load_base_model", unreadable)
+    assert _finished(http, _submit(http, "reload-fails"))["state"] == "failed"
+    answer = http.get("/health")
+    body = answer.json()
+    assert (answer.status_code, body["status"], body["serving"]) == (503, "degraded", "released")
+    [check] = [c for c in body["checks"] if not c["pass"]]
+    assert check["name"] == "model_loaded"
+    assert check["detail"].endswith("OSError: the model directory went away")
+    assert http.post("/v1/chat/completions", json=GREEDY).status_code == 503
+
+    monkeypatch.setattr(kiln.model, "load_base_model", real_load)
+    assert _finished(http, _submit(http, "reload-again"))["state"] == "failed"
+    assert _health(http)["serving"] == "resident"
+    assert _chat(http)["kiln"]["adapter"] == "bot"
