@@ -20,7 +20,7 @@ what to do, an optional ``hint`` and, for documents, the JSON pointer of the bad
     ├── ConflictError            adapter_active, adapter_exists, adapter_revision_conflict,
     │                            teacher_conflict, teacher_identity_mismatch, job_not_terminal,
     │                            eval_suite_conflict
-    ├── CapacityError            queue_full, memory_budget_exceeded, payload_too_large
+    ├── CapacityError            queue_full, memory_budget_exceeded, payload_too_large, serving_unavailable
     ├── AuthError                unauthorized
     ├── AccessError              path_not_allowed: a path outside what the server may read
     ├── UpstreamError            teacher_unreachable: a remote teacher did not answer its probe as a teacher does
@@ -275,7 +275,7 @@ class ConflictError(KilnError):
 
 
 class CapacityError(KilnError):
-    codes = ("queue_full", "memory_budget_exceeded", "payload_too_large")
+    codes = ("queue_full", "memory_budget_exceeded", "payload_too_large", "serving_unavailable")
     default_code = "queue_full"
 
 

@@ -451,6 +451,7 @@ def test_health_prints_one_line_per_fact(server, capsys):
     assert re.fullmatch(r"queue: \d+/32", lines[5])
     assert lines[6].startswith("active adapter: ")
     assert lines[7].startswith("active job: ")
+    assert lines[8] == "serving copy: resident (cpu)"
     health = _json(capsys, "HealthResponse", "health", "--url", server.url)
     assert health["execution_identity"]["provenance_sha256"] == lines[3].split(": ")[1]
 

@@ -104,7 +104,7 @@ HEALTH_MISSING = {
     "$.training": {"checkpoint_boundary_policy"},
 }  # fmt: skip
 # Kiln-only facts the reference's closed HealthResponse refuses.
-HEALTH_EXTRA = {"$": {"auth_required", "memory", "model_source"}, "$.training": {"queue_capacity"}}
+HEALTH_EXTRA = {"$": {"auth_required", "memory", "model_source", "serving"}, "$.training": {"queue_capacity"}}
 # Kiln's readiness checks the reference's closed enum does not name (both have six; two are shared).
 HEALTH_CHECK_NAMES = {"base_weights_identified", "job_store_writable", "training_worker_alive", "registry_writable"}
 # The reference's ConfigResponse describes its serving engine's configuration (accelerator runtime, ROCm/CUDA graphs,

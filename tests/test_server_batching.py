@@ -111,7 +111,7 @@ def test_a_request_with_n_choices_decodes_them_together_as_n_requests_decode_alo
 
 def test_every_choice_of_every_prompt_of_a_completions_request_decodes_together(gen):
     loaded = SimpleNamespace(model=gen._model, tokenizer=gen._tokenizer)
-    protocol = TeacherProtocol(gen, loaded.model, loaded.tokenizer, "kiln-tiny", None, 627, 4096, 0)
+    protocol = TeacherProtocol(gen, loaded.tokenizer, "kiln-tiny", None, 627, 4096, 0)
     server = SimpleNamespace(generator=gen, teacher_protocol=protocol)
     prompts = ["Open Settings, choose", "The quick brown fox", "Question: What is the capital of"]
     body = {

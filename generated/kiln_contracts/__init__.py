@@ -16,12 +16,12 @@ from importlib import resources
 from typing import Any
 
 SCHEMA_DIGESTS: dict[str, str] = {
-    "kiln-artifacts-v1.schema.json": "sha256:247e78b8f988baea7b8ade6ea489be064c1039a833e42a41d72c9ee990798dc0",
+    "kiln-artifacts-v1.schema.json": "sha256:3cebed7156aca5026051a43bc8ee4cb927ebf4607a8a3a20f6b6d64967379cdf",
     "kiln-checkpoint-v1.schema.json": "sha256:120954613fb47a3c2b968c297811ff4152c990073b9288c0eaa8482b732e3ed6",
     "kiln-common-v1.schema.json": "sha256:140778be5b4882abd354e3ab1194bbe6a56e891d614d0aa7c0cace8c6ff07833",
-    "kiln-config-v1.schema.json": "sha256:ef95c786ee6b2faefba123c88620fa4805c78fae5c4216dea6f13b36f48a1c79",
-    "kiln-control-plane-v1.schema.json": "sha256:e330553a51b833cd1c84e1a9b00273375cf56fd2892fe14978ccc8cb0142584c",
-    "kiln-observability-v1.schema.json": "sha256:6f0bc47ffee00565b9fcff807ddbbfc8e2a57ca93e1f13e915de1dde8427e513"
+    "kiln-config-v1.schema.json": "sha256:08e376a1b709a4aae08ddefeae72ab46a09dc3e9b455da57efae3cc8e764f197",
+    "kiln-control-plane-v1.schema.json": "sha256:fbac7905d40f40a83edcd2eb45752da05509490112ddcaa668fd04f738bbf66d",
+    "kiln-observability-v1.schema.json": "sha256:b10ca73fa169bff71f63462a55285f7b2350ad816bdfacbd1900b635d5b4335b"
 }
 
 __all__ = ["ENTRYPOINTS", "SCHEMA_DIGESTS", "load_bundle", "openapi_document"]

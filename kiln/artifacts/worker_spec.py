@@ -42,8 +42,21 @@ def build_worker_spec(
     checkpoint_interval: int | None,
     data_roots: tuple[Path, ...] | None,
     memory_limit_bytes: int | None = None,
+    serving_copy: JsonObject | None = None,
 ) -> WorkerSpec:
-    """The spec of one job, checked like a loaded one (schema, numbers, model)."""
+    """The spec of one job, checked like a loaded one (schema, numbers, model). ``serving_copy``: a server's serving
+    copy beside the job (``WorkerServingCopy``), which the worker's memory plan counts."""
+    context: JsonObject = {
+        "registry": str(registry),
+        "model_path": str(model_path),
+        "model_is_default": model_is_default,
+        "teachers_root": None if teachers_root is None else str(teachers_root),
+        "checkpoint_interval": checkpoint_interval,
+        "data_roots": None if data_roots is None else [str(root) for root in data_roots],
+        "memory_limit_bytes": memory_limit_bytes,
+    }
+    if serving_copy is not None:
+        context["serving_copy"] = serving_copy
     spec = {
         "schema": SCHEMA,
         "kind": kind,
@@ -53,15 +66,7 @@ def build_worker_spec(
         "events": None if events is None else str(events),
         "server_pid": server_pid,
         "launch": launch,
-        "context": {
-            "registry": str(registry),
-            "model_path": str(model_path),
-            "model_is_default": model_is_default,
-            "teachers_root": None if teachers_root is None else str(teachers_root),
-            "checkpoint_interval": checkpoint_interval,
-            "data_roots": None if data_roots is None else [str(root) for root in data_roots],
-            "memory_limit_bytes": memory_limit_bytes,
-        },
+        "context": context,
     }
     loaded: WorkerSpec = pipeline.load(DOC, spec, document=DOC)
     return loaded

@@ -7,6 +7,7 @@ import sys
 from typing import Any
 
 from kiln.cli._client import add_client_options, api_error, body, connect, connection_error, print_json
+from kiln.cli._train import DEVICE_HELP, device_setting
 from kiln.errors import KilnError
 
 
@@ -22,6 +23,13 @@ def add_serve_parser(sub: Any) -> None:
     p.add_argument("--port", type=int, help="TCP port (default 8420; server.port)")
     p.add_argument("--model", help="local Hugging Face model directory (default: the built-in tiny model)")
     p.add_argument("--adapter-dir", help="adapter registry directory (default: $KILN_HOME/adapters)")
+    p.add_argument(
+        "--device",
+        type=device_setting,
+        metavar="DEVICE",
+        help=f"{DEVICE_HELP}: where the server holds its serving copy of the base model and, for a job that sets "
+        "none, where it trains (sets model.device and training.device; default auto)",
+    )
     p.add_argument("--config", help="kiln.toml to read (default: $KILN_HOME/kiln.toml)")
     p.set_defaults(func=cmd_serve)
 
@@ -42,7 +50,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     try:
         return serve(
-            host=args.host, port=args.port, model=args.model, adapter_dir=args.adapter_dir, config_path=args.config
+            host=args.host,
+            port=args.port,
+            model=args.model,
+            adapter_dir=args.adapter_dir,
+            config_path=args.config,
+            device=args.device,
         )
     except KilnError as exc:
         print(f"error [{exc.code}]: {exc.message}", file=sys.stderr)
@@ -103,3 +116,6 @@ def _print_health(health: dict[str, Any]) -> None:
             f"active job: {job['job_id']} ({job['job_type']}, adapter {job['adapter_name']}, "
             f"{job['progress'] * 100:.0f}%" + (", cancelling)" if job["cancel_requested"] else ")")
         )
+    serving = health.get("serving")  # absent from a server older than the serving copy's release
+    if serving is not None:
+        print(f"serving copy: {serving} ({health['memory']['device']})")

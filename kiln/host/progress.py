@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from typing import Any, TextIO
 
-__all__ = ["LINE_PERCENT", "LINE_SECONDS", "LineCounter", "counter", "human_bytes", "show_stages", "stage"]
+__all__ = ["LINE_PERCENT", "LINE_SECONDS", "LineCounter", "counter", "human_bytes", "note", "show_stages", "stage"]
 
 LINE_PERCENT = 10  # a non-terminal counter prints when the total advances by this many per cent ...
 LINE_SECONDS = 30.0  # ... or when this long has passed since its last line
@@ -35,6 +35,12 @@ def stage(text: str) -> None:
     """Announce a step a person will wait for (``text`` without the ellipsis), when reporting is on."""
     if _enabled:
         print(f"{text}…", file=sys.stderr, flush=True)
+
+
+def note(text: str) -> None:
+    """Report what a step did (``text`` as it is: say how long it took), when reporting is on."""
+    if _enabled:
+        print(text, file=sys.stderr, flush=True)
 
 
 def human_bytes(size: int) -> str:

@@ -231,14 +231,20 @@ def spec_context(spec: WorkerSpec, data_parallel: DataParallel | None = None) ->
     trainer's admission, in the precision the job resolved (``data_parallel``: the group this process trains in)."""
     from kiln.model import open_base_model
     from kiln.trainers import TrainingContext
-    from kiln.training import DataParallel, MemorySettings
+    from kiln.training import DataParallel, MemorySettings, ServingCopy
 
     ctx = spec.context
     limit = ctx.memory_limit_bytes
+    copy = ctx.serving_copy
+    serving = (
+        None
+        if copy is None
+        else ServingCopy(device=copy.device, bytes=copy.bytes, policy=copy.policy.value, resident=copy.resident)
+    )
     return TrainingContext(
         registry=Path(ctx.registry),
         loaded=open_base_model(Path(ctx.model_path), is_default=ctx.model_is_default),
-        memory=MemorySettings(memory_limit_bytes=None if limit is None else limit.root),
+        memory=MemorySettings(memory_limit_bytes=None if limit is None else limit.root, serving_copy=serving),
         teachers_root=None if ctx.teachers_root is None else Path(ctx.teachers_root.root),
         checkpoint_interval=None if ctx.checkpoint_interval is None else ctx.checkpoint_interval.root,
         data_roots=None if ctx.data_roots is None else tuple(Path(p.root) for p in ctx.data_roots),

@@ -84,7 +84,7 @@ def error_response(exc: KilnError, path: str | None = None) -> JSONResponse:
     """The error envelope of ``exc`` at its status; on the OpenAI-compatible routes (``path``) with OpenAI's fields."""
     status = _HTTP_STATUS.get(exc.code, 500)
     headers = {}
-    if exc.code == "queue_full":
+    if exc.code in ("queue_full", "serving_unavailable"):
         headers["Retry-After"] = str(RETRY_AFTER_S)
     if exc.code == "unauthorized":
         headers["WWW-Authenticate"] = "Bearer"
@@ -177,25 +177,49 @@ def _notify(settings: Settings, server_ref: list[Server]) -> Any:
 
 
 def build_server(settings: Settings) -> Server:
-    """Load the base model, capture its identity, open the job store and start the worker."""
-    import copy
+    """Resolve the serving device, load the base model onto it, capture its identity, open the job store and start
+    the worker."""
+    import dataclasses
 
-    from kiln.model import capture_identity, load_base_model, resolve_model_path
+    from kiln.model import (
+        apply_determinism,
+        capture_identity,
+        load_base_model,
+        load_weights,
+        resolve_device,
+        resolve_model_path,
+    )
     from kiln.server._generation import Generator
+    from kiln.server._serving import Serving, served_bytes
     from kiln.server._teacher_protocol import build_protocol
     from kiln.trainers import TRAINERS
 
+    # a device this machine lacks stops the server here (training_backend_unsupported), before any weight loads;
+    # CUDA's determinism settings before anything initialises it
+    device = resolve_device(str(settings.model.device), field="model.device", pointer=None)
+    apply_determinism(device)
     path, is_default = resolve_model_path(settings=settings)
-    served = load_base_model(path, is_default=is_default)
-    # training works on private copies of pristine weights with a tokenizer of its own;
-    # generation owns `served` and may wrap it with adapters
-    base = copy.copy(served)
-    base.model = copy.deepcopy(served.model)
-    base.tokenizer = copy.deepcopy(served.tokenizer)
-    identity = capture_identity(path, served.tokenizer, server_config=settings.redacted())
+    loaded = load_base_model(path, is_default=is_default)
+    # training works on private copies of pristine weights, in host memory, with a tokenizer of its own; generation
+    # owns `served` (on `device`) and may wrap it with adapters
+    base = dataclasses.replace(loaded, tokenizer=copy.deepcopy(loaded.tokenizer))
+    if device == "cpu":
+        base = dataclasses.replace(base, model=copy.deepcopy(loaded.model))
+    served = load_weights(loaded, device=device)  # onto the device: a copy, the host one stays `base`'s
+    identity = capture_identity(path, served.tokenizer, device=device, server_config=settings.redacted())
     model_name = "kiln-tiny-default" if is_default else path.name
     generator = Generator(served, settings.registry, model_name)
     protocol = build_protocol(generator, served, model_name, identity.base_weight_shard_manifest)
+    serving = Serving(
+        generator=generator,
+        path=Path(path),
+        is_default=is_default,
+        device=device,
+        precision=served.precision,
+        bytes=served_bytes(served.model),
+        policy=str(settings.training.serving_copy),
+        while_released=str(settings.training.while_released),
+    )
     engine = _training.Engine(
         settings=settings,
         base=base,
@@ -203,6 +227,7 @@ def build_server(settings: Settings) -> Server:
         base_sha256=identity.base_weight_shard_manifest["aggregate_sha256"],
         model_path=Path(path),
         model_is_default=is_default,
+        serving=serving,
     )
     ref: list[Server] = []
     jobs = JobManager(
@@ -783,8 +808,10 @@ def adapter_receipt(server: Server, name: str) -> dict[str, Any]:
     return receipt.model_dump(mode="json", exclude_unset=True, by_alias=True)
 
 
-def _memory() -> dict[str, Any]:
-    import torch
+def _memory(device: str) -> dict[str, Any]:
+    """``HealthMemoryInfo``: the serving device's figures (CUDA only: every ``torch.cuda`` call guarded) and the
+    host's."""
+    from kiln.model import is_cuda
 
     total = None
     try:
@@ -798,13 +825,22 @@ def _memory() -> dict[str, Any]:
     except OSError:
         rss = None
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
-    cuda = torch.cuda.is_available()
+    figures: dict[str, int | None] = dict.fromkeys(
+        ("device_total_bytes", "device_allocated_bytes", "device_reserved_bytes", "device_peak_allocated_bytes")
+    )
+    if is_cuda(device):
+        import torch
+
+        index = torch.device(device).index or 0
+        figures = {
+            "device_total_bytes": int(torch.cuda.get_device_properties(index).total_memory),
+            "device_allocated_bytes": int(torch.cuda.memory_allocated(index)),
+            "device_reserved_bytes": int(torch.cuda.memory_reserved(index)),
+            "device_peak_allocated_bytes": int(torch.cuda.max_memory_allocated(index)),
+        }
     return {
-        "device": "cuda:0" if cuda else "cpu",
-        "device_total_bytes": torch.cuda.get_device_properties(0).total_memory if cuda else None,
-        "device_allocated_bytes": torch.cuda.memory_allocated() if cuda else None,
-        "device_reserved_bytes": torch.cuda.memory_reserved() if cuda else None,
-        "device_peak_allocated_bytes": torch.cuda.max_memory_allocated() if cuda else None,
+        "device": device,
+        **figures,
         "host_total_bytes": total,
         "host_rss_bytes": rss,
         "host_peak_rss_bytes": peak,
@@ -829,8 +865,9 @@ def health_body(server: Server) -> dict[str, Any]:
     if running is not None and family(running.job_type) != "training":
         running = None  # an evaluation or an audit: /health reports the training worker's training job
     active = server.generator.active()
+    serving = server.engine.serving
     checks = [
-        {"name": "model_loaded", "pass": server.engine.base.model is not None},
+        _model_check(server),
         {"name": "execution_provenance_valid", "pass": not contracts.problems("ExecutionProvenanceV1", record)},
         {"name": "base_weights_identified", "pass": bool(shards.get("shards"))},
         {"name": "job_store_writable", "pass": server.jobs.store.writable()},
@@ -885,9 +922,22 @@ def health_body(server: Server) -> dict[str, Any]:
             "queued": len(server.jobs.queue),
             "queue_capacity": server.jobs.max_queued,
         },
-        "memory": _memory(),
+        "memory": _memory(serving.device if serving is not None else "cpu"),
+        **({"serving": serving.state} if serving is not None else {}),
         "checks": checks,
     }
+
+
+def _model_check(server: Server) -> dict[str, Any]:
+    """``model_loaded``: the base model is loaded for training, and the serving copy is on its device or released
+    for a job -- not released after a reload that failed."""
+    if server.engine.base.model is None:
+        return {"name": "model_loaded", "pass": False, "detail": "the base model is not loaded"}
+    serving = server.engine.serving
+    if serving is not None and serving.failure is not None and serving.state == "released":
+        detail = f"the serving copy could not be loaded onto {serving.device} again after a job: {serving.failure}"
+        return {"name": "model_loaded", "pass": False, "detail": detail}
+    return {"name": "model_loaded", "pass": True}
 
 
 def _summary(values: list[float]) -> tuple[float, float, int]:
@@ -959,12 +1009,22 @@ def serve(
     model: str | None = None,
     adapter_dir: str | None = None,
     config_path: str | None = None,
+    device: str | None = None,
 ) -> int:
-    """``kiln serve``: resolve the configuration, load everything, print ``Ready on …`` and serve."""
+    """``kiln serve``: resolve the configuration, load everything, print ``Ready on …`` and serve. ``device`` (``--device``)
+    sets where the serving copy lives and where a job that names no device trains (``model.device`` and
+    ``training.device``)."""
     import uvicorn
 
     settings = resolve_settings(
-        {"server.host": host, "server.port": port, "model.path": model, "model.adapter_dir": adapter_dir},
+        {
+            "server.host": host,
+            "server.port": port,
+            "model.path": model,
+            "model.adapter_dir": adapter_dir,
+            "model.device": device,
+            "training.device": device,
+        },
         config_path=config_path,
     )
     bind_host, bind_port = settings.server.host, settings.server.port

@@ -25,6 +25,10 @@ Per sequence
 Locking
     ``lock`` (``Generator.lock``) is held for each forward pass (a prefill, a step) and by every adapter swap; never
     while a consumer holds a token, so a client never blocks the model. A condition guards the queues.
+Retiring
+    ``retire(error)`` ends a scheduler whose model is going away (the serving copy released or swapped,
+    ``kiln.server._serving``): it waits for a step under way, ends every sequence running or waiting with ``error``
+    at its consumer, frees their caches and lets the model go; a sequence submitted later ends the same way.
 Guarantee
     Bitwise: a sequence gives the same token ids, scores and text whichever sequences share its steps, and the same
     as decoded alone (a batch of one is the model's own one-sequence forward). ``kiln.model.RowBatch`` says how;
@@ -34,6 +38,7 @@ Guarantee
 
 from __future__ import annotations
 
+import copy
 import inspect
 import threading
 import weakref
@@ -43,7 +48,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from kiln.errors import InternalError
+from kiln.errors import InternalError, KilnError
 from kiln.model import RowBatch, Sampling
 from kiln.model import choose as _choose
 from kiln.teachers import stable_top_k
@@ -62,10 +67,11 @@ class NonFiniteLogitsError(Exception):
 class Lora:
     """One adapted module: ``y + B(A(x)) * scale``, computed as peft's ``lora.Linear`` computes it."""
 
-    module: Any  # the target nn.Linear (or GPT-2 Conv1D) of the served model
+    module: Any  # the target nn.Linear (or GPT-2 Conv1D) of the served model (None while no model is served)
     a: Any  # [r, in_features], float32
     b: Any  # [out_features, r], float32
     scale: float
+    path: str = ""  # the module's name in the model (what binds the layer to another copy of it)
 
 
 @dataclass(eq=False)
@@ -124,7 +130,7 @@ class Scheduler:
     """Decodes every submitted sequence over ``model`` in shared steps (see the module docstring)."""
 
     def __init__(self, model: Any, lock: threading.Lock, stop_ids: frozenset[int]):
-        self._model = model
+        self._model: Any = model
         self._lock = lock
         self._stop_ids = stop_ids
         self._device = next(model.parameters()).device
@@ -133,6 +139,7 @@ class Scheduler:
         self._cond = threading.Condition()
         self._waiting: list[_Row] = []
         self._stepping = False
+        self._retired: KilnError | None = None  # set by retire(): every sequence ends with it
         self.steps = 0  # decoding steps that ran a forward for running sequences
         self.stepped = 0  # sequences those steps advanced, summed
         self.widest = 0  # most sequences one step advanced
@@ -175,6 +182,31 @@ class Scheduler:
         """Sequences in the batch (a closed one counts until it leaves)."""
         return len(self._batch.rows)
 
+    def retire(self, error: KilnError) -> int:
+        """End this scheduler for good (its model is going away): wait for a step under way, end every sequence
+        running or waiting with ``error``, free their caches and let the model go; a sequence submitted later ends
+        with ``error`` too. Returns the sequences it ended. The caller must not hold ``lock``."""
+        with self._cond:
+            self._retired = error
+            while self._stepping:
+                self._cond.wait()
+            self._stepping = True
+        try:
+            with self._lock:  # no forward of this scheduler's model runs from here on
+                rows = [row for row in self._batch.rows if not row.done] + self._waiting
+                self._waiting = []
+                self._batch.retain(set())  # the KV caches go
+                self._batch = RowBatch(_NoModel())
+                self._model = None
+        finally:
+            with self._cond:
+                for row in rows:
+                    row.done = True
+                    row.events.append(_Failed(copy.copy(error)))
+                self._stepping = False
+                self._cond.notify_all()
+        return len(rows)
+
     # --- the consumers' side ----------------------------------------------------------
 
     def _next(self, row: _Row) -> tuple[int, Score | None]:
@@ -199,6 +231,8 @@ class Scheduler:
         if isinstance(event, _Failed):
             if event.error is None:
                 raise NonFiniteLogitsError
+            if isinstance(event.error, KilnError):  # the scheduler was retired: the error says why
+                raise event.error
             raise InternalError(f"decoding failed: {type(event.error).__name__}: {event.error}") from event.error
         return event
 
@@ -224,6 +258,8 @@ class Scheduler:
 
         with self._cond:
             self._waiting = [row for row in self._waiting if not row.closed]
+            if self._retired is not None:
+                return
         with torch.inference_mode():
             self._batch.retain({row for row in self._batch.rows if not row.closed and not row.done})
 
@@ -233,6 +269,12 @@ class Scheduler:
         import torch
 
         with self._cond:
+            if self._retired is not None:  # submitted after retire(): ended at once
+                for row in self._waiting:
+                    row.done = True
+                    row.events.append(_Failed(copy.copy(self._retired)))
+                self._waiting = []
+                return
             self._waiting = [row for row in self._waiting if not row.closed]
             room = max(0, MAX_ROWS - len(self._batch.rows))
             joining, self._waiting = self._waiting[:room], self._waiting[room:]
@@ -340,6 +382,15 @@ class Scheduler:
             emitted.append((row, _END))
         else:
             row.last = token
+
+
+class _NoModel:
+    """What a retired scheduler's empty ``RowBatch`` is built over: no model, no rows, never stepped."""
+
+    config = None
+
+    def forward(self) -> None:
+        raise AssertionError("a retired scheduler runs no forward")
 
 
 def _fail(rows: list[_Row], error: Exception, emitted: list[tuple[_Row, Any]]) -> None:

@@ -20,6 +20,16 @@ Decoding
     share one forward per step, each with its own weights, sampling, seed and stops, and
     each gives bit for bit what it gives decoded alone. The canary times its greedy runs
     alone, on a scheduler of their own.
+The served model, swapped
+    ``swap(model)`` serves another copy of the base weights, or none (``kiln.server._serving``
+    releases the serving copy while a job trains on its device and loads it again after). A
+    request holds the served model from admission to its last token (``serving()``); a swap
+    holds new requests back (refuses them with the release's error when no model will be
+    served), waits for those in flight, for at most ``drain_s``, then retires the old
+    scheduler (a request still decoding ends with the error) and moves the active adapter's
+    weights onto the new copy, so it stays active. Every adapter carries the ``epoch`` of the
+    copy its layers are bound to: a request admitted before a swap never decodes with an
+    adapter bound to the copy it no longer reaches (it ends with the error instead).
 
 Adapters
     ``load(name)`` reads the registry adapter once into memory through the registry module
@@ -76,12 +86,16 @@ Canary
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import inspect
 import itertools
 import re
 import threading
 import time
-from collections.abc import Iterator
+import weakref
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -98,14 +112,25 @@ from kiln.adapters import (
     content_revision,
 )
 from kiln.data import match_skeleton, template_errors
-from kiln.errors import AdapterError, ContractError, InternalError, KilnError, NotFoundError, Problem
+from kiln.errors import AdapterError, CapacityError, ContractError, InternalError, KilnError, NotFoundError, Problem
 from kiln.model import Sampling
 from kiln.model import max_positions as _max_positions
 from kiln.model import special_tokens as _special_tokens
 from kiln.model import stop_token_ids as _stop_ids
 from kiln.server._batching import Lora, NonFiniteLogitsError, Scheduler, Stream, applied
 
-__all__ = ["CANARY_FILE", "SEEDS", "Generator", "Outcome", "Piece", "Plan", "TokenScore", "checked", "content_revision"]
+__all__ = [
+    "CANARY_FILE",
+    "SEEDS",
+    "Generator",
+    "Held",
+    "Outcome",
+    "Piece",
+    "Plan",
+    "TokenScore",
+    "checked",
+    "content_revision",
+]
 
 REQUEST = "ChatCompletionRequest"
 
@@ -139,6 +164,7 @@ class _Adapter:
     manifest_sha256: str | None  # sha256:<hex> of adapter_manifest.json as read; None for a plain PEFT directory
     weights_sha256: str  # sha256:<hex> of adapter_model.safetensors as read
     layers: tuple[Lora, ...]
+    epoch: int = 0  # the served copy its layers are bound to (Generator.swap counts them)
 
     def identity(self) -> dict[str, str]:
         return {"name": self.name, "content_revision": self.content_revision}
@@ -184,19 +210,123 @@ class Generator:
 
     def __init__(self, loaded: Any, registry: Path, model_name: str):
         self.lock = threading.Lock()
-        self._model = loaded.model
         self._tokenizer = loaded.tokenizer
         self._registry = Path(registry)
         self._model_name = model_name
         self._active: _Adapter | None = None
         self._load_errors: dict[str, str] = {}
-        first = next(self._model.parameters())
-        self._device = first.device
-        self._keep_last = "logits_to_keep" in inspect.signature(self._model.forward).parameters
         self._specials = _special_tokens(self._tokenizer)
-        self._stop_ids = _stop_ids(self._model, self._tokenizer, self._specials)
-        self._max_positions = _max_positions(self._model.config, self._tokenizer)
-        self.scheduler = Scheduler(self._model, self.lock, self._stop_ids)  # every route's sequences decode here
+        self._stop_ids = _stop_ids(loaded.model, self._tokenizer, self._specials)
+        self._max_positions = _max_positions(loaded.model.config, self._tokenizer)
+        # the served copy: which one (epoch), the requests holding it, and what they get while none is served
+        self._gate = threading.Condition()
+        self._epoch = 0
+        self._holds = 0
+        self._swapping = False
+        self._refusal: KilnError | None = None
+        self._attach(loaded.model)
+
+    def _attach(self, model: Any) -> None:
+        """Serve ``model`` (callers hold the lock and the gate, or are the constructor); None serves nothing and keeps
+        the retired scheduler, which ends whatever reaches it."""
+        self._model = model
+        if model is None:
+            return
+        self._device = next(model.parameters()).device
+        self._keep_last = "logits_to_keep" in inspect.signature(model.forward).parameters
+        self.scheduler = Scheduler(model, self.lock, self._stop_ids)  # every route's sequences decode here
+
+    # --- the served copy ----------------------------------------------------------------
+
+    def hold(self) -> Callable[[], None]:
+        """One request's hold on the served model, from its admission to its last token; returns the function that
+        lets go of it (once, however often it is called). Refused with the release's error while no model is
+        served; held back while one copy is swapped for another."""
+        with self._gate:
+            while self._swapping and self._refusal is None:
+                self._gate.wait()
+            if self._refusal is not None:
+                raise copy.copy(self._refusal)
+            self._holds += 1
+        done = threading.Event()
+
+        def release() -> None:
+            with self._gate:
+                if done.is_set():
+                    return
+                done.set()
+                self._holds -= 1
+                self._gate.notify_all()
+
+        return release
+
+    @contextmanager
+    def serving(self) -> Iterator[None]:
+        """``hold`` for the length of a ``with`` block (a request answered in one piece)."""
+        release = self.hold()
+        try:
+            yield
+        finally:
+            release()
+
+    def swap(self, model: Any, *, refusal: KilnError, drain_s: float) -> int:
+        """Serve ``model`` (None: no model) instead of the copy served now, and free that copy.
+
+        New requests are held back -- refused with ``refusal`` when ``model`` is None -- while the requests in flight
+        finish, for at most ``drain_s`` seconds; any still decoding then end with ``refusal``. The active adapter
+        stays active, its layers bound to ``model`` (kept in host memory while no model is served). Returns how many
+        requests were cut off. Callers swap from one thread (the job queue's)."""
+        with self._gate:
+            self._swapping = True
+            if model is None:
+                self._refusal = refusal
+            self._gate.wait_for(lambda: self._holds == 0, timeout=drain_s)
+            cut = self._holds
+        old = self._model
+        self.scheduler.retire(refusal)
+        with self.lock, self._gate:
+            self._epoch += 1
+            self._attach(model)
+            self._active = self._rebound(self._active)
+            self._swapping = False
+            self._refusal = None if model is not None else refusal
+            self._gate.notify_all()
+        if old is not None and old is not model:
+            _free(old)
+        return cut
+
+    def _rebound(self, adapter: _Adapter | None) -> _Adapter | None:
+        """``adapter`` with its layers bound to the served copy of this epoch (to no module, its weights in host
+        memory, while none is served). Callers hold the lock."""
+        if adapter is None or adapter.epoch == self._epoch:
+            return adapter
+        model = self._model
+        device = self._device if model is not None else "cpu"
+        layers = tuple(
+            dataclasses.replace(
+                layer,
+                module=None if model is None else model.get_submodule(layer.path),
+                a=layer.a.to(device),
+                b=layer.b.to(device),
+            )
+            for layer in adapter.layers
+        )
+        return dataclasses.replace(adapter, layers=layers, epoch=self._epoch)
+
+    def _served(self) -> tuple[Any, Any, int]:
+        """(model, device, epoch) of the copy served now; the release's error while none is."""
+        with self._gate:
+            if self._model is None:
+                raise copy.copy(self._refusal) if self._refusal is not None else InternalError("no model is served")
+            return self._model, self._device, self._epoch
+
+    def forward_model(self, adapter: _Adapter | None) -> Any:
+        """The model a forward with ``adapter`` runs on now (callers hold the lock): the served copy, refused while
+        none is or when ``adapter`` is bound to a copy swapped out since (a request admitted before the swap)."""
+        model, _, epoch = self._served()
+        if adapter is not None and adapter.epoch != epoch:
+            raise _swapped()
+        return model
 
     # --- adapters -----------------------------------------------------------------------
 
@@ -214,13 +344,14 @@ class Generator:
         current = self._active
         if current is not None and current.name == name and not reload:
             return checked("LoadAdapterResponse", {"status": "loaded", **current.identity()})
+        self._served()  # while the serving copy is released: serving_unavailable, not a load error of `name`
         try:
             adapter = self._read_adapter(name, allow_quarantined=allow_quarantined)
         except KilnError as exc:
             self._load_errors[name] = exc.message
             raise
-        with self.lock:
-            self._active = adapter
+        with self.lock, self._gate:
+            self._active = self._rebound(adapter)  # a swap since it was read moved the served copy
         self._load_errors.pop(name, None)
         return checked("LoadAdapterResponse", {"status": "loaded", **adapter.identity()})
 
@@ -319,14 +450,15 @@ class Generator:
         import torch
 
         with self.lock, torch.inference_mode(), self._applied(adapter):
-            logits = self._model(input_ids=torch.tensor([prompt], device=self._device)).logits
+            model = self.forward_model(adapter)
+            logits = model(input_ids=torch.tensor([prompt], device=self._device)).logits
         bad = int((~torch.isfinite(logits)).sum())
         return f"{bad} of {logits.numel()} logits of the canary prompt are not finite" if bad else None
 
     def _timed_greedy(self, adapter: _Adapter | None, prompt: list[int]) -> tuple[list[int] | None, float]:
         """CANARY_MAX_TOKENS greedy tokens, stop tokens ignored so both timings cover equal work (None: non-finite)."""
         started = time.perf_counter()
-        alone = Scheduler(self._model, self.lock, self._stop_ids)  # timed alone, not beside the served traffic
+        alone = Scheduler(self.forward_model(adapter), self.lock, self._stop_ids)  # alone, not beside the traffic
         try:
             ids: list[int] | None = [
                 token for token, _ in alone.submit(prompt, adapter, Sampling(), 0, CANARY_MAX_TOKENS, stop=False)
@@ -407,7 +539,11 @@ class Generator:
         ``first`` (the log-probabilities after the last prompt token, when the caller already ran the prompt
         forward to score it) picks the first token; for a one-token answer no forward runs.
         """
-        stream = self.scheduler.submit(
+        with self._gate:  # the scheduler of the copy the plan's adapter is bound to, or none
+            if plan.adapter is not None and plan.adapter.epoch != self._epoch:
+                raise _swapped()
+            scheduler = self.scheduler
+        stream = scheduler.submit(
             plan.prompt_ids, plan.adapter, plan.sampling, plan.seed, plan.max_new, top_k=top_k, first=first
         )
         return self._pieces(stream, plan, outcome)
@@ -450,6 +586,7 @@ class Generator:
 
     def _read_adapter(self, name: str, *, allow_quarantined: bool = False) -> _Adapter:
         """Read, verify and materialise a registry adapter (see the module docstring for the order)."""
+        model, device, epoch = self._served()  # the copy its layers are bound to
         directory = adapter_directory(self._registry, name)  # adapter_not_found
         if attempt_record(directory.path):
             raise NotFoundError(
@@ -470,10 +607,11 @@ class Generator:
             content_revision=files.content_revision,
             manifest_sha256=files.manifest_sha256,
             weights_sha256=files.weights_sha256,
-            layers=self._lora_layers(files),
+            layers=self._lora_layers(files, model, device),
+            epoch=epoch,
         )
 
-    def _lora_layers(self, files: AdapterFiles) -> tuple[Lora, ...]:
+    def _lora_layers(self, files: AdapterFiles, model: Any, device: Any) -> tuple[Lora, ...]:
         import torch
         from safetensors import SafetensorError
         from safetensors.torch import load as load_tensors
@@ -503,7 +641,7 @@ class Generator:
             pairs.setdefault(match["path"], {})[match["ab"]] = tensor
         if not pairs:
             raise invalid(f"{WEIGHTS_FILE} holds no tensors")
-        output_layer = self._model.get_output_embeddings() if config.all_linear else None
+        output_layer = model.get_output_embeddings() if config.all_linear else None
         layers = []
         for path, pair in sorted(pairs.items()):
             if set(pair) != {"A", "B"}:
@@ -513,7 +651,7 @@ class Generator:
                     f"{WEIGHTS_FILE} adapts {path}, which is not among target_modules {config.target_modules!r}"
                 )
             try:
-                module = self._model.get_submodule(path)
+                module = model.get_submodule(path)
             except AttributeError:
                 raise invalid(
                     f"the served model has no module {path}; was the adapter trained on another base model?"
@@ -542,11 +680,59 @@ class Generator:
             if r != rank:
                 given = f"r = {rank}" if rank == config.rank else f"rank_pattern's {rank} for it"
                 raise invalid(f"{path}: LoRA rank {r} differs from {given} in {CONFIG_FILE}")
-            layers.append(Lora(module, a.float().to(self._device), b.float().to(self._device), config.scale(r)))
+            layers.append(Lora(module, a.float().to(device), b.float().to(device), config.scale(r), path))
         return tuple(layers)
 
 
 # --- helpers ------------------------------------------------------------------------------
+
+
+class Held:
+    """The chunks of a streamed answer, holding the served model (``Generator.hold``) until they end, fail, are
+    closed or are dropped (a client that went away)."""
+
+    def __init__(self, chunks: Iterator[Any], release: Any):
+        self._chunks = chunks
+        self._release = weakref.finalize(self, release)
+
+    def __iter__(self) -> Held:
+        return self
+
+    def __next__(self) -> Any:
+        try:
+            return next(self._chunks)
+        except BaseException:
+            self._release()
+            raise
+
+    def close(self) -> None:
+        close = getattr(self._chunks, "close", None)
+        if close is not None:
+            close()
+        self._release()
+
+
+def _swapped() -> CapacityError:
+    return CapacityError(
+        "the served model was swapped while this request was being answered (the serving copy was released for a "
+        "training job, or loaded again after one)",
+        code="serving_unavailable",
+        hint="send the request again",
+    )
+
+
+def _free(model: Any) -> None:
+    """Let a served copy go: its tensors onto the meta device (their memory is freed even if a straggling
+    reference to the module remains), then the CUDA caching allocator's blocks back to the driver."""
+    import gc
+
+    import torch
+
+    cuda = any(p.is_cuda for p in itertools.islice(model.parameters(), 1))
+    model.to("meta")
+    gc.collect()
+    if cuda and torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 class _Detokenizer:

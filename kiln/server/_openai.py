@@ -48,7 +48,7 @@ import kiln_contracts
 from kiln import contracts
 from kiln.errors import ContractError, NotFoundError, Problem
 from kiln.model import Sampling
-from kiln.server._generation import SEEDS, Outcome, Piece, Plan, TokenScore, checked
+from kiln.server._generation import SEEDS, Held, Outcome, Piece, Plan, TokenScore, checked
 
 __all__ = [
     "admit",
@@ -337,7 +337,12 @@ def _chat_logprobs(texts: _Texts, tokens: list[TokenScore]) -> dict[str, Any]:
 
 
 def chat_completion(gen: Any, body: Any) -> dict[str, Any]:
-    """``ChatCompletionRequest`` → ``ChatCompletionResponse``."""
+    """``ChatCompletionRequest`` → ``ChatCompletionResponse``, holding the served model until it is answered."""
+    with gen.serving():
+        return _chat_completion(gen, body)
+
+
+def _chat_completion(gen: Any, body: Any) -> dict[str, Any]:
     job = _chat_job(gen, body)
     created, texts = int(time.time()), _Texts(gen._tokenizer)
     choices, generated = [], 0
@@ -368,10 +373,16 @@ def chat_completion(gen: Any, body: Any) -> dict[str, Any]:
 
 
 def chat_chunks(gen: Any, body: Any) -> Iterator[dict[str, Any]]:
-    """``ChatCompletionRequest`` → ``ChatCompletionChunk`` documents (admitted before the first one)."""
-    job = _chat_job(gen, body)
+    """``ChatCompletionRequest`` → ``ChatCompletionChunk`` documents (admitted before the first one), holding the
+    served model until the last."""
+    release = gen.hold()
+    try:
+        job = _chat_job(gen, body)
+    except BaseException:
+        release()
+        raise
     usage = bool((body.get("stream_options") or {}).get("include_usage"))
-    return _chat_stream(gen, job, usage, "chatcmpl-" + secrets.token_hex(12), int(time.time()))
+    return Held(_chat_stream(gen, job, usage, "chatcmpl-" + secrets.token_hex(12), int(time.time())), release)
 
 
 def _chat_stream(gen: Any, job: _ChatJob, usage: bool, completion_id: str, created: int) -> Iterator[dict[str, Any]]:
@@ -547,7 +558,12 @@ def _choice_runs(server: Any, job: _CompletionJob) -> list[tuple[_Scored, _Choic
 
 
 def completion(server: Any, body: Any) -> dict[str, Any]:
-    """``CompletionRequest`` → ``CompletionResponse``."""
+    """``CompletionRequest`` → ``CompletionResponse``, holding the served model until it is answered."""
+    with server.generator.serving():
+        return _completion(server, body)
+
+
+def _completion(server: Any, body: Any) -> dict[str, Any]:
     gen = server.generator
     job = _completion_job(server, body)
     texts = _Texts(gen._tokenizer)
@@ -587,10 +603,17 @@ def completion(server: Any, body: Any) -> dict[str, Any]:
 
 
 def completion_chunks(server: Any, body: Any) -> Iterator[dict[str, Any]]:
-    """``CompletionRequest`` with ``stream`` → ``CompletionChunk`` documents (admitted before the first)."""
-    job = _completion_job(server, body)
+    """``CompletionRequest`` with ``stream`` → ``CompletionChunk`` documents (admitted before the first), holding
+    the served model until the last."""
+    release = server.generator.hold()
+    try:
+        job = _completion_job(server, body)
+    except BaseException:
+        release()
+        raise
     usage = bool((body.get("stream_options") or {}).get("include_usage"))
-    return _completion_stream(server, job, usage, f"cmpl-{secrets.token_hex(12)}", int(time.time()))
+    chunks = _completion_stream(server, job, usage, f"cmpl-{secrets.token_hex(12)}", int(time.time()))
+    return Held(chunks, release)
 
 
 def _completion_stream(

@@ -37,8 +37,7 @@ MAX_REPORTED = 5  # out-of-range token ids named in one refusal
 class TeacherProtocol:
     """Scoring over the generator's model (base weights, under its lock)."""
 
-    generator: Any  # kiln.server._generation.Generator: owns the model and the lock
-    model: Any
+    generator: Any  # kiln.server._generation.Generator: owns the model (whichever copy it serves) and the lock
     tokenizer: Any
     model_name: str
     identity: dict[str, Any] | None  # TeacherIdentityV1 of the served model, or None when it has none
@@ -106,7 +105,7 @@ class TeacherProtocol:
     def logprobs(self, prompt: list[int], adapter: Any = None) -> Any:
         """``[len(prompt), V]`` log-probabilities of one forward, under the generator's lock, with ``adapter``."""
         with self.generator.lock, self.generator._applied(adapter):
-            return log_probabilities(self.model, prompt)
+            return log_probabilities(self.generator.forward_model(adapter), prompt)
 
     @staticmethod
     def top(rows: Any, targets: list[int], k: int) -> list[tuple[float, list[tuple[int, float]]]]:
@@ -171,7 +170,6 @@ def build_protocol(
         max_model_len = int(generator._max_positions)
     return TeacherProtocol(
         generator=generator,
-        model=loaded.model,
         tokenizer=loaded.tokenizer,
         model_name=model_name,
         identity=identity,

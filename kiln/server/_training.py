@@ -14,6 +14,7 @@ calls ``run`` for every training kind, and ``kiln.server._evals.run_job`` for ev
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import logging
@@ -47,6 +48,7 @@ class Engine:
     jobs: Any = None  # kiln.server._jobs.JobManager (the gate records its evaluation jobs there)
     model_path: Path | None = None  # where the base model lies (a training worker loads it from there)
     model_is_default: bool = False  # the built-in tiny model
+    serving: Any = None  # kiln.server._serving.Serving: the serving copy, released beside a job when the policy says
 
     @property
     def registry(self) -> Path:
@@ -74,6 +76,9 @@ class Engine:
         from kiln.training import DataParallel, MemorySettings
 
         in_workers = kind is not None and self.settings.training.worker == "process"
+        memory = MemorySettings.of(self.settings.training)
+        if self.serving is not None:  # the planner counts the serving copy beside the job
+            memory = dataclasses.replace(memory, serving_copy=self.serving.planned())
         return TrainingContext(
             data_parallel=DataParallel.planned(self.ranks(kind), threads=self.worker_threads())
             if kind is not None and in_workers
@@ -83,8 +88,17 @@ class Engine:
             teachers_root=teachers_root(self.settings.home),
             checkpoint_interval=self.settings.training.checkpoint_interval,
             data_roots=self.settings.data_roots,
-            memory=MemorySettings.of(self.settings.training),
+            memory=memory,
         )
+
+    def job_device(self, job: Job) -> str:
+        """Where ``job`` trains: its config's ``device`` (admission wrote the server's ``training.device`` there when
+        the request set none), resolved on this machine as the worker resolves it."""
+        from kiln.model import resolve_device
+
+        config = job.request.get("config")
+        setting = config.get("device") if isinstance(config, dict) else None
+        return resolve_device(str(setting or self.settings.training.device))
 
 
 def admit(engine: Engine, kind: str, body: JsonObject, jobs: Any) -> JsonObject:
@@ -112,6 +126,7 @@ def admit(engine: Engine, kind: str, body: JsonObject, jobs: Any) -> JsonObject:
     if replay.get("dataset_path") is not None:
         replay["dataset_path"] = str(Path(replay["dataset_path"]).resolve())
     resume = None if config.resume_checkpoint is None else config.resume_checkpoint.root
+    # the replay names the device setting (the request's, else the server's training.device): the worker resolves it
     replay["config"] = {**admitted.replay_config(resume), "auto_load": config.auto_load}
     history = admitted.resumed_history()
     total = admitted.total_steps
@@ -164,16 +179,28 @@ def job_spec(engine: Engine, job: Job, events: Path | None, context: TrainingCon
         checkpoint_interval=context.checkpoint_interval,
         data_roots=context.data_roots,
         memory_limit_bytes=context.memory.memory_limit_bytes,
+        serving_copy=None if context.memory.serving_copy is None else dataclasses.asdict(context.memory.serving_copy),
     )
 
 
 def run(engine: Engine, job: Job, cancel: threading.Event, report: Callable[[dict[str, Any]], None]) -> Outcome:
     """Train the job -- in a worker process (``training.worker = "process"``, the default) or in this thread
     (``"thread"``); either way the same ``kiln.jobs.worker.run_spec`` revalidates it at dequeue, trains and publishes --
-    then activate what it published."""
+    then activate what it published. The serving copy is released around the training when ``training.serving_copy``
+    says so (``kiln.server._serving``), and is back on its device before the activation."""
+    active = engine.generator.active() if engine.generator is not None else None
+    with engine.serving.beside(engine.job_device(job)) if engine.serving is not None else contextlib.nullcontext():
+        found = _train(engine, job, cancel, report)
+    outcome = Outcome(found["state"], found["error"], found["receipt_path"], found["adapter_path"])
+    if outcome.state == "completed" and found["activate"]:
+        _activate(engine, job, cancel, active["name"] if active else None)
+    return outcome
+
+
+def _train(engine: Engine, job: Job, cancel: threading.Event, report: Callable[[dict[str, Any]], None]) -> JsonObject:
+    """The worker's outcome of ``job`` (``kiln.jobs.worker.outcome_of``), in a process or a thread of the server."""
     from kiln.server import _worker_process
 
-    active = engine.generator.active() if engine.generator is not None else None
     if engine.settings.training.worker == "thread":
 
         def private_weights(admitted: Any) -> None:
@@ -191,13 +218,9 @@ def run(engine: Engine, job: Job, cancel: threading.Event, report: Callable[[dic
             admission_lock=engine.admission_lock,
             private_weights=private_weights,
         )
-    else:
-        found = _worker_process.launch(engine, job, job_spec(engine, job, _worker_process.events_file(engine, job)),
-                                       cancel, report)  # fmt: skip
-    outcome = Outcome(found["state"], found["error"], found["receipt_path"], found["adapter_path"])
-    if outcome.state == "completed" and found["activate"]:
-        _activate(engine, job, cancel, active["name"] if active else None)
-    return outcome
+        return found
+    spec = job_spec(engine, job, _worker_process.events_file(engine, job))
+    return _worker_process.launch(engine, job, spec, cancel, report)
 
 
 def _activate(engine: Engine, job: Job, cancel: threading.Event, active_before: str | None) -> None:

@@ -28,7 +28,7 @@ from kiln.checkpoints import LoadedCheckpoint
 from kiln.documents.jsonio import JsonObject
 from kiln.errors import RequestError
 from kiln.host.allocator import fix_mmap_threshold
-from kiln.training import DataParallel, EffectiveConfig, MemoryPlan, MemorySettings, Optimizer
+from kiln.training import DataParallel, EffectiveConfig, MemoryBudget, MemoryPlan, MemorySettings, Optimizer
 
 if TYPE_CHECKING:
     from kiln.model import LoadedModel, ModelIdentity
@@ -220,8 +220,8 @@ def planned_model(
     ``tokens``: the longest sequence one forward sees; ``loss_logits``: the float32 logits the loss holds at once; ``point``: the checkpoint resumed (its activation checkpointing is kept when the request says ``auto``);
     ``segments``: the request's ``grad_checkpoint_segments``; ``check``: refuse a plan over budget (a dry run trains
     nothing and is not held to one)."""
-    from kiln.model import apply_determinism, device_free_bytes, resolve_device, resolve_precision
-    from kiln.training import ModelShape, memory_budget, plan_memory
+    from kiln.model import apply_determinism, resolve_device, resolve_precision
+    from kiln.training import ModelShape, plan_memory
 
     device = resolve_device(cfg.device)  # a device this machine lacks is refused before any weight loads
     apply_determinism(device)  # before anything initialises CUDA
@@ -260,7 +260,7 @@ def planned_model(
         micro_batch_size=cfg.micro_batch_size,
         tokens=tokens,
         loss_logits=loss_logits,
-        budget=memory_budget(context.memory.memory_limit_bytes, device_free=device_free_bytes(device)),
+        budget=budget_for(context, device),
         seq_len_field=seq_len_field,
         processes=context.data_parallel.world_size,
     )
@@ -269,6 +269,17 @@ def planned_model(
     cfg = dataclasses.replace(cfg, precision=precision, gradient_checkpointing=plan.run.gradient_checkpointing)
     fix_mmap_threshold()  # freed activations go back to the system: the second step's peak stays at the first's
     return load_weights_for(loaded, cfg, device), cfg, plan
+
+
+def budget_for(context: TrainingContext, device: str) -> MemoryBudget:
+    """The budget of a job on ``device``: the configured limit, else the device's free memory, else the host's
+    available memory -- beside a server, moved by what that source could not see of its serving copy."""
+    from kiln.model import device_free_bytes
+    from kiln.training import memory_budget
+
+    budget = memory_budget(context.memory.memory_limit_bytes, device_free=device_free_bytes(device))
+    serving = context.memory.serving_copy
+    return budget if serving is None else serving.budget(budget, device)
 
 
 def load_weights_for(loaded: LoadedModel, cfg: EffectiveConfig, device: str) -> LoadedModel:

@@ -36,7 +36,18 @@ from kiln.training._lora import (
     module_of,
     target_modules,
 )
-from kiln.training._memory import MemoryBudget, MemoryPlan, MemorySettings, ModelShape, memory_budget, plan_memory
+from kiln.training._memory import (
+    MemoryBudget,
+    MemoryPlan,
+    MemorySettings,
+    ModelShape,
+    ServingCopy,
+    budget_beside_serving_copy,
+    memory_budget,
+    plan_memory,
+    serving_copy_bytes_during,
+    serving_copy_released,
+)
 from kiln.training._optim import AdamW, Muon, Optimizer, Sgd, resolve_optimizer
 from kiln.training._receipt import receipt_base
 from kiln.training._recompute import checkpoint_layers
@@ -90,12 +101,14 @@ __all__ = [
     "Optimizer",
     "RanksDivergedError",
     "Schedule",
+    "ServingCopy",
     "Sgd",
     "StepSync",
     "adapter_tensors",
     "attach_lora",
     "auxiliary_identity",
     "backend_for",
+    "budget_beside_serving_copy",
     "check_run_bounds",
     "checkpoint_layers",
     "classify_failure",
@@ -123,6 +136,8 @@ __all__ = [
     "resolve_seed",
     "restore_adapter",
     "restore_optimizer",
+    "serving_copy_bytes_during",
+    "serving_copy_released",
     "target_modules",
     "warm_start",
 ]

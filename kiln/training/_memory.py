@@ -26,6 +26,14 @@ budget and the settings that would fit (activation checkpointing, bf16, NF4, a s
 micro-batch), each with its own estimate. ``gradient_checkpointing: auto`` resolves to ``on`` exactly when the run
 does not fit with it ``off``. The coefficients were measured on Qwen2-shaped models (bench/README.md, "Memory
 planner"); the receipt records the estimate beside the measured peak.
+
+Beside a server (``ServingCopy``): the server's serving copy of the base model may share the job's device. The rule
+that releases it for the job (``training.serving_copy``) lives here, with what the planner counts of it:
+``serving_copy_bytes_during`` is what the copy holds on the job's device while the job trains, and
+``budget_beside_serving_copy`` moves the budget by what the budget's own source could not see -- a measured figure
+(the device's free memory, the host's ``MemAvailable``) already excludes a copy resident as it is read, so it gains
+the bytes of a copy about to be released and changes for nothing else; a configured limit cannot see the copy, so on
+the copy's CUDA device it loses what the copy keeps there (on the CPU a limit bounds the run's own process).
 """
 
 from __future__ import annotations
@@ -36,6 +44,7 @@ from typing import Any
 
 from kiln.documents.jsonio import JsonObject
 from kiln.errors import CapacityError
+from kiln.model import is_cuda
 
 __all__ = [
     "ACTIVATION_WIDTHS",
@@ -44,8 +53,12 @@ __all__ = [
     "MemoryPlan",
     "MemorySettings",
     "ModelShape",
+    "ServingCopy",
+    "budget_beside_serving_copy",
     "memory_budget",
     "plan_memory",
+    "serving_copy_bytes_during",
+    "serving_copy_released",
 ]
 
 GIB = 2**30
@@ -69,6 +82,7 @@ class MemorySettings:
     quantization: str = "none"
     memory_limit_bytes: int | None = None
     device: str = "auto"  # auto | cpu | cuda | cuda:N (kiln.model.resolve_device)
+    serving_copy: ServingCopy | None = None  # a server's serving copy beside the job, which its budget counts
 
     @classmethod
     def of(cls, training: Any) -> MemorySettings:
@@ -86,6 +100,9 @@ class MemorySettings:
 class MemoryBudget:
     bytes: int | None
     source: str  # configured_limit | host_available_memory | device_memory | unknown
+    # a server job's: what the planner counted of the server's serving copy on the job's device (None: no server)
+    serving_copy_bytes: int | None = None
+    moved_by: int = 0  # what ``budget_beside_serving_copy`` added to the source's figure (negative: took off)
 
     def describe(self) -> str:
         where = {
@@ -94,7 +111,74 @@ class MemoryBudget:
             "device_memory": "the device's memory",
             "unknown": "unknown",
         }[self.source]
+        if self.moved_by > 0:
+            where += f", with the {_gib(self.moved_by)} the server's serving copy frees when it is released for the job"
+        elif self.moved_by < 0:
+            where += f", less the {_gib(-self.moved_by)} the server's serving copy keeps on this device"
         return f"{_gib(self.bytes or 0)} ({where})"
+
+
+@dataclass(frozen=True)
+class ServingCopy:
+    """The server's serving copy of the base model, as the planner of a job beside it sees it."""
+
+    device: str  # where it lives when resident: cpu | cuda:N
+    bytes: int  # what its parameters and buffers hold there
+    policy: str  # training.serving_copy: keep | release | auto
+    resident: bool  # on its device as the job is planned (False: released for the job)
+
+    def released_for(self, job_device: str) -> bool:
+        return serving_copy_released(self.policy, serving_device=self.device, job_device=job_device)
+
+    def budget(self, budget: MemoryBudget, job_device: str) -> MemoryBudget:
+        """``budget`` (read for a job on ``job_device``) moved by what its source could not see of this copy."""
+        return budget_beside_serving_copy(
+            budget,
+            during=serving_copy_bytes_during(
+                self.bytes, serving_device=self.device, job_device=job_device, policy=self.policy
+            ),
+            now=self.bytes if self.resident and self.device == job_device else 0,
+            job_device=job_device,
+        )
+
+
+def serving_copy_released(policy: str, *, serving_device: str, job_device: str) -> bool:
+    """Whether the serving copy is released while a job on ``job_device`` trains: ``keep`` never, ``release``
+    always, ``auto`` exactly when the job trains on the CUDA device the copy is on."""
+    if policy == "keep":
+        return False
+    if policy == "release":
+        return True
+    if policy != "auto":
+        raise ValueError(f"serving_copy {policy!r} is not one of keep, release, auto")
+    return is_cuda(job_device) and job_device == serving_device
+
+
+def serving_copy_bytes_during(serving_bytes: int, *, serving_device: str, job_device: str, policy: str) -> int:
+    """The bytes the planner must treat as taken on ``job_device`` by the serving copy while the job trains: all of
+    them when the copy stays on that device (the host's memory, for a CPU job beside a CPU copy), none when it is
+    released for the job or lives on another device."""
+    if serving_copy_released(policy, serving_device=serving_device, job_device=job_device):
+        return 0
+    return serving_bytes if serving_device == job_device else 0
+
+
+def budget_beside_serving_copy(budget: MemoryBudget, *, during: int, now: int, job_device: str) -> MemoryBudget:
+    """``budget`` moved by what its source could not see of the serving copy. ``during``: what the copy holds on
+    the job's device while the job trains (``serving_copy_bytes_during``); ``now``: what it holds there as the
+    budget is read. A measured figure (``device_memory``, ``host_available_memory``) already excludes ``now``, so it
+    moves by ``now - during``; a configured limit sees nothing, so on a CUDA device it loses ``during`` (on the CPU the
+    limit bounds the run's own process, which the copy is not part of); no budget stays none."""
+    if budget.bytes is None:
+        moved = 0
+    elif budget.source in ("device_memory", "host_available_memory"):
+        moved = now - during
+    elif budget.source == "configured_limit" and is_cuda(job_device):
+        moved = -during
+    else:
+        moved = 0
+    size = None if budget.bytes is None else max(0, budget.bytes + moved)
+    return replace(budget, bytes=size, serving_copy_bytes=during, moved_by=moved)
 
 
 def memory_budget(limit: int | None, *, device_free: int | None = None) -> MemoryBudget:
@@ -270,6 +354,9 @@ class MemoryPlan:
             "processes": self.processes,
             "budget_bytes": self.budget.bytes,
             "budget_source": self.budget.source,
+            **(
+                {} if self.budget.serving_copy_bytes is None else {"serving_copy_bytes": self.budget.serving_copy_bytes}
+            ),
             "components": dict(self.components),
             "longest_sequence_tokens": self.run.tokens,
             "micro_batch_size": self.run.micro_batch_size,
