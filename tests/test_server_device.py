@@ -226,7 +226,10 @@ def test_serve_on_a_device_this_machine_lacks_stops_with_the_reason_and_no_trace
     monkeypatch.setenv("KILN_MODEL_PATH", str(tiny_model_dir))
     assert main(["serve", "--device", device]) == 1
     err = capsys.readouterr().err
-    assert f"error [training_backend_unsupported]: model.device {device}: this machine has no CUDA device" in err
+    assert (
+        f"error [training_backend_unsupported]: model.device: {device} needs a CUDA device, and this machine has none"
+        in err
+    )
     assert "hint: use --device cpu" in err
     assert "Traceback" not in err
     assert "loading the weights" not in err  # refused before any weight loads
