@@ -242,10 +242,13 @@ def test_the_readme_gate_walkthrough(server, capsys, tmp_path, monkeypatch):
         submitted = client.post("/v1/train/sft", json=body)
         assert submitted.status_code == 200, submitted.text
         job_id = submitted.json()["job_id"]
+        # the verdict is recorded while the job still runs (the gate is part of it): wait for the job's end
         detail = wait_for(
-            lambda: (d := client.get(f"/v1/train/jobs/{job_id}").json()).get("post_eval_verdict") and d, timeout=600
+            lambda: (d := client.get(f"/v1/train/jobs/{job_id}").json())["state"] in ("completed", "failed") and d,
+            timeout=600,
         )
-    assert detail["state"] == "completed"
+    assert detail["state"] == "completed", detail.get("error")
+    assert detail["post_eval_verdict"]
     # seven examples: fewer than 20 pairs, so the gate cannot promote (or the floor demotes)
     assert detail["gate_outcome"] in ("inconclusive", "demoted")
     assert main(["train", "status", "--job-id", job_id]) == 0
