@@ -30,6 +30,7 @@ UNMEASURED = (
     "runtime.peak_vram_mib",
     "runtime.memory_plan.budget_bytes",
     "runtime.memory_plan.budget_source",
+    "runtime.memory_plan.serving_copy_bytes",  # a server's serving copy beside the job: the occasion's, like the budget
     "runtime.execution_provenance.configuration",  # where it was configured (home, server settings) ...
     "runtime.execution_provenance.provenance_sha256",  # ... which this digest covers too
     "request_lineage",

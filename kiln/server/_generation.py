@@ -1,5 +1,9 @@
 """The generation engine of ``kiln serve``: chat completions, adapter load/unload, serving canary.
 
+Longer than 600 lines: the one owner of the served model -- its forwards, its adapters' hooks, the canary and the
+swap that releases and reloads it -- in one module, because each of these holds the same lock and the same model
+reference, and the locking rules below are only checkable read together.
+
 One ``Generator`` owns the served model (``LoadedModel.model``) for inference. It never
 changes a base weight: an adapter is applied as a forward hook on each LoRA target
 ``nn.Linear`` (``y + B(A(x)) * scale``, computed exactly as peft's LoRA layer does), the
