@@ -14,6 +14,13 @@ ADAPTER_CONVERSATIONS = [
 ]  # fmt: skip
 
 
+def pytest_collection_modifyitems(config, items):
+    """The tests marked ``slow`` run first (a stable sort: the order is the same on every run). pytest-xdist hands
+    out tests in this order, so both workers share the long ones and end together, instead of one of them running a
+    long test alone at the end of the suite."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
 @pytest.fixture(autouse=True)
 def _isolated_kiln_home(tmp_path, monkeypatch):
     monkeypatch.setenv("KILN_HOME", str(tmp_path / "kiln-home"))
