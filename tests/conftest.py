@@ -16,8 +16,8 @@ ADAPTER_CONVERSATIONS = [
 
 def pytest_collection_modifyitems(config, items):
     """The tests marked ``slow`` run first (a stable sort: the order is the same on every run). pytest-xdist hands
-    out tests in this order, so both workers share the long ones and end together, instead of one of them running a
-    long test alone at the end of the suite."""
+    out tests in this order and an idle worker takes half of the other's queue (``--dist worksteal``), so both
+    workers share the long ones and end together, instead of one of them running a long test alone at the end."""
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 
