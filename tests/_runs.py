@@ -51,3 +51,20 @@ def assert_same_opd_run(whole, resumed):
         whole.adapter_dir / "adapter_model.safetensors"
     ).read_bytes()
     assert resumed.receipt["opd"]["collapse_diagnostics"][-1] == whole.receipt["opd"]["collapse_diagnostics"][-1]
+
+
+def admit_kind(kind, tmp_path, model_dir, teachers, rows, memory):
+    """The smallest request of ``kind`` (from the conversations ``rows``; OPD's teacher ``tutor`` in ``teachers``),
+    admitted through the trainer registry in a context whose defaults are ``memory`` (the server's training.*)."""
+    from kiln.trainers import TRAINERS, TrainingContext
+
+    prompt = rows[0]["messages"][:1]
+    bodies = {
+        "sft": {"examples": rows[:2]},
+        "grpo": {"groups": [{"messages": prompt, "completions": [{"text": "a", "reward": 1.0}]}]},
+        "opd": {"teacher": "tutor", "prompts": [{"messages": prompt}]},
+    }
+    context = TrainingContext(
+        registry=tmp_path / "adapters", model_path=str(model_dir), teachers_root=teachers, memory=memory
+    )
+    return TRAINERS[kind].admit({**bodies[kind], "config": {"output_name": "bot"}}, adapter_name="bot", context=context)

@@ -7,36 +7,17 @@ line."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-import textwrap
 
 import pytest
+from _probe import cli_probe
 
 GOOD = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
-PROBE = textwrap.dedent(
-    """
-    import json, sys
-    from kiln.cli import main
-    code = main(sys.argv[1:])
-    print(json.dumps({"code": code, "torch": "torch" in sys.modules, "transformers": "transformers" in sys.modules}))
-    """
-)
 
 
 def _run(tmp_path, argv):
-    env_home = tmp_path / "home"
-    done = subprocess.run(
-        [sys.executable, "-c", PROBE, *argv],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-        env={**os.environ, "KILN_HOME": str(env_home)},
-    )
-    outcome = json.loads(done.stdout.strip().splitlines()[-1])
-    return outcome, done.stderr
+    outcome, _code, stderr = cli_probe(tmp_path, argv)
+    assert outcome is not None, stderr
+    return outcome, stderr
 
 
 CASES = [

@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import threading
 import types
 
 import pytest
 import torch
+from _probe import cli_probe
+from _runs import admit_kind
 from kiln_contracts.models.kiln_checkpoint_v1_schema import CheckpointExecutionEnvelope, CheckpointRngState
 
 from kiln import contracts
@@ -43,6 +43,20 @@ ROWS = [
     {"messages": [{"role": "user", "content": f"Question {i}?"}, {"role": "assistant", "content": f"Answer {i}."}]}
     for i in range(4)
 ]
+
+
+# what apply_determinism("cuda...") switches on, as the envelope records it
+CUDA_DETERMINISM = {
+    "deterministic_algorithms": True,
+    "cublas_workspace_config": ":4096:8",
+    "cudnn_deterministic": True,
+    "cudnn_benchmark": False,
+    "tf32_matmul": False,
+    "tf32_cudnn": False,
+    "bf16_reduced_precision_reduction": False,
+    "fp16_reduced_precision_reduction": False,
+    "float32_matmul_precision": "highest",
+}
 
 
 def _fake_cuda(monkeypatch, count=2):
@@ -119,27 +133,6 @@ def test_a_device_outside_the_contract_is_refused_by_the_schema(tmp_path, tiny_m
     assert [p.pointer for p in problems] == ["/device"]
 
 
-PROBE = """
-import json, sys
-from kiln.cli import main
-code = main(sys.argv[1:])
-print(json.dumps({"code": code, "torch": "torch" in sys.modules}))
-"""
-
-
-def _cli(tmp_path, argv):
-    done = subprocess.run(
-        [sys.executable, "-c", PROBE, *argv],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-        env={**os.environ, "KILN_HOME": str(tmp_path / "home")},
-    )
-    lines = done.stdout.strip().splitlines()
-    return (json.loads(lines[-1]) if lines else None), done.returncode, done.stderr
-
-
 def test_kiln_train_device_cuda_is_refused_with_a_clear_message_and_no_traceback(tmp_path, tiny_model_dir):
     data = tmp_path / "rows.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in ROWS), encoding="utf-8")
@@ -156,7 +149,7 @@ def test_kiln_train_device_cuda_is_refused_with_a_clear_message_and_no_traceback
         "--device",
         "cuda",
     ]
-    outcome, _rc, stderr = _cli(tmp_path, argv)
+    outcome, _rc, stderr = cli_probe(tmp_path, argv)
     assert outcome is not None
     assert outcome["code"] != 0
     assert "training_backend_unsupported" in stderr
@@ -168,7 +161,7 @@ def test_kiln_train_device_cuda_is_refused_with_a_clear_message_and_no_traceback
 def test_a_malformed_device_flag_is_refused_before_torch_loads(tmp_path):
     data = tmp_path / "rows.jsonl"
     data.write_text(json.dumps(ROWS[0]) + "\n", encoding="utf-8")
-    outcome, rc, stderr = _cli(
+    outcome, rc, stderr = cli_probe(
         tmp_path, ["train", "sft", "-f", str(data), "--local", "--adapter", "bot", "--device", "gpu"]
     )
     assert outcome is None  # argparse's usage error: no line of JSON
@@ -180,33 +173,24 @@ def test_a_malformed_device_flag_is_refused_before_torch_loads(tmp_path):
 # ----------------------------------------------------------------------------- determinism and envelope
 
 
+CUDA_FLAGS = [
+    (torch.backends.cuda.matmul, "allow_tf32"),
+    (torch.backends.cuda.matmul, "allow_bf16_reduced_precision_reduction"),
+    (torch.backends.cuda.matmul, "allow_fp16_reduced_precision_reduction"),
+    (torch.backends.cudnn, "allow_tf32"),
+    (torch.backends.cudnn, "deterministic"),
+    (torch.backends.cudnn, "benchmark"),
+]
+
+
 @pytest.fixture
-def cuda_flags():
+def cuda_flags(monkeypatch):
     """Put the process-wide CUDA flags and CUBLAS_WORKSPACE_CONFIG back as they were."""
-    matmul, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn
-    saved = (
-        matmul.allow_tf32,
-        matmul.allow_bf16_reduced_precision_reduction,
-        matmul.allow_fp16_reduced_precision_reduction,
-        cudnn.allow_tf32,
-        cudnn.deterministic,
-        cudnn.benchmark,
-        os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
-    )
+    saved = [getattr(owner, name) for owner, name in CUDA_FLAGS]
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", os.environ.get("CUBLAS_WORKSPACE_CONFIG", ""))  # restored after
     yield
-    (
-        matmul.allow_tf32,
-        matmul.allow_bf16_reduced_precision_reduction,
-        matmul.allow_fp16_reduced_precision_reduction,
-        cudnn.allow_tf32,
-        cudnn.deterministic,
-        cudnn.benchmark,
-        workspace,
-    ) = saved
-    if workspace is None:
-        os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
-    else:
-        os.environ["CUBLAS_WORKSPACE_CONFIG"] = workspace
+    for (owner, name), value in zip(CUDA_FLAGS, saved, strict=True):
+        setattr(owner, name, value)
 
 
 def test_on_the_cpu_only_deterministic_algorithms_are_switched_on(cuda_flags, monkeypatch):
@@ -223,18 +207,7 @@ def test_on_the_cpu_only_deterministic_algorithms_are_switched_on(cuda_flags, mo
 
 def test_for_cuda_the_determinism_settings_are_applied_and_recorded(cuda_flags, monkeypatch):
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
-    record = apply_determinism("cuda:0")
-    assert record == {
-        "deterministic_algorithms": True,
-        "cublas_workspace_config": ":4096:8",
-        "cudnn_deterministic": True,
-        "cudnn_benchmark": False,
-        "tf32_matmul": False,
-        "tf32_cudnn": False,
-        "bf16_reduced_precision_reduction": False,
-        "fp16_reduced_precision_reduction": False,
-        "float32_matmul_precision": "highest",
-    }
+    assert apply_determinism("cuda:0") == CUDA_DETERMINISM
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")  # the user's own value is kept, and recorded
     assert apply_determinism("cuda")["cublas_workspace_config"] == ":16:8"
 
@@ -335,17 +308,7 @@ def _envelope(**changes):
         "cuda_version": "13.0",
         "cudnn_version": 91500,
         "triton_version": "3.8.0",
-        "determinism": {
-            "deterministic_algorithms": True,
-            "cublas_workspace_config": ":4096:8",
-            "cudnn_deterministic": True,
-            "cudnn_benchmark": False,
-            "tf32_matmul": False,
-            "tf32_cudnn": False,
-            "bf16_reduced_precision_reduction": False,
-            "fp16_reduced_precision_reduction": False,
-            "float32_matmul_precision": "highest",
-        },
+        "determinism": dict(CUDA_DETERMINISM),
     }
     for key, value in changes.items():
         if key in record["determinism"]:
@@ -411,22 +374,10 @@ def test_a_cuda_checkpoint_is_refused_on_the_cpu(tmp_path, tiny_model_dir, monke
 
 @pytest.mark.parametrize("kind", ["sft", "grpo", "opd"])
 def test_every_kind_refuses_a_server_default_device_this_machine_lacks(kind, tmp_path, tiny_model_dir, teachers):
-    from kiln.trainers import TRAINERS, TrainingContext
     from kiln.training import MemorySettings
 
-    bodies = {
-        "sft": {"examples": ROWS},
-        "grpo": {"groups": [{"messages": ROWS[0]["messages"][:1], "completions": [{"text": "a", "reward": 1.0}]}]},
-        "opd": {"teacher": "tutor", "prompts": [{"messages": ROWS[0]["messages"][:1]}]},
-    }
-    context = TrainingContext(
-        registry=tmp_path / "adapters",
-        model_path=str(tiny_model_dir),
-        teachers_root=teachers,
-        memory=MemorySettings(device="cuda:1"),  # the server's training.device
-    )
-    with pytest.raises(RequestError) as caught:
-        TRAINERS[kind].admit({**bodies[kind], "config": {"output_name": "bot"}}, adapter_name="bot", context=context)
+    with pytest.raises(RequestError) as caught:  # the server's training.device
+        admit_kind(kind, tmp_path, tiny_model_dir, teachers, ROWS, MemorySettings(device="cuda:1"))
     assert caught.value.code == "training_backend_unsupported"
     assert caught.value.message.startswith("device: cuda:1 needs a CUDA device")
 

@@ -16,7 +16,7 @@ import shutil
 import threading
 
 import pytest
-from _runs import assert_same_opd_run, assert_same_run
+from _runs import admit_kind, assert_same_opd_run, assert_same_run
 
 from kiln.errors import CapacityError, CheckpointError, RequestError
 from kiln.trainers.grpo import admit_grpo, run_grpo
@@ -500,21 +500,11 @@ def test_every_kind_takes_the_servers_memory_defaults_when_its_config_has_none(
     kind, tmp_path, tiny_model_dir, teachers
 ):
     # the server's training.precision / gradient_checkpointing apply to a job that sets neither (OPD ignored them)
-    from kiln.trainers import TRAINERS, TrainingContext
     from kiln.training import MemorySettings
 
-    bodies = {
-        "sft": {"examples": ROWS[:2]},
-        "grpo": {"groups": [{"messages": ROWS[0]["messages"][:1], "completions": [{"text": "a", "reward": 1.0}]}]},
-        "opd": {"teacher": "tutor", "prompts": [{"messages": ROWS[0]["messages"][:1]}]},
-    }
-    context = TrainingContext(
-        registry=tmp_path / "adapters",
-        model_path=str(tiny_model_dir),
-        teachers_root=teachers,
-        memory=MemorySettings(precision="bf16", gradient_checkpointing="on"),
+    job = admit_kind(
+        kind, tmp_path, tiny_model_dir, teachers, ROWS, MemorySettings(precision="bf16", gradient_checkpointing="on")
     )
-    job = TRAINERS[kind].admit({**bodies[kind], "config": {"output_name": "bot"}}, adapter_name="bot", context=context)
     assert job.config.precision == "bf16"
     assert job.config.gradient_checkpointing == "on"
     assert job.precision["activation_dtype"] == "bf16"  # the identity says what trains

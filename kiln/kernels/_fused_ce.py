@@ -139,11 +139,18 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        active, grad_rows = ctx.saved_tensors
-        grad_hidden = grad_rows.new_zeros((ctx.num_rows_total, grad_rows.shape[1]), dtype=ctx.hidden_dtype)
-        if active.numel():
-            grad_hidden.index_copy_(0, active, (grad_rows * grad_loss.to(grad_rows.dtype)).to(ctx.hidden_dtype))
-        return grad_hidden, None, None, None, None, None
+        return stored_rows_backward(ctx, grad_loss), None, None, None, None, None
+
+
+def stored_rows_backward(ctx: Any, grad_loss: torch.Tensor) -> torch.Tensor:
+    """The backward of a fused route whose forward saved ``(active, grad_rows)``: the supervised rows' gradient
+    ``[A, H]``, scaled by the incoming gradient and scattered to ``[T, H]`` (``ctx.num_rows_total`` rows of
+    ``ctx.hidden_dtype``); the other rows' gradient is zero."""
+    active, grad_rows = ctx.saved_tensors
+    grad_hidden = grad_rows.new_zeros((ctx.num_rows_total, grad_rows.shape[1]), dtype=ctx.hidden_dtype)
+    if active.numel():
+        grad_hidden.index_copy_(0, active, (grad_rows * grad_loss.to(grad_rows.dtype)).to(ctx.hidden_dtype))
+    return grad_hidden
 
 
 def _chunks(

@@ -41,9 +41,9 @@ from typing import Any
 import torch
 from torch.autograd.function import once_differentiable
 
+from ._fused_ce import IGNORE_INDEX, stored_rows_backward
 from ._logit_map import IDENTITY, LogitMap
 
-IGNORE_INDEX = -100
 COMPUTE = torch.float32
 
 
@@ -178,11 +178,7 @@ class _TritonLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        active, grad_rows = ctx.saved_tensors
-        grad_hidden = grad_rows.new_zeros((ctx.num_rows_total, grad_rows.shape[1]), dtype=ctx.hidden_dtype)
-        if active.numel():
-            grad_hidden.index_copy_(0, active, (grad_rows * grad_loss.to(grad_rows.dtype)).to(ctx.hidden_dtype))
-        return grad_hidden, None, None, None, None, None, None
+        return stored_rows_backward(ctx, grad_loss), None, None, None, None, None, None
 
 
 def _head_slices(
