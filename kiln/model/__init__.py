@@ -11,12 +11,26 @@
                              ``apply_determinism``, ``execution_envelope``: CUDA's reproducibility settings and the
                              envelope a CUDA run's exact resume holds in
 ``create_tiny(path, seed)``  write a tiny model (same tokenizer, weights from ``seed``)
-``forward_logits(model, ids)`` the model's own logits (after its post-processing): every log-probability's source
-``RowBatch(model)``          sequences decoded together, one forward per step, each row's logits bit for bit its own
+``forward_logits(model, ids)`` the model's own logits (after its post-processing), from its own forward
+``Decoder.of(model)``         the invariant forward: Kiln's decoder over the model's weights on ``kiln.kernels``'
+                             invariant operations, a row's bits independent of its batch, padding and prefill/step;
+                             ``decoder_for`` caches one per model; ``sequence_logprobs`` scores sequences with it
+``Batch(model)``              the one batched decoder (server, evaluations, OPD rollouts): rows join, step and leave,
+                             one invariant forward per step (each row alone through the model's own when it has none)
+``draw_tokens(...)``          portable draws: a batch's tokens from its logits by a counter-keyed rule, the same token
+                             for the same logits on any device
 """
 
 from __future__ import annotations
 
+from kiln.model._decoder import (
+    Decoder,
+    KVCache,
+    RowLoras,
+    Unsupported,
+    decoder_of,
+    logit_map_of,
+)
 from kiln.model._device import (
     apply_determinism,
     cuda_device_count,
@@ -28,6 +42,8 @@ from kiln.model._device import (
     resolve_device,
     runtime_device,
 )
+from kiln.model._draw import DrawKey, draw_tokens, next_tokens, penalised
+from kiln.model._generator import Batch, LoraLayers, batch_logprobs, decoder_for, lora_hooks, sequence_logprobs
 from kiln.model._identity import ModelIdentity, capture_identity, git_source, training_precision, weights_cache_dir
 from kiln.model._loader import (
     LoadedModel,
@@ -45,14 +61,9 @@ from kiln.model._logits import (
     padded_forward_logits,
     right_padded,
 )
-from kiln.model._rows import RowBatch
 from kiln.model._sampling import (
     Sampling,
-    choose,
     max_positions,
-    pick_token,
-    sample,
-    sample_batch,
     special_tokens,
     stop_token_ids,
 )
@@ -61,20 +72,29 @@ from kiln.model._weights import WeightsInfo, read_weights_info
 
 __all__ = [
     "TINY_NAME",
+    "Batch",
+    "Decoder",
+    "DrawKey",
+    "KVCache",
     "LoadedModel",
+    "LoraLayers",
     "ModelIdentity",
-    "RowBatch",
+    "RowLoras",
     "Sampling",
+    "Unsupported",
     "WeightsInfo",
     "apply_determinism",
+    "batch_logprobs",
     "capture_identity",
     "check_model_dir",
-    "choose",
     "create_tiny",
     "cuda_device_count",
+    "decoder_for",
+    "decoder_of",
     "determinism_settings",
     "device_free_bytes",
     "device_memory_bytes",
+    "draw_tokens",
     "ensure_default_tiny",
     "execution_envelope",
     "forward_logits",
@@ -82,20 +102,22 @@ __all__ = [
     "is_cuda",
     "load_base_model",
     "load_weights",
+    "logit_map_of",
+    "lora_hooks",
     "max_positions",
     "model_device",
     "next_token_logprobs",
+    "next_tokens",
     "open_base_model",
     "padded_forward_logits",
-    "pick_token",
+    "penalised",
     "read_weights_info",
     "resolve_device",
     "resolve_model_path",
     "resolve_precision",
     "right_padded",
     "runtime_device",
-    "sample",
-    "sample_batch",
+    "sequence_logprobs",
     "special_tokens",
     "stop_token_ids",
     "training_precision",

@@ -6,22 +6,24 @@ its consumer iterates the ``Stream`` it gets back: ``(token, score)`` pairs, as 
 Scheduling
     No thread of its own: a consumer that finds nothing buffered for its sequence runs the next step itself, for
     every sequence (the others' tokens wait in their buffers), while the consumers of other threads wait for that
-    step to end. A step (a) runs one forward for all running sequences (``kiln.model.RowBatch``: each with its own
-    KV cache, stacked left-padded), then (b) admits the sequences submitted since (up to ``MAX_ROWS`` running):
-    each prompt's prefill runs alone -- once for the choices of one request, which share prompt and weights -- and
-    picks the sequence's first token. A sequence leaves the batch when it ends (an end-of-turn token, its
+    step to end. A step (a) runs one forward for all running sequences (``kiln.model.Batch``: the model's invariant
+    forward, each sequence at its own position in its own slot of one KV cache), then (b) admits the sequences
+    submitted since (up to ``MAX_ROWS`` running): their prompts run as one right-padded prefill -- once for the
+    choices of one request, which share prompt and weights -- and pick each sequence's first token. A sequence leaves the batch when it ends (an end-of-turn token, its
     ``max_new`` tokens, non-finite logits) or when its consumer closes the stream or drops it (a client that
     disconnects: the generator chain above the stream is closed or collected); it is gone from the next step on.
     A consumer that does not pull (a slow SSE client) never stalls the batch: its tokens wait in its buffer,
     bounded by its ``max_new``. Sequences submitted together before any step share every step from the first.
 Per sequence
-    Its own weights (rows of several adapters and of the base model share a forward: a LoRA hook adds each
-    row's adapter to that row only, computed exactly as the one-adapter hook computes it, and leaves a base row's
-    output untouched), its own ``Sampling`` through ``kiln.model.choose`` with its ``seen`` ids and ``produced``
-    count, its own ``torch.Generator`` seeded with its seed, its stop ids, its scoring (log-softmax of the raw
-    logits; ``top_k`` alternatives by ``stable_top_k``) and the ``first`` shortcut (log-probabilities of its first
-    token already computed by prompt scoring). Non-finite logits end that sequence alone (``NonFiniteLogitsError``
-    at its consumer); an error of a forward ends the sequences of that forward (``InternalError``).
+    Its own weights (rows of several adapters and of the base model share a forward: each row's LoRA delta is
+    added to that row only, ``kiln.model.RowLoras``), its own ``Sampling``, its ``seen`` ids (a mask on the model's
+    device, for the repetition penalty) and ``produced`` count, its draws keyed by ``(seed, 0, position)``
+    (``kiln.model.next_tokens``: the portable rule, every row of a step in one call), its stop ids, its scoring
+    (the invariant log-softmax of the raw logits: what a trainer recomputes; ``top_k`` alternatives by
+    ``stable_top_k``) and the ``first`` shortcut (log-probabilities of its first token already computed by prompt
+    scoring). A step's tokens, finiteness flags and scores reach the host in one read. Non-finite logits end that
+    sequence alone (``NonFiniteLogitsError`` at its consumer); an error of a forward ends the sequences of that
+    forward (``InternalError``).
 Locking
     ``lock`` (``Generator.lock``) is held for each forward pass (a prefill, a step) and by every adapter swap; never
     while a consumer holds a token, so a client never blocks the model. A condition guards the queues.
@@ -31,29 +33,27 @@ Retiring
     at its consumer, frees their caches and lets the model go; a sequence submitted later ends the same way.
 Guarantee
     Bitwise: a sequence gives the same token ids, scores and text whichever sequences share its steps, and the same
-    as decoded alone (a batch of one is the model's own one-sequence forward). ``kiln.model.RowBatch`` says how;
-    measured before it, a left-padded batch moved logits by up to 2.1e-7 on the tiny model and 1.25e-6 on the
-    benches' 23 M model. ``tests/test_server_batching.py`` compares batched and lone decoding bit for bit.
+    as decoded alone -- by construction of the invariant forward (``kiln.kernels.invariant``), which a lone
+    sequence runs too; a model without one decodes each sequence alone through its own forward
+    (``Batch.fallback`` says why). ``tests/test_server_batching.py`` compares batched and lone decoding bit for
+    bit.
 """
 
 from __future__ import annotations
 
 import copy
-import inspect
 import threading
 import weakref
 from collections import deque
 from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 from kiln.errors import InternalError, KilnError
-from kiln.model import RowBatch, Sampling
-from kiln.model import choose as _choose
+from kiln.model import Batch, DrawKey, LoraLayers, Sampling, next_tokens
 from kiln.teachers import stable_top_k
 
-__all__ = ["MAX_ROWS", "Lora", "NonFiniteLogitsError", "Scheduler", "Stream", "applied", "lora_hook"]
+__all__ = ["MAX_ROWS", "Lora", "NonFiniteLogitsError", "Scheduler", "Stream", "lora_layers"]
 
 MAX_ROWS = 32  # sequences decoding together; later ones wait for a free row
 Score = tuple[float, list[tuple[int, float]]]  # log-probability of the token and its top-k alternatives
@@ -67,11 +67,18 @@ class NonFiniteLogitsError(Exception):
 class Lora:
     """One adapted module: ``y + B(A(x)) * scale``, computed as peft's ``lora.Linear`` computes it."""
 
-    module: Any  # the target nn.Linear (or GPT-2 Conv1D) of the served model (None while no model is served)
-    a: Any  # [r, in_features], float32
+    path: str  # the module's name in the model (what binds the layer to any copy of it)
+    a: Any  # [r, in_features], float32, on the served copy's device
     b: Any  # [out_features, r], float32
     scale: float
-    path: str = ""  # the module's name in the model (what binds the layer to another copy of it)
+
+
+def lora_layers(adapter: Any) -> LoraLayers | None:
+    """An adapter's layers (``adapter.layers``, a tuple of ``Lora``) as ``kiln.model`` takes them, or None for
+    the base model."""
+    if adapter is None:
+        return None
+    return {layer.path: (layer.a, layer.b, layer.scale) for layer in adapter.layers}
 
 
 @dataclass(eq=False)
@@ -80,13 +87,14 @@ class _Row:
 
     prompt: list[int]
     adapter: Any  # an object with ``layers: tuple[Lora, ...]``, or None for the base model
+    lora: LoraLayers | None  # its layers as the model layer takes them (one object per adapter)
     sampling: Sampling
     max_new: int
-    generator: Any  # torch.Generator seeded with the sequence's seed
+    seed: int
     stop: bool
     top_k: int | None
     first: Any
-    seen: set[int] = field(default_factory=set)
+    seen: Any = None  # bool [V] on the model's device: the ids the repetition penalty applies to (None: no penalty)
     produced: int = 0
     last: int = -1  # the token to feed next
     done: bool = False
@@ -134,8 +142,9 @@ class Scheduler:
         self._lock = lock
         self._stop_ids = stop_ids
         self._device = next(model.parameters()).device
-        self._extra = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
-        self._batch = RowBatch(model)
+        self._batch: Batch | None = Batch(model)
+        self.fallback = self._batch.fallback  # why sequences decode alone, or None: they share each step's forward
+        self._loras: dict[int, tuple[Any, LoraLayers | None]] = {}  # per adapter object, its layers (one dict each)
         self._cond = threading.Condition()
         self._waiting: list[_Row] = []
         self._stepping = False
@@ -158,29 +167,28 @@ class Scheduler:
     ) -> Stream:
         """Queue a sequence; it joins at the next step. ``stop``: an end-of-turn token ends it (and is its last
         token); ``first``: the log-probabilities after the prompt, when the caller already has them."""
-        import torch
-
-        generator = torch.Generator(device=self._device)
-        generator.manual_seed(seed)
         penalised = sampling.repetition_penalty != 1
-        row = _Row(
-            prompt=list(prompt),
-            adapter=adapter,
-            sampling=sampling,
-            max_new=max_new,
-            generator=generator,
-            stop=stop,
-            top_k=top_k,
-            first=None if penalised else first,  # the penalty applies to raw logits, not to log-probabilities
-            seen=set(prompt) if penalised else set(),
-        )
         with self._cond:
+            known = self._loras.get(id(adapter))
+            if known is None:
+                known = self._loras[id(adapter)] = (adapter, lora_layers(adapter))
+            row = _Row(
+                prompt=list(prompt),
+                adapter=adapter,
+                lora=known[1],
+                sampling=sampling,
+                max_new=max_new,
+                seed=seed,
+                stop=stop,
+                top_k=top_k,
+                first=None if penalised else first,  # the penalty applies to raw logits, not to log-probabilities
+            )
             self._waiting.append(row)
         return Stream(self, row)
 
     def running(self) -> int:
         """Sequences in the batch (a closed one counts until it leaves)."""
-        return len(self._batch.rows)
+        return len(self._batch.rows) if self._batch is not None else 0
 
     def retire(self, error: KilnError) -> int:
         """End this scheduler for good (its model is going away): wait for a step under way, end every sequence
@@ -193,10 +201,11 @@ class Scheduler:
             self._stepping = True
         try:
             with self._lock:  # no forward of this scheduler's model runs from here on
-                rows = [row for row in self._batch.rows if not row.done] + self._waiting
+                running = self._batch.rows if self._batch is not None else []
+                rows = [row for row in running if not row.done] + self._waiting
                 self._waiting = []
-                self._batch.retain(set())  # the KV caches go
-                self._batch = RowBatch(_NoModel())
+                self._batch = None  # the KV caches go
+                self._loras.clear()
                 self._model = None
         finally:
             with self._cond:
@@ -254,14 +263,11 @@ class Scheduler:
                 self._cond.notify_all()
 
     def _drop(self) -> None:
-        import torch
-
         with self._cond:
             self._waiting = [row for row in self._waiting if not row.closed]
-            if self._retired is not None:
+            if self._retired is not None or self._batch is None:
                 return
-        with torch.inference_mode():
-            self._batch.retain({row for row in self._batch.rows if not row.closed and not row.done})
+        self._batch.retain({row for row in self._batch.rows if not row.closed and not row.done})
 
     # --- one step ---------------------------------------------------------------------
 
@@ -269,7 +275,7 @@ class Scheduler:
         import torch
 
         with self._cond:
-            if self._retired is not None:  # submitted after retire(): ended at once
+            if self._retired is not None or self._batch is None:  # submitted after retire(): ended at once
                 for row in self._waiting:
                     row.done = True
                     row.events.append(_Failed(copy.copy(self._retired)))
@@ -278,195 +284,142 @@ class Scheduler:
             self._waiting = [row for row in self._waiting if not row.closed]
             room = max(0, MAX_ROWS - len(self._batch.rows))
             joining, self._waiting = self._waiting[:room], self._waiting[room:]
+        batch = self._batch
         emitted: list[tuple[_Row, Any]] = []
         try:
             with torch.inference_mode():
-                self._batch.retain({row for row in self._batch.rows if not row.closed})
-                self._decode(list(self._batch.rows), emitted)
-                entries = self._prefill(joining, emitted)
-                try:
-                    self._batch.add(entries)
-                except Exception as exc:  # noqa: BLE001 -- not swallowed: the joining sequences end with it
-                    _fail([row for row, _, _ in entries], exc, emitted)
-                self._batch.retain({row for row in self._batch.rows if not row.done})
+                batch.retain({row for row in batch.rows if not row.closed})
+                self._decode(batch, list(batch.rows), emitted)
+                self._join(batch, joining, emitted)
+                batch.retain({row for row in batch.rows if not row.done})
         finally:  # what was decoded reaches its consumers whatever happened after
             with self._cond:
                 for row, event in emitted:
                     row.events.append(event)
                 self._cond.notify_all()
 
-    def _decode(self, running: list[_Row], emitted: list[tuple[_Row, Any]]) -> None:
+    def _decode(self, batch: Batch, running: list[_Row], emitted: list[tuple[_Row, Any]]) -> None:
         """One forward for the running sequences, and each one's next token."""
         if not running:
             return
         try:
             with self._lock:
-                logits = self._batch.step(
-                    [row.last for row in running],
-                    lambda indices: rows_applied([running[i].adapter for i in indices]),
-                )
+                logits = batch.step([row.last for row in running])
         except Exception as exc:  # noqa: BLE001 -- not swallowed: each sequence of the forward ends with it
             _fail(running, exc, emitted)
             return
         self.steps += 1
         self.stepped += len(running)
         self.widest = max(self.widest, len(running))
-        for row, row_logits in zip(running, logits, strict=True):
-            self._advance(row, row_logits, emitted)
+        self._advance(running, logits, emitted)
 
-    def _prefill(self, joining: list[_Row], emitted: list[tuple[_Row, Any]]) -> list[tuple[_Row, Any, int]]:
-        """Each joining sequence's first token: its prompt's forward (one per distinct prompt and weights; none
-        for a one-token answer given ``first``). Returns the ``RowBatch`` entries of those that go on."""
+    def _join(self, batch: Batch, joining: list[_Row], emitted: list[tuple[_Row, Any]]) -> None:
+        """The joining sequences' prompts in one prefill (none for a one-token answer given ``first``), and each
+        one's first token from its prompt's logits (or from ``first``)."""
         import torch
 
-        entries: list[tuple[_Row, Any, int]] = []
-        shared: dict[tuple[tuple[int, ...], int], tuple[Any, Any]] = {}
+        picking: list[_Row] = []
         for row in joining:
             if row.max_new <= 0:
                 row.done = True
                 emitted.append((row, _END))
-                continue
-            cache = logits = None
-            if row.first is None or row.max_new > 1:
-                key = (tuple(row.prompt), id(row.adapter))
-                if key not in shared:
-                    try:
-                        with self._lock, applied(row.adapter):
-                            out = self._model(
-                                input_ids=torch.tensor([row.prompt], device=self._device), use_cache=True, **self._extra
-                            )
-                    except Exception as exc:  # noqa: BLE001 -- not swallowed: the sequence ends with it
-                        _fail([row], exc, emitted)
-                        continue
-                    shared[key] = (out.past_key_values, out.logits[0, -1].float())
-                cache, logits = shared[key]
-            if row.first is not None:
-                logits = row.first.to(self._device).float()
-            self._advance(row, logits, emitted)
-            if not row.done:
-                entries.append((row, cache, len(row.prompt)))
-        return entries
+            else:
+                picking.append(row)
+        forwarded = [row for row in picking if row.first is None or row.max_new > 1]
+        by_row: dict[int, Any] = {}
+        if forwarded:
+            try:
+                with self._lock:
+                    logits = batch.join([(row, row.prompt, row.lora) for row in forwarded])
+            except Exception as exc:  # noqa: BLE001 -- not swallowed: the joining sequences end with it
+                _fail(forwarded, exc, emitted)
+                picking = [row for row in picking if row not in forwarded]
+                batch.retain({row for row in batch.rows if row not in forwarded})
+            else:
+                by_row = {id(row): logits[i] for i, row in enumerate(forwarded)}
+        if not picking:
+            return
+        rows_logits = torch.stack(
+            [row.first.to(self._device).float() if row.first is not None else by_row[id(row)] for row in picking]
+        )
+        self._advance(picking, rows_logits, emitted)
 
-    def _advance(self, row: _Row, logits: Any, emitted: list[tuple[_Row, Any]]) -> None:
-        """Pick the sequence's next token from ``logits`` as the one-sequence loop did, and queue it (a failure
-        ends the sequence with it)."""
+    def _advance(self, rows: list[_Row], logits: Any, emitted: list[tuple[_Row, Any]]) -> None:
+        """Each row's next token from its row of ``logits`` ``[B, V]`` (float32, on the model's device), its
+        finiteness and its score, read to the host at once; then queued (a failure ends those rows with it)."""
         try:
-            self._pick(row, logits, emitted)
-        except Exception as exc:  # noqa: BLE001 -- not swallowed: the sequence ends with it
-            _fail([row], exc, emitted)
+            tokens, finite, scores = self._pick(rows, logits)
+        except Exception as exc:  # noqa: BLE001 -- not swallowed: the sequences end with it
+            _fail(rows, exc, emitted)
+            return
+        for row, token, ok, score in zip(rows, tokens, finite, scores, strict=True):
+            if not ok:
+                row.done = True
+                emitted.append((row, _Failed(None)))
+                continue
+            if row.seen is not None:
+                row.seen[token] = True
+            row.produced += 1
+            emitted.append((row, (token, score)))
+            if (row.stop and token in self._stop_ids) or row.produced >= row.max_new:
+                row.done = True
+                emitted.append((row, _END))
+            else:
+                row.last = token
 
-    def _pick(self, row: _Row, logits: Any, emitted: list[tuple[_Row, Any]]) -> None:
+    def _pick(self, rows: list[_Row], logits: Any) -> tuple[list[int], list[bool], list[Score | None]]:
         import torch
 
-        if not bool(torch.isfinite(logits).all()):
-            row.done = True
-            emitted.append((row, _Failed(None)))
-            return
-        token = _choose(
-            logits, row.sampling, row.generator, seen=row.seen, produced=row.produced, stop_ids=self._stop_ids
+        from kiln.kernels import invariant
+
+        finite = torch.isfinite(logits).all(-1)
+        safe = torch.where(finite.unsqueeze(1), logits, 0.0)  # a non-finite row fails; its draw is discarded
+        vocab = logits.shape[1]
+        for row in rows:
+            if row.seen is None and row.sampling.repetition_penalty != 1:  # the prompt's ids, once
+                row.seen = torch.zeros(vocab, dtype=torch.bool, device=logits.device)
+                ids = sorted({t for t in row.prompt if 0 <= t < vocab})
+                row.seen[torch.tensor(ids, dtype=torch.long, device=logits.device)] = True
+        seen = None
+        if any(row.seen is not None for row in rows):
+            blank = torch.zeros(vocab, dtype=torch.bool, device=logits.device)
+            seen = torch.stack([row.seen if row.seen is not None else blank for row in rows])
+        tokens = next_tokens(
+            safe,
+            [row.sampling for row in rows],
+            [DrawKey(row.seed, 0, row.produced) for row in rows],
+            seen=seen,
+            produced=[row.produced for row in rows],
+            stop_ids=self._stop_ids,
         )
-        if row.sampling.repetition_penalty != 1:
-            row.seen.add(token)
-        score: Score | None = None
-        if row.top_k is not None:
-            logprobs = torch.log_softmax(logits, dim=-1).cpu()
-            alternatives: list[tuple[int, float]] = []
-            if row.top_k:
-                ids, values = stable_top_k(logprobs.unsqueeze(0), row.top_k)
-                alternatives = list(zip(ids[0].tolist(), values[0].tolist(), strict=True))
-            score = (float(logprobs[token]), alternatives)
-        row.produced += 1
-        emitted.append((row, (token, score)))
-        if (row.stop and token in self._stop_ids) or row.produced >= row.max_new:
-            row.done = True
-            emitted.append((row, _END))
-        else:
-            row.last = token
-
-
-class _NoModel:
-    """What a retired scheduler's empty ``RowBatch`` is built over: no model, no rows, never stepped."""
-
-    config = None
-
-    def forward(self) -> None:
-        raise AssertionError("a retired scheduler runs no forward")
+        parts = [tokens.double(), finite.double()]
+        scoring = [i for i, row in enumerate(rows) if row.top_k is not None]
+        widths: list[int] = []
+        if scoring:
+            index = torch.tensor(scoring, device=logits.device)
+            logprobs = invariant.log_softmax(safe.index_select(0, index))
+            parts.append(logprobs.gather(1, tokens.index_select(0, index).unsqueeze(1)).squeeze(1).double())
+            for j, i in enumerate(scoring):
+                k = rows[i].top_k or 0
+                widths.append(k)
+                if k:
+                    ids, values = stable_top_k(logprobs[j : j + 1], k)
+                    parts.extend([ids[0].double(), values[0].double()])
+        flat = torch.cat(parts).tolist()  # the step's one read from the device
+        count = len(rows)
+        picked = [int(t) for t in flat[:count]]
+        ok = [bool(f) for f in flat[count : 2 * count]]
+        scores: list[Score | None] = [None] * count
+        at = 2 * count + len(scoring)
+        for j, i in enumerate(scoring):
+            k = widths[j]
+            ids_k, values_k = flat[at : at + k], flat[at + k : at + 2 * k]
+            at += 2 * k
+            scores[i] = (flat[2 * count + j], list(zip((int(t) for t in ids_k), values_k, strict=True)))
+        return picked, ok, scores
 
 
 def _fail(rows: list[_Row], error: Exception, emitted: list[tuple[_Row, Any]]) -> None:
     for row in rows:
         row.done = True
         emitted.append((row, _Failed(error)))
-
-
-# --- adapters -----------------------------------------------------------------------------------
-
-
-@contextmanager
-def applied(adapter: Any) -> Iterator[None]:
-    """Hook ``adapter`` (its ``layers``; None: base) onto its target modules for one forward pass (callers hold
-    the lock)."""
-    if adapter is None:
-        yield
-        return
-    handles = [layer.module.register_forward_hook(lora_hook(layer), with_kwargs=True) for layer in adapter.layers]
-    try:
-        yield
-    finally:
-        for handle in handles:
-            handle.remove()
-
-
-@contextmanager
-def rows_applied(adapters: list[Any]) -> Iterator[None]:
-    """Row r of the next forward with ``adapters[r]``: ``applied`` when every row has the same weights, else one
-    hook per adapted module that adds each row's own delta to that row (and leaves base rows as they are)."""
-    if all(adapter is adapters[0] for adapter in adapters):
-        with applied(adapters[0]):
-            yield
-        return
-    targets: dict[int, tuple[Any, list[Lora | None]]] = {}
-    for r, adapter in enumerate(adapters):
-        for layer in adapter.layers if adapter is not None else ():
-            targets.setdefault(id(layer.module), (layer.module, [None] * len(adapters)))[1][r] = layer
-    handles = [
-        module.register_forward_hook(_rows_hook(module, layers), with_kwargs=True)
-        for module, layers in targets.values()
-    ]
-    try:
-        yield
-    finally:
-        for handle in handles:
-            handle.remove()
-
-
-def lora_hook(layer: Lora) -> Any:
-    from torch.nn.functional import linear
-
-    def hook(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
-        if module is not layer.module:  # a deep copy of the model: never adapt it
-            return None
-        x = (args[0] if args else kwargs["input"]).to(layer.a.dtype)
-        return (output + linear(linear(x, layer.a), layer.b) * layer.scale).to(output.dtype)  # as peft's lora.Linear
-
-    return hook
-
-
-def _rows_hook(target: Any, layers: list[Lora | None]) -> Any:
-    import torch
-    from torch.nn.functional import linear
-
-    def hook(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
-        if module is not target:  # a deep copy of the model: never adapt it
-            return None
-        x = args[0] if args else kwargs["input"]
-        rows = []
-        for r, layer in enumerate(layers):
-            out = output[r : r + 1]
-            if layer is not None:  # exactly lora_hook's arithmetic, on this row
-                delta = linear(linear(x[r : r + 1].to(layer.a.dtype), layer.a), layer.b)
-                out = (out + delta * layer.scale).to(output.dtype)
-            rows.append(out)
-        return torch.cat(rows)
-
-    return hook

@@ -117,11 +117,11 @@ from kiln.adapters import (
 )
 from kiln.data import match_skeleton, template_errors
 from kiln.errors import AdapterError, CapacityError, ContractError, InternalError, KilnError, NotFoundError, Problem
-from kiln.model import Sampling
+from kiln.model import Sampling, sequence_logprobs
 from kiln.model import max_positions as _max_positions
 from kiln.model import special_tokens as _special_tokens
 from kiln.model import stop_token_ids as _stop_ids
-from kiln.server._batching import Lora, NonFiniteLogitsError, Scheduler, Stream, applied
+from kiln.server._batching import Lora, NonFiniteLogitsError, Scheduler, Stream, lora_layers
 
 __all__ = [
     "CANARY_FILE",
@@ -307,13 +307,7 @@ class Generator:
         model = self._model
         device = self._device if model is not None else "cpu"
         layers = tuple(
-            dataclasses.replace(
-                layer,
-                module=None if model is None else model.get_submodule(layer.path),
-                a=layer.a.to(device),
-                b=layer.b.to(device),
-            )
-            for layer in adapter.layers
+            dataclasses.replace(layer, a=layer.a.to(device), b=layer.b.to(device)) for layer in adapter.layers
         )
         return dataclasses.replace(adapter, layers=layers, epoch=self._epoch)
 
@@ -453,9 +447,8 @@ class Generator:
     def _finite_logits_failure(self, adapter: _Adapter, prompt: list[int]) -> str | None:
         import torch
 
-        with self.lock, torch.inference_mode(), self._applied(adapter):
-            model = self.forward_model(adapter)
-            logits = model(input_ids=torch.tensor([prompt], device=self._device)).logits
+        with self.lock, torch.inference_mode():
+            logits = sequence_logprobs(self.forward_model(adapter), prompt, lora_layers(adapter))
         bad = int((~torch.isfinite(logits)).sum())
         return f"{bad} of {logits.numel()} logits of the canary prompt are not finite" if bad else None
 
@@ -582,9 +575,14 @@ class Generator:
     def _decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
-    def _applied(self, adapter: _Adapter | None) -> Any:
-        """Hook ``adapter`` onto its target modules for one forward pass (callers hold the lock)."""
-        return applied(adapter)
+    def logprobs(self, prompt: list[int], adapter: _Adapter | None) -> Any:
+        """``[len(prompt), V]`` float32 log-probabilities of ``prompt`` with ``adapter`` (None: base) from one forward
+        under the lock -- the invariant forward, so the same bits as the scheduler's draws read and a trainer's
+        recomputation -- on the host."""
+        import torch
+
+        with self.lock, torch.inference_mode():
+            return sequence_logprobs(self.forward_model(adapter), prompt, lora_layers(adapter)).cpu()
 
     # --- reading adapters ---------------------------------------------------------------
 
@@ -684,7 +682,7 @@ class Generator:
             if r != rank:
                 given = f"r = {rank}" if rank == config.rank else f"rank_pattern's {rank} for it"
                 raise invalid(f"{path}: LoRA rank {r} differs from {given} in {CONFIG_FILE}")
-            layers.append(Lora(module, a.float().to(device), b.float().to(device), config.scale(r), path))
+            layers.append(Lora(path, a.float().to(device), b.float().to(device), config.scale(r)))
         return tuple(layers)
 
 

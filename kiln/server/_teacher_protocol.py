@@ -104,8 +104,7 @@ class TeacherProtocol:
 
     def logprobs(self, prompt: list[int], adapter: Any = None) -> Any:
         """``[len(prompt), V]`` log-probabilities of one forward, under the generator's lock, with ``adapter``."""
-        with self.generator.lock, self.generator._applied(adapter):
-            return log_probabilities(self.generator.forward_model(adapter), prompt)
+        return self.generator.logprobs(prompt, adapter)
 
     @staticmethod
     def top(rows: Any, targets: list[int], k: int) -> list[tuple[float, list[tuple[int, float]]]]:

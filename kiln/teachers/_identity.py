@@ -51,6 +51,7 @@ INFERENCE_CONFIG = {
     "logprobs": "raw log_softmax of the logits (temperature 1, no processing)",
     "top_k_order": "descending log-probability, ties by ascending token id (stable sort)",
     "positions": "causal: position p is scored by the logits at p - 1",
+    "forward": "kiln's invariant forward where the model has one (kiln.invariant.v1), else the model's own",
 }
 
 

@@ -10,7 +10,7 @@ pointed at a Kiln server over the same model directory return bit-identical tens
 A scorer has ``max_top_k``, ``score(prefix_ids, action_ids, k) -> (ids LongTensor[A, k],
 logprobs FloatTensor[A, k])`` (A = ``len(action_ids)``), ``score_batch(pairs, k)`` (the same for several
 ``(prefix_ids, action_ids)`` pairs: a local teacher runs them in one right-padded forward, equal to one forward
-each up to rounding; the remote protocol's ``prompt`` is one token array, so a remote teacher sends one request
+each, bit for bit, with the invariant forward; the remote protocol's ``prompt`` is one token array, so a remote teacher sends one request
 per pair) and ``close()``. ``fixture`` teachers
 have no scorer: their scores are the rows of the pre-scored file.
 """
@@ -57,17 +57,17 @@ class TeacherScorer(Protocol):
 def log_probabilities(model: Any, ids: list[int]) -> Any:
     """``[len(ids), V]`` float32 log-probabilities; row r is the distribution of the token after ``ids[r]``.
 
-    One forward of the whole sequence under ``torch.no_grad`` (never inference mode: the
-    result may enter a loss as a constant), ``log_softmax`` over every row at once of the model's own logits
-    (``kiln.model.next_token_logprobs``: after its soft-cap or scaling).
+    One forward of the whole sequence under ``torch.no_grad`` (never inference mode: the result may enter a loss
+    as a constant): ``kiln.model.sequence_logprobs``, the invariant forward's log-softmax of the model's logits
+    (after its soft-cap or scaling) -- so the same bits as a batch of sequences scored together, and as a server
+    decoding or scoring the same model -- or the model's own forward where it has no invariant one.
     """
     import torch
 
-    from kiln.model import next_token_logprobs
+    from kiln.model import sequence_logprobs
 
-    device = next(model.parameters()).device
     with torch.no_grad():
-        return next_token_logprobs(model, torch.tensor([list(ids)], dtype=torch.long, device=device)).cpu()
+        return sequence_logprobs(model, list(ids)).cpu()
 
 
 def stable_top_k(rows: Any, k: int) -> tuple[Any, Any]:
@@ -179,20 +179,20 @@ class LocalScorer:
         return ids
 
     def score_batch(self, pairs: list[tuple[list[int], list[int]]], k: int) -> list[tuple[Any, Any]]:
-        """``score`` of every pair, from one right-padded no-grad forward (one pair: ``score`` itself)."""
+        """``score`` of every pair, from one right-padded no-grad forward (``kiln.model.batch_logprobs``: with the
+        invariant forward, each pair's exact ``score``; one pair: ``score`` itself)."""
         import torch
 
-        from kiln.model import padded_forward_logits, right_padded
+        from kiln.model import batch_logprobs
 
         if len(pairs) == 1:
             return [self.score(*pairs[0], k)]
         sequences = [self._checked(prefix_ids, action_ids, k) for prefix_ids, action_ids in pairs]
-        ids, mask = right_padded(sequences, next(self._model.parameters()).device)
         with torch.no_grad():
-            logp = torch.log_softmax(padded_forward_logits(self._model, ids, mask), dim=-1).cpu()
+            found = batch_logprobs(self._model, sequences)
         return [
-            stable_top_k(logp[r, len(prefix_ids) - 1 : len(seq) - 1], k)
-            for r, ((prefix_ids, _), seq) in enumerate(zip(pairs, sequences, strict=True))
+            stable_top_k(logp.cpu()[len(prefix_ids) - 1 : len(seq) - 1], k)
+            for (prefix_ids, _), seq, logp in zip(pairs, sequences, found, strict=True)
         ]
 
     def close(self) -> None:

@@ -1,0 +1,553 @@
+"""The invariant forward: Kiln's own decoder over a Hugging Face causal LM's weights, every op from the invariant set
+(``kiln.kernels`` ``linear``, ``attention``, ``rms_norm``, ``layer_norm``, ``silu``, ``gelu_tanh``,
+``log_softmax``), so a row's hidden states, logits and log-probabilities are the same bits however it was batched:
+alone or beside other rows, right-padded, in one prefill or one position at a time, with or without gradient.
+
+``Decoder.of(model)`` reads the model's structure -- the module tree of a family Kiln implements -- and proves it:
+one probe forward of a fixed sequence must give the model's own logits (``model(ids).logits``) to within
+``PROBE_TOLERANCE`` of their largest magnitude. A model it cannot run is ``Unsupported`` with the reason (the
+callers fall back, visibly: the server decodes each row alone with the model's own forward). Families:
+
+* ``llama``: Llama, Mistral, Qwen2, Qwen3 (``q_norm``/``k_norm``) -- pre-norm RMSNorm layers, rotary embeddings
+  (the model's own ``inv_freq`` and ``attention_scaling``: default, linear, llama3 and yarn scaling; not the
+  dynamic kinds), grouped-query attention with optional biases, a gated MLP (``silu``, or GELU's tanh form);
+* ``gpt2``: GPT-2 -- LayerNorm, learned positions, ``Conv1D`` projections, GELU's tanh form.
+
+Refused: sliding-window attention, attention soft-capping or any other family, dynamic rotary scaling, quantized
+(NF4) projections, peft LoRA variants (DoRA) and merged adapters.
+
+What it computes, per layer, is the model's own arithmetic with the invariant ops in place of torch's: the
+RMSNorm in float32 then ``weight * normed.to(dtype)``; ``q·cos + rotate_half(q)·sin`` with ``cos``/``sin`` read
+from a table (``kiln.kernels.rope_table``: the same bits for a position whatever the batch); attention in float32;
+the MLP in the weights' dtype; the head in the weights' dtype, then float32 and the config's logit map. LoRA:
+each adapted projection adds ``B(A(x)) * scale`` to its output as peft does (input cast to the LoRA weights'
+dtype, the sum cast back) -- from peft's live modules when the model is peft-wrapped (the adapter disabled inside
+``disable_adapter()``), or per row from ``RowLoras`` (the server's adapters: rows of several adapters share a
+forward, each row gets exactly its own delta). No dropout runs: the forward is the model's eval-mode function.
+
+Caches are ``KVCache``: keys and values laid out by position (key j of a row at index j), so a decoding step reads
+every row's keys in place; layers marked by ``kiln.training.checkpoint_layers`` are recomputed in the backward
+pass when autograd records.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator, Sequence
+from typing import Any, TypeGuard
+
+import torch
+
+from kiln.kernels import LogitMap
+from kiln.kernels import invariant as inv
+
+__all__ = [
+    "PROBE_TOLERANCE",
+    "Decoder",
+    "KVCache",
+    "RowLoras",
+    "Unsupported",
+    "decoder_of",
+    "logit_map_of",
+]
+
+LLAMA_FAMILY = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+GPT2_FAMILY = frozenset({"gpt2"})
+PROBE_TOKENS = 12
+PROBE_TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-4}
+PROBE_TOLERANCE_NARROW = 5e-2  # bf16 / fp16 weights round every product
+ROPE_TYPES = frozenset({"default", "linear", "llama3", "yarn"})
+GATED_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh"}
+
+
+class Unsupported(Exception):  # noqa: N818 -- a reason, not a failure: callers fall back
+    """This model's forward cannot run on the invariant operations; ``str()`` says why."""
+
+
+# ----------------------------------------------------------------------------- model structure
+
+
+def decoder_of(causal: Any) -> Any:
+    """The decoder stack of a causal LM (what returns ``last_hidden_state``), or None when it has none Kiln knows."""
+    get = getattr(causal, "get_decoder", None)
+    if callable(get):
+        try:
+            found = get()
+        except (AttributeError, NotImplementedError):
+            found = None
+        if found is not None and found is not causal:
+            return found
+    prefix = getattr(causal, "base_model_prefix", None)
+    found = getattr(causal, prefix, None) if isinstance(prefix, str) and prefix else None
+    return found if found is not None and found is not causal else None
+
+
+def logit_map_of(config: Any) -> LogitMap:
+    """The post-processing a model config declares, as a ``LogitMap`` (identity when it declares none)."""
+    scale = 1.0
+    divisor = getattr(config, "logits_scaling", None)
+    if _number(divisor) and divisor != 1:
+        scale /= float(divisor)
+    multiplier = getattr(config, "logit_scale", None)
+    if _number(multiplier) and multiplier != 1:
+        scale *= float(multiplier)
+    cap = getattr(config, "final_logit_softcapping", None)
+    return LogitMap(scale=scale, softcap=float(cap) if _number(cap) and cap > 0 else None)
+
+
+def _number(value: object) -> TypeGuard[int | float]:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _causal(model: Any) -> Any:
+    """The causal LM inside a peft wrapper (its LoRA layers in place), or ``model`` itself."""
+    get = getattr(model, "get_base_model", None)
+    return get() if callable(get) else model
+
+
+# ----------------------------------------------------------------------------- projections and LoRA
+
+
+@dataclasses.dataclass(frozen=True)
+class _Projection:
+    """One linear layer: ``path`` in the causal LM, the module found there (a peft LoRA layer or the plain layer),
+    and the plain layer (``nn.Linear`` or GPT-2's ``Conv1D``, whose weight is stored ``[in, out]``)."""
+
+    path: str
+    module: Any
+    base: Any
+    conv: bool
+
+    def weight(self) -> torch.Tensor:
+        w: torch.Tensor = self.base.weight
+        return w.t() if self.conv else w
+
+    def live_loras(self) -> list[tuple[torch.Tensor, torch.Tensor, float]]:
+        """peft's active LoRA deltas on this layer ``(A, B, scale)``; none when it has none or they are disabled."""
+        module = self.module
+        if module is self.base or getattr(module, "disable_adapters", False):
+            return []
+        return [
+            (module.lora_A[name].weight, module.lora_B[name].weight, float(module.scaling[name]))
+            for name in module.active_adapters
+            if name in module.lora_A
+        ]
+
+
+@dataclasses.dataclass(frozen=True)
+class RowLoras:
+    """Per row of a forward, the LoRA layers that apply to it: ``rows[r]`` maps a projection's path to
+    ``(A, B, scale)`` (an empty mapping: the base model). Rows that share an adapter share one delta product."""
+
+    rows: Sequence[dict[str, tuple[torch.Tensor, torch.Tensor, float]]]
+
+    def groups(self, path: str) -> Iterator[tuple[list[int], tuple[torch.Tensor, torch.Tensor, float]]]:
+        """``(row indices, (A, B, scale))`` for each distinct LoRA of ``path`` among the rows."""
+        seen: dict[tuple[int, int, float], tuple[list[int], tuple[torch.Tensor, torch.Tensor, float]]] = {}
+        for r, layers in enumerate(self.rows):
+            layer = layers.get(path)
+            if layer is not None:
+                seen.setdefault((id(layer[0]), id(layer[1]), layer[2]), ([], layer))[0].append(r)
+        yield from seen.values()
+
+
+def _project(proj: _Projection, x: torch.Tensor, loras: RowLoras | None) -> torch.Tensor:
+    """The projection of ``x`` ``[B, T, K]`` with its base weights, then each LoRA's ``B(A(x)) * scale`` as peft
+    adds it (``x`` cast to the LoRA's dtype, the sum cast back to the base output's)."""
+    bias = proj.base.bias
+    y = inv.linear(x, proj.weight(), bias)
+    live = proj.live_loras()
+    if live:
+        dtype = y.dtype
+        for a, b, scale in live:
+            y = y + inv.linear(inv.linear(x.to(a.dtype), a), b) * scale
+        y = y.to(dtype)
+    if loras is not None:
+        for rows, (a, b, scale) in loras.groups(proj.path):
+            index = torch.tensor(rows, device=x.device)
+            part = x.index_select(0, index).to(a.dtype)
+            delta = inv.linear(inv.linear(part, a), b) * scale
+            y = y.index_copy(0, index, (y.index_select(0, index) + delta).to(y.dtype))
+    return y
+
+
+# ----------------------------------------------------------------------------- the cache
+
+
+class KVCache:
+    """Keys and values of decoding rows by position: per layer ``[slots, kv_heads, capacity, head_dim]``, row
+    ``slot``'s key j at index j. Storage grows (by doubling, zero-filled) as rows or positions need it."""
+
+    def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device):
+        self.shape = (layers, kv_heads, head_dim)
+        self.dtype, self.device = dtype, device
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self.slots = 0
+        self.capacity = 0
+
+    def reserve(self, slots: int, positions: int) -> None:
+        """Room for ``slots`` rows of ``positions`` positions each."""
+        if slots <= self.slots and positions <= self.capacity:
+            return
+        new_slots = max(slots, self.slots, 1)
+        new_capacity = max(positions, self.capacity, inv.KEY_CHUNK)
+        if slots > self.slots:
+            new_slots = max(new_slots, 2 * self.slots)
+        if positions > self.capacity:
+            new_capacity = max(new_capacity, 2 * self.capacity)
+        layers, heads, dim = self.shape
+        shape = (new_slots, heads, new_capacity, dim)
+        for store in (self.keys, self.values):
+            grown = []
+            for i in range(layers):
+                fresh = torch.zeros(shape, dtype=self.dtype, device=self.device)
+                if store:
+                    fresh[: self.slots, :, : self.capacity] = store[i]
+                grown.append(fresh)
+            store[:] = grown
+        self.slots, self.capacity = new_slots, new_capacity
+
+    def clear(self, slot: int) -> None:
+        """Zero a slot (a row that joins must never read what its slot's last row left)."""
+        for store in (self.keys, self.values):
+            for tensor in store:
+                tensor[slot].zero_()
+
+    def move(self, source: int, target: int) -> None:
+        """Copy slot ``source`` over slot ``target`` (rows stay packed in the first slots)."""
+        for store in (self.keys, self.values):
+            for tensor in store:
+                tensor[target].copy_(tensor[source])
+
+    def copy(self, source: int, targets: Sequence[int]) -> None:
+        """Copy slot ``source`` into each of ``targets`` (choices that share a prompt)."""
+        for store in (self.keys, self.values):
+            for tensor in store:
+                for target in targets:
+                    tensor[target].copy_(tensor[source])
+
+
+@dataclasses.dataclass(frozen=True)
+class _Step:
+    """Where a forward's keys and values go: the cache, and each batch row's slot (rows ``0..B-1`` of the forward
+    are slots ``first..first+B-1``)."""
+
+    cache: KVCache
+    first: int
+
+
+# ----------------------------------------------------------------------------- the decoder
+
+
+@dataclasses.dataclass
+class _Layer:
+    module: Any
+    norms: tuple[Any, ...]
+    projections: dict[str, _Projection]
+    q_norm: Any = None
+    k_norm: Any = None
+
+
+class Decoder:
+    """The invariant forward of one model (see the module docstring). Build it with ``Decoder.of``."""
+
+    def __init__(self, model: Any):
+        self.model = model
+        causal = _causal(model)
+        self.causal = causal
+        config = causal.config
+        self.config = config
+        family = getattr(config, "model_type", None)
+        if family in LLAMA_FAMILY:
+            self.family = "llama"
+        elif family in GPT2_FAMILY:
+            self.family = "gpt2"
+        else:
+            raise Unsupported(
+                f"{type(causal).__name__} ({family}): Kiln's invariant forward implements Llama, Mistral, Qwen2, Qwen3 and GPT-2"
+            )
+        body = decoder_of(causal)
+        head = causal.get_output_embeddings()
+        if body is None or head is None:
+            raise Unsupported(f"{type(causal).__name__}: no decoder stack or output head Kiln can reach")
+        self.body = body
+        self.head = _plain_module(head, "lm_head")
+        self.logit_map = logit_map_of(config)
+        self._paths = {id(module): name for name, module in causal.named_modules()}
+        self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
+        if self.family == "llama":
+            self._read_llama(config)
+        else:
+            self._read_gpt2(config)
+        self.vocab = int(self.head.weight.shape[0])
+
+    # --- reading the structure --------------------------------------------------------------
+
+    def _projection(self, module: Any) -> _Projection:
+        from transformers.pytorch_utils import Conv1D
+
+        base = getattr(module, "base_layer", module)
+        if getattr(module, "merged", False):
+            raise Unsupported(f"{self._paths.get(id(module))}: a merged LoRA adapter")
+        if (
+            any(getattr(module, "use_dora", {}).values())
+            if isinstance(getattr(module, "use_dora", None), dict)
+            else False
+        ):
+            raise Unsupported(f"{self._paths.get(id(module))}: a DoRA adapter")
+        if type(base) is not torch.nn.Linear and not isinstance(base, Conv1D):
+            raise Unsupported(f"{self._paths.get(id(module))} is a {type(base).__name__} (quantized or custom)")
+        for dropout in getattr(module, "lora_dropout", {}).values():
+            if float(getattr(dropout, "p", 0.0)) > 0:
+                raise Unsupported(f"{self._paths.get(id(module))}: LoRA dropout (the invariant forward runs none)")
+        return _Projection(self._paths[id(module)], module, base, isinstance(base, Conv1D))
+
+    def _read_llama(self, config: Any) -> None:
+        if any(kind != "full_attention" for kind in getattr(config, "layer_types", None) or ()):
+            raise Unsupported(f"{config.model_type}: sliding-window attention layers")
+        if getattr(config, "model_type", None) == "mistral" and getattr(config, "sliding_window", None):
+            raise Unsupported("mistral: sliding-window attention")
+        activation = GATED_ACTIVATIONS.get(str(getattr(config, "hidden_act", "")))
+        if activation is None:
+            raise Unsupported(f"{config.model_type}: activation {getattr(config, 'hidden_act', None)!r}")
+        self.activation = activation
+        rotary = getattr(self.body, "rotary_emb", None)
+        rope_type = getattr(rotary, "rope_type", None)
+        if rotary is None or rope_type not in ROPE_TYPES:
+            raise Unsupported(f"{config.model_type}: rotary embedding type {rope_type!r}")
+        self.inv_freq = rotary.inv_freq.detach().float()
+        self.rope_scale = float(getattr(rotary, "attention_scaling", 1.0))
+        self.embed = self.body.embed_tokens
+        self.final_norm = self.body.norm
+        self.layers: list[_Layer] = []
+        for layer in self.body.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            names = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+            owners = (attn, attn, attn, attn, mlp, mlp, mlp)
+            if not all(hasattr(owner, name) for owner, name in zip(owners, names, strict=True)):
+                raise Unsupported(f"{config.model_type}: a layer without the q/k/v/o and gate/up/down projections")
+            self.layers.append(
+                _Layer(
+                    layer,
+                    (layer.input_layernorm, layer.post_attention_layernorm),
+                    {n: self._projection(getattr(o, n)) for o, n in zip(owners, names, strict=True)},
+                    getattr(attn, "q_norm", None),
+                    getattr(attn, "k_norm", None),
+                )
+            )
+        first = self.body.layers[0].self_attn
+        self.head_dim = int(first.head_dim)
+        self.heads = int(config.num_attention_heads)
+        self.kv_heads = int(getattr(config, "num_key_value_heads", None) or self.heads)
+        self.scale = float(first.scaling)
+
+    def _read_gpt2(self, config: Any) -> None:
+        if getattr(config, "scale_attn_by_inverse_layer_idx", False) or getattr(
+            config, "reorder_and_upcast_attn", False
+        ):
+            raise Unsupported("gpt2: scale_attn_by_inverse_layer_idx / reorder_and_upcast_attn")
+        activation = GATED_ACTIVATIONS.get(str(getattr(config, "activation_function", "")))
+        if activation != "gelu_tanh":
+            raise Unsupported(f"gpt2: activation {getattr(config, 'activation_function', None)!r}")
+        self.activation = activation
+        self.embed = self.body.wte
+        self.positions = self.body.wpe
+        self.final_norm = self.body.ln_f
+        self.layers = [
+            _Layer(
+                block,
+                (block.ln_1, block.ln_2),
+                {
+                    "c_attn": self._projection(block.attn.c_attn),
+                    "attn_proj": self._projection(block.attn.c_proj),
+                    "c_fc": self._projection(block.mlp.c_fc),
+                    "mlp_proj": self._projection(block.mlp.c_proj),
+                },
+            )
+            for block in self.body.h
+        ]
+        first = self.body.h[0].attn
+        self.head_dim = int(first.head_dim)
+        self.heads = self.kv_heads = int(first.num_heads)
+        self.scale = float(first.scaling)
+
+    # --- the proof ----------------------------------------------------------------------------
+
+    @classmethod
+    def of(cls, model: Any) -> Decoder:
+        """The invariant forward of ``model`` (a causal LM or its peft wrapper), proven against the model's own
+        forward on a probe sequence; ``Unsupported`` with the reason otherwise."""
+        decoder = cls(model)
+        device = decoder.device
+        ids = torch.tensor([[(7 * i + 3) % decoder.vocab for i in range(PROBE_TOKENS)]], device=device)
+        with torch.no_grad():
+            own = model(input_ids=ids).logits[0].float()
+            ours = decoder.logits(decoder.hidden(ids)[0])
+        error = float((own - ours).abs().max() / own.abs().max().clamp_min(1.0))
+        tolerance = PROBE_TOLERANCE.get(decoder.head.weight.dtype, PROBE_TOLERANCE_NARROW)
+        if not error <= tolerance:
+            raise Unsupported(
+                f"{type(decoder.causal).__name__}: Kiln's invariant forward differs from the model's own by "
+                f"{error:.3g} of its largest logit (tolerance {tolerance:g})"
+            )
+        decoder.probe_error = error
+        return decoder
+
+    probe_error: float = 0.0
+
+    @property
+    def device(self) -> torch.device:
+        return self.head.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.head.weight.dtype
+
+    def new_cache(self) -> KVCache:
+        """An empty cache for this model's layers, in the dtype its keys are computed in."""
+        return KVCache(len(self.layers), self.kv_heads, self.head_dim, self._compute_dtype(), self.device)
+
+    def _compute_dtype(self) -> torch.dtype:
+        dtype: torch.dtype = self.embed.weight.dtype
+        return dtype
+
+    # --- the forward ----------------------------------------------------------------------------
+
+    def hidden(
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        *,
+        cache: KVCache | None = None,
+        first_slot: int = 0,
+        loras: RowLoras | None = None,
+    ) -> torch.Tensor:
+        """The final hidden states ``[B, T, H]`` (after the last norm) of ``ids`` ``[B, T]`` at ``positions``
+        ``[B, T]`` (default ``0..T-1`` on every row: a right-padded batch of whole sequences).
+
+        With a ``cache`` the rows are its slots ``first_slot..first_slot+B-1``: their keys and values are written
+        at ``positions`` and each query attends to its slot's keys ``0..position`` (earlier positions must be in
+        the cache). Without one each row attends to its own ``ids``."""
+        batch, length = ids.shape
+        if positions is None:
+            positions = torch.arange(length, device=ids.device).unsqueeze(0).expand(batch, -1)
+        step = None if cache is None else _Step(cache, first_slot)
+        if step is not None:
+            cache.reserve(first_slot + batch, int(positions.max()) + 1)
+        h = torch.nn.functional.embedding(ids, self.embed.weight)
+        if self.family == "gpt2":
+            h = h + torch.nn.functional.embedding(positions, self.positions.weight)
+            rope = None
+        else:
+            rope = self._rope_at(positions, h.dtype)
+        for index, layer in enumerate(self.layers):
+            if torch.is_grad_enabled() and getattr(layer.module, "_kiln_recomputed", False) and step is None:
+                from torch.utils.checkpoint import checkpoint
+
+                h = checkpoint(self._layer, index, h, positions, rope, step, loras, use_reentrant=False)
+            else:
+                h = self._layer(index, h, positions, rope, step, loras)
+        return self._norm(self.final_norm, h)
+
+    def logits(self, rows: torch.Tensor, loras: RowLoras | None = None) -> torch.Tensor:
+        """``[N, V]`` float32 logits of final hidden states ``rows`` ``[N, H]``: the head (and its bias) in the
+        weights' dtype, then float32 and the config's logit map (scale, soft-cap)."""
+        logits = inv.linear(rows, self.head.weight, self.head.bias).float()
+        if self.logit_map.scale != 1.0:
+            logits = logits * self.logit_map.scale
+        if self.logit_map.softcap is not None:
+            logits = inv.tanh(logits / self.logit_map.softcap) * self.logit_map.softcap
+        return logits
+
+    def _norm(self, norm: Any, h: torch.Tensor) -> torch.Tensor:
+        """The model's norm module on ``h``: RMSNorm (``weight * normed.to(dtype)``) or LayerNorm, in float32."""
+        dtype = h.dtype
+        if self.family == "gpt2":
+            normed = inv.layer_norm(h.float(), float(norm.eps))
+            return (normed * norm.weight.float() + norm.bias.float()).to(dtype)
+        eps = getattr(norm, "variance_epsilon", None)
+        if eps is None:
+            eps = norm.eps
+        return norm.weight * inv.rms_norm(h.float(), float(eps)).to(dtype)
+
+    def _rope_at(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cos, sin)`` ``[B, T, head_dim]`` of ``positions`` from the table (grown to cover them)."""
+        needed = int(positions.max()) + 1
+        if self._rope is None or self._rope[0].shape[0] < needed:
+            size = max(needed, 2 * (self._rope[0].shape[0] if self._rope is not None else 0), 256)
+            cos, sin = inv.rope_table(self.inv_freq.to(self.device), size, self.rope_scale)
+            self._rope = (cos, sin)
+        cos, sin = self._rope
+        return cos[positions].to(dtype), sin[positions].to(dtype)
+
+    def _layer(
+        self,
+        index: int,
+        h: torch.Tensor,
+        positions: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor] | None,
+        step: _Step | None,
+        loras: RowLoras | None,
+    ) -> torch.Tensor:
+        layer = self.layers[index]
+        p = layer.projections
+        batch, length, _ = h.shape
+        x = self._norm(layer.norms[0], h)
+        if self.family == "gpt2":
+            q, k, v = _project(p["c_attn"], x, loras).split(self.heads * self.head_dim, dim=-1)
+        else:
+            q, k, v = (_project(p[name], x, loras) for name in ("q_proj", "k_proj", "v_proj"))
+        q = q.view(batch, length, self.heads, self.head_dim)
+        k = k.view(batch, length, self.kv_heads, self.head_dim)
+        v = v.view(batch, length, self.kv_heads, self.head_dim).transpose(1, 2)
+        if layer.q_norm is not None:
+            q = self._norm(layer.q_norm, q)
+        if layer.k_norm is not None:
+            k = self._norm(layer.k_norm, k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+        if rope is not None:
+            cos, sin = rope[0].unsqueeze(1), rope[1].unsqueeze(1)
+            q = (q * cos) + (_rotate_half(q) * sin)
+            k = (k * cos) + (_rotate_half(k) * sin)
+        if step is None:
+            keys, values = k, v
+        else:
+            keys, values = self._cached(index, step, positions, k, v)
+        a = inv.attention(q, keys, values, positions, self.scale)
+        a = a.transpose(1, 2).reshape(batch, length, self.heads * self.head_dim)
+        h = h + _project(p["attn_proj" if self.family == "gpt2" else "o_proj"], a, loras)
+        x = self._norm(layer.norms[1], h)
+        if self.family == "gpt2":
+            m = _project(p["mlp_proj"], inv.gelu_tanh(_project(p["c_fc"], x, loras).float()).to(x.dtype), loras)
+        else:
+            gate = _project(p["gate_proj"], x, loras)
+            act = inv.silu(gate.float()) if self.activation == "silu" else inv.gelu_tanh(gate.float())
+            m = _project(p["down_proj"], act.to(gate.dtype) * _project(p["up_proj"], x, loras), loras)
+        return h + m
+
+    @staticmethod
+    def _cached(
+        index: int, step: _Step, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write this forward's keys and values into the cache; the keys and values its queries read."""
+        batch = k.shape[0]
+        keys = step.cache.keys[index][step.first : step.first + batch]
+        values = step.cache.values[index][step.first : step.first + batch]
+        rows = torch.arange(batch, device=k.device).unsqueeze(1).expand_as(positions)
+        keys.transpose(1, 2)[rows, positions] = k.transpose(1, 2).to(keys.dtype)
+        values.transpose(1, 2)[rows, positions] = v.transpose(1, 2).to(values.dtype)
+        seen = int(positions.max()) + 1
+        return keys[:, :, :seen], values[:, :, :seen]
+
+
+def _plain_module(module: Any, what: str) -> Any:
+    base = getattr(module, "base_layer", module)
+    if type(base) is not torch.nn.Linear:
+        raise Unsupported(f"the {what} is a {type(base).__name__}, not a linear layer")
+    return base
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
