@@ -62,22 +62,26 @@ def _edit_config(directory, **changes):
 
 
 def _served_and_peft_logits(registry, name, tiny_model_dir):
-    """The served model's logits with ``name`` applied by the generator, and plain peft's on the same prompt."""
+    """The served model's log-probabilities with ``name`` applied by the generator, and plain peft's model through the
+    same invariant forward (its live LoRA layers) on the same prompt; peft's own forward agrees to rounding."""
     import torch
     from peft import PeftModel
 
+    from kiln.model import sequence_logprobs
+
     gen = _generator(registry, tiny_model_dir)
     gen.load(name)
-    ids = torch.tensor([gen._encode_prompt(PROMPT)])
+    prompt = gen._encode_prompt(PROMPT)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
         reference = PeftModel.from_pretrained(load_base_model(tiny_model_dir).model, registry / name).eval()
+    served = gen.logprobs(prompt, gen._active)
+    base = gen.logprobs(prompt, None)
     with torch.inference_mode():
-        with gen._applied(gen._active):
-            served = gen._model(input_ids=ids).logits
-        base = gen._model(input_ids=ids).logits
-        plain = reference(input_ids=ids).logits
+        plain = sequence_logprobs(reference, prompt)
+        own = torch.log_softmax(reference(input_ids=torch.tensor([prompt])).logits[0].float(), dim=-1)
     assert not torch.equal(plain, base), "the adapter must change the model"
+    torch.testing.assert_close(plain, own, rtol=0, atol=1e-5)
     return served, plain
 
 

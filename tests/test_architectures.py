@@ -27,7 +27,7 @@ import torch
 from kiln import contracts
 from kiln.errors import RequestError
 from kiln.kernels import LOSS_ROUTES, TRITON_FUSED_LINEAR_CE, LogitMap, sft_loss
-from kiln.model import load_base_model
+from kiln.model import load_base_model, sequence_logprobs
 from kiln.teachers import TeacherRegistry
 from kiln.trainers.grpo import admit_grpo, run_grpo
 from kiln.trainers.opd import admit_opd, run_opd
@@ -247,14 +247,13 @@ def test_kiln_serve_applies_a_gpt2_conv1d_adapter_exactly_as_peft_does(tmp_path,
     assert json.loads((result.adapter_dir / "adapter_config.json").read_text())["fan_in_fan_out"] is True
     gen = Generator(load_base_model(models["gpt2"]), tmp_path / "adapters", "gpt2")
     gen.load("gpt2-served")
-    ids = torch.tensor([gen._encode_prompt([{"role": "user", "content": "Say hello."}])])
-    with torch.inference_mode(), gen._applied(gen._active):
-        served = gen._model(input_ids=ids).logits
+    prompt = gen._encode_prompt([{"role": "user", "content": "Say hello."}])
+    served = gen.logprobs(prompt, gen._active)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
         reference = PeftModel.from_pretrained(load_base_model(models["gpt2"]).model, str(result.adapter_dir))
-    with torch.inference_mode():
-        expected = reference(input_ids=ids).logits
-    torch.testing.assert_close(served, expected, rtol=1e-5, atol=1e-5)
-    with torch.inference_mode(), gen._applied(None):
-        assert float((gen._model(input_ids=ids).logits - served).abs().max()) > 1e-4
+    with torch.inference_mode():  # peft's model through the same invariant forward: the same bits
+        assert torch.equal(served, sequence_logprobs(reference, prompt))
+        own = torch.log_softmax(reference(input_ids=torch.tensor([prompt])).logits[0].float(), dim=-1)
+    torch.testing.assert_close(served, own, rtol=1e-5, atol=1e-5)  # peft's own forward, to rounding
+    assert float((gen.logprobs(prompt, None) - served).abs().max()) > 1e-4

@@ -1,5 +1,6 @@
-"""``kiln.model.sample_batch``: several rollouts in one left-padded, KV-cached decode give each row exactly what it
-would get alone (greedy), and a batch of one draws exactly what ``sample`` draws."""
+"""``kiln.model.decode``: rollouts decoded together in one ``Batch`` give each row exactly what it gets alone --
+greedy or sampled, since each row's draws are keyed by its own ``(seed, sequence, position)`` -- on the invariant
+forward and on the fallback (a family without one decodes each row alone through its own forward)."""
 
 from __future__ import annotations
 
@@ -8,22 +9,32 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from kiln.model import load_base_model, sample, sample_batch
+from kiln.model import Sampling, decode, load_base_model
+
+GREEDY = Sampling()
+SAMPLED = Sampling(temperature=1.0, top_p=0.9)
 
 
 def _prefixes(vocab: int) -> list[list[int]]:
-    # different lengths, so the batch is left-padded; ids away from the special tokens at the start of the vocabulary
+    # different lengths; ids away from the special tokens at the start of the vocabulary
     return [[(11 + 7 * i + 3 * k) % (vocab - 20) + 20 for i in range(3 + 6 * k)] for k in range(4)]
 
 
-def _greedy_agrees(model, prefixes, limits, stop):
-    alone = [
-        sample(model, p, max_new=n, temperature=0, top_p=1.0, generator=torch.Generator(), stop_ids=stop)
-        for p, n in zip(prefixes, limits, strict=True)
-    ]
-    together = sample_batch(
-        model, prefixes, max_new=limits, temperature=0, top_p=1.0, generator=torch.Generator(), stop_ids=stop
-    )
+def _agree(model, prefixes, limits, stop, sampling=GREEDY):
+    def run(rows):
+        return decode(
+            model,
+            [prefixes[i] for i in rows],
+            max_new=[limits[i] for i in rows],
+            sampling=sampling,
+            seed=5,
+            sequences=list(rows),
+            stop_ids=stop,
+            logprobs=True,
+        )
+
+    together = run(range(len(prefixes)))
+    alone = [run([i])[0] for i in range(len(prefixes))]
     assert together == alone
     return together
 
@@ -31,29 +42,33 @@ def _greedy_agrees(model, prefixes, limits, stop):
 def test_a_batch_decodes_every_row_as_if_it_ran_alone(tiny_model_dir):
     model = load_base_model(tiny_model_dir).model.eval()
     prefixes = _prefixes(model.config.vocab_size)
-    found = _greedy_agrees(model, prefixes, [12, 5, 12, 0], frozenset({-1}))
-    assert [len(ids) for ids, _ in found] == [12, 5, 12, 0]
-    assert [truncated for _, truncated in found] == [True, True, True, False]
+    found = _agree(model, prefixes, [12, 5, 12, 0], frozenset({-1}))
+    assert [len(d.ids) for d in found] == [12, 5, 12, 0]
+    assert [d.truncated for d in found] == [True, True, True, False]
     # a row that samples a stop id ends there, keeping it, while the others go on
-    stop = frozenset({found[0][0][3]})
-    ended = _greedy_agrees(model, prefixes, [12, 12, 12, 12], stop)
-    assert ended[0] == (found[0][0][:4], False)
+    stop = frozenset({found[0].ids[3]})
+    ended = _agree(model, prefixes, [12, 12, 12, 12], stop)
+    assert (ended[0].ids, ended[0].truncated) == (found[0].ids[:4], False)
+    sampled = _agree(model, prefixes, [16, 16, 16, 16], frozenset({-1}), SAMPLED)
+    assert [d.ids for d in sampled] != [d.ids for d in _agree(model, prefixes, [16] * 4, frozenset({-1}))]
 
 
 @pytest.mark.parametrize("family", ["gpt2", "gemma2"])
-def test_left_padding_keeps_each_row_s_positions_on_other_architectures(family, tmp_path):
+def test_every_row_decodes_as_alone_on_other_architectures(family, tmp_path):
+    """GPT-2 runs the invariant forward; Gemma 2 (sliding windows, soft-capped attention) falls back to its own
+    forward, one row at a time."""
     model = AutoModelForCausalLM.from_pretrained(arch.build(family, tmp_path / family), dtype=torch.float32).eval()
-    _greedy_agrees(model, _prefixes(model.config.vocab_size), [8, 8, 3, 8], frozenset({-1}))
+    _agree(model, _prefixes(model.config.vocab_size), [8, 8, 3, 8], frozenset({-1}), SAMPLED)
 
 
-def test_a_batch_of_one_draws_what_sample_draws(tiny_model_dir):
+def test_the_log_probability_of_each_sampled_token_is_the_full_forward_s(tiny_model_dir):
+    from kiln.model import sequence_logprobs
+
     model = load_base_model(tiny_model_dir).model.eval()
-    prefix = _prefixes(model.config.vocab_size)[2]
-    one = sample(model, prefix, max_new=16, temperature=1.0, top_p=0.9, generator=torch.Generator().manual_seed(5),
-                 stop_ids=frozenset({-1}))  # fmt: skip
-    batch = sample_batch(model, [prefix], max_new=[16], temperature=1.0, top_p=0.9,
-                         generator=torch.Generator().manual_seed(5), stop_ids=frozenset({-1}))  # fmt: skip
-    assert batch == [one]
-    other = sample(model, prefix, max_new=16, temperature=1.0, top_p=0.9, generator=torch.Generator().manual_seed(6),
-                   stop_ids=frozenset({-1}))  # fmt: skip
-    assert other != one  # the draws depend on the generator: the comparison can fail
+    prefixes = _prefixes(model.config.vocab_size)
+    found = _agree(model, prefixes, [10, 10, 10, 10], frozenset({-1}), SAMPLED)
+    for prefix, decoded in zip(prefixes, found, strict=True):
+        with torch.no_grad():
+            full = sequence_logprobs(model, prefix + decoded.ids)
+        rows = full[len(prefix) - 1 : -1].gather(1, torch.tensor(decoded.ids).unsqueeze(1)).squeeze(1)
+        assert rows.tolist() == decoded.logprobs

@@ -291,16 +291,18 @@ def _imports(path):
 
 
 def test_kernels_package_imports_only_torch_and_the_standard_library():
-    """triton is optional: only the kernel module imports it at its top, and that module is imported lazily."""
-    kernel_module = "_triton_rows"
+    """triton is optional: only the Triton kernel modules import it at their top, and only inside functions of the
+    others (or at the top of another kernel module) are they imported."""
+    kernel_modules = {"_triton_rows", "_invariant_triton"}
     for path in sorted(KERNELS_DIR.glob("*.py")):
         for name, at_top in _imports(path):
             if name.startswith("."):
-                assert not (at_top and name == f".{kernel_module}"), f"{path.name} imports {name} at module level"
+                lazy = not at_top or path.stem in kernel_modules
+                assert lazy or name.lstrip(".") not in kernel_modules, f"{path.name} imports {name} at module level"
                 continue
             top = name.split(".")[0]
             allowed = top == "torch" or top in sys.stdlib_module_names
-            allowed |= top == "triton" and (path.stem == kernel_module or not at_top)
+            allowed |= top == "triton" and (path.stem in kernel_modules or not at_top)
             assert allowed, f"{path.name} imports {name}" + (" at module level" if at_top else "")
 
 

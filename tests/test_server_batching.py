@@ -283,7 +283,8 @@ def test_a_model_without_an_invariant_forward_decodes_each_sequence_alone_with_i
     registry = tmp_path / "adapters"
     registry.mkdir()
     gen = Generator(loaded, registry, "phi")
-    assert gen.scheduler.fallback is not None and "Phi" in gen.scheduler.fallback
+    assert gen.scheduler.fallback is not None
+    assert "Phi" in gen.scheduler.fallback
     plans = [_plan(gen, TEXTS[1]), _plan(gen, TEXTS[2], sampling=SAMPLED, seed=1), _plan(gen, TEXTS[0], seed=2)]
     alone = [_alone(gen, plan, top_k=1) for plan in plans]
     assert _together(gen, plans, top_k=1) == alone

@@ -60,11 +60,15 @@ def _chunks(gen, **fields):
 
 
 def _logits(gen, model, adapter=None):
+    """The log-probabilities of the prompt through the invariant forward of ``model`` (the served copy, a pristine
+    one, or a peft model with its live LoRA layers), with ``adapter``'s layers (the server's) added."""
     import torch
 
-    ids = torch.tensor([gen._encode_prompt(MESSAGES)])
-    with torch.inference_mode(), gen._applied(adapter):
-        return model(input_ids=ids).logits
+    from kiln.model import sequence_logprobs
+    from kiln.server._batching import lora_layers
+
+    with torch.inference_mode():
+        return sequence_logprobs(model, gen._encode_prompt(MESSAGES), lora_layers(adapter))
 
 
 def _copy_adapter(registry, name, *, nan=False, source="bot"):
@@ -252,13 +256,24 @@ def test_base_output_after_unload_equals_a_pristine_model(gen, registry, tiny_mo
     assert not any(m._forward_hooks for m in gen._model.modules())
 
 
-def test_a_deep_copy_taken_while_an_adapter_is_applied_is_the_base_model(gen, tiny_model_dir):
+def test_a_deep_copy_taken_while_an_adapter_is_hooked_on_is_the_base_model(gen, tiny_model_dir):
+    """The fallback path (a model without an invariant forward) hooks an adapter onto the served model for one forward;
+    a deep copy taken meanwhile (a training worker's) never carries it."""
     import torch
 
+    from kiln.model import lora_hooks
+    from kiln.server._batching import lora_layers
+
     gen.load("bot")
-    with gen._applied(gen._active):
+    ids = torch.tensor([gen._encode_prompt(MESSAGES)])
+    with lora_hooks(gen._model, lora_layers(gen._active)):
         clone = copy.deepcopy(gen._model)
-    assert torch.equal(_logits(gen, clone), _logits(gen, load_base_model(tiny_model_dir).model))
+        with torch.inference_mode():
+            hooked = gen._model(input_ids=ids).logits
+    with torch.inference_mode():
+        pristine = load_base_model(tiny_model_dir).model(input_ids=ids).logits
+        assert torch.equal(clone(input_ids=ids).logits, pristine)
+    assert not torch.equal(hooked, pristine)  # the hooks did adapt the served model itself
 
 
 def test_per_request_adapter_does_not_change_the_active_one(gen, registry):

@@ -19,7 +19,7 @@ from _server import ServerProcess
 
 from kiln import contracts
 from kiln.errors import ConflictError
-from kiln.model import create_tiny, load_base_model
+from kiln.model import create_tiny, load_base_model, sequence_logprobs
 from kiln.teachers import (
     MAX_TOP_K,
     LocalScorer,
@@ -96,9 +96,8 @@ def test_completions_answer_in_the_vllm_prompt_logprobs_layout(http, teacher):
     scores = choice["prompt_logprobs"]
     assert scores[0] is None
     want_ids, want_values = top_k_logprobs(teacher_model, prompt, 1, 3)
-    with torch.no_grad():
-        logits = teacher_model(input_ids=torch.tensor([prompt])).logits[0].float()
-    full = torch.log_softmax(logits, dim=-1)
+    with torch.no_grad():  # the invariant forward's log-softmax: what every Kiln scorer answers
+        full = sequence_logprobs(teacher_model, prompt)
     for p in range(1, len(prompt)):
         entry = scores[p]
         top = sorted((e["rank"], int(t), e["logprob"]) for t, e in entry.items() if e["rank"] <= 3)

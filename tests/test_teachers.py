@@ -25,7 +25,7 @@ from kiln import contracts
 from kiln.artifacts.base_weights import build_base_weight_manifest
 from kiln.documents.digests import json_sha256, prefixed, teacher_identity_revision
 from kiln.errors import ConflictError, ContractError, IntegrityError, NotFoundError, RequestError, UpstreamError
-from kiln.model import create_tiny, load_base_model
+from kiln.model import create_tiny, load_base_model, sequence_logprobs
 from kiln.teachers import (
     MAX_TOP_K,
     LocalScorer,
@@ -391,11 +391,12 @@ def test_local_scores_are_the_top_k_of_the_causal_log_softmax(registry, teacher_
     assert ids.shape == logprobs.shape == (3, 8)
 
     model = load_base_model(teacher_dir).model
-    with torch.no_grad():
-        logits = model(input_ids=torch.tensor([prefix + action])).logits[0].float()
-    full = torch.log_softmax(logits, dim=-1)[len(prefix) - 1 : -1]
+    with torch.no_grad():  # the invariant forward's log-softmax (what a server scoring the same model answers)
+        full = sequence_logprobs(model, prefix + action)[len(prefix) - 1 : -1]
+        own = torch.log_softmax(model(input_ids=torch.tensor([prefix + action])).logits[0].float(), dim=-1)
     assert torch.equal(logprobs, full.gather(1, ids))
     assert torch.equal(logprobs, full.sort(dim=-1, descending=True).values[:, :8])
+    torch.testing.assert_close(full, own[len(prefix) - 1 : -1], rtol=0, atol=1e-5)  # the model's own, to rounding
     assert (logprobs[:, :-1] >= logprobs[:, 1:]).all()
     assert scorer.score(prefix, [], 8)[0].shape == (0, 8)
     with pytest.raises(RequestError, match="outside"):

@@ -16,8 +16,8 @@ from importlib import resources
 from typing import Any
 
 SCHEMA_DIGESTS: dict[str, str] = {
-    "kiln-artifacts-v1.schema.json": "sha256:3cebed7156aca5026051a43bc8ee4cb927ebf4607a8a3a20f6b6d64967379cdf",
-    "kiln-checkpoint-v1.schema.json": "sha256:120954613fb47a3c2b968c297811ff4152c990073b9288c0eaa8482b732e3ed6",
+    "kiln-artifacts-v1.schema.json": "sha256:aa8fbf978cc63b49f802731ea045c9e9b8f988dd72cf5d85878d1759640f1e5e",
+    "kiln-checkpoint-v1.schema.json": "sha256:2ff24d0b6c4911a56a3517bd3552f02b22bfbe13a7a284b20208ad0f904d9116",
     "kiln-common-v1.schema.json": "sha256:140778be5b4882abd354e3ab1194bbe6a56e891d614d0aa7c0cace8c6ff07833",
     "kiln-config-v1.schema.json": "sha256:08e376a1b709a4aae08ddefeae72ab46a09dc3e9b455da57efae3cc8e764f197",
     "kiln-control-plane-v1.schema.json": "sha256:fbac7905d40f40a83edcd2eb45752da05509490112ddcaa668fd04f738bbf66d",

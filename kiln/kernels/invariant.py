@@ -179,14 +179,14 @@ def _linear_forward(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 class _Linear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
         ctx.save_for_backward(x, w)
         ctx.has_bias = b is not None
         out = _linear_forward(x, w)
         return out if b is None else out + b
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, w = ctx.saved_tensors
         grad_x = grad @ w if ctx.needs_input_grad[0] else None
         grad_w = None
@@ -259,15 +259,19 @@ def _torch_attention(
         # p @ [V | 1]: the values product and the row sum of p from one fixed-shape product
         vt = torch.nn.functional.pad(vc, (0, 1), value=1.0).unsqueeze(2)
         vt = vt.expand(batch, heads, tiles, KEY_CHUNK, dim + 1).reshape(-1, KEY_CHUNK, dim + 1)
-        if m is None:  # the first chunk: every query sees its key 0 (padding rows see nothing and are dropped)
+        if m is None and not window:  # the first chunk: every query sees its key 0 (padding rows are dropped)
             p = _exact.exp(scores - top.unsqueeze(-1))
             pv = _bmm(p.reshape(-1, ROW_TILE, KEY_CHUNK), vt).view(*shape, dim + 1)
             m, total, acc = top, pv[..., dim], pv[..., :dim]
             continue
+        if m is None or total is None or acc is None:  # a window: a row may see nothing of the first chunks
+            m, total, acc = q.new_full(shape, -math.inf), q.new_zeros(shape), q.new_zeros((*shape, dim))
         any_visible = visible.any(-1)
         m_new = torch.maximum(m, top)
-        alpha = _exact.exp(torch.where(any_visible, m - m_new, 0.0))
-        p = _exact.exp(scores - m_new.unsqueeze(-1))
+        # subtractions of finite values only (a row that has seen nothing takes 0s): no NaN is ever made
+        finite_new = torch.where(any_visible, m_new, 0.0)
+        alpha = _exact.exp(torch.where(any_visible & (m > -math.inf), m - finite_new, -math.inf))
+        p = _exact.exp(torch.where(visible, scores - finite_new.unsqueeze(-1), -math.inf))
         pv = _bmm(p.reshape(-1, ROW_TILE, KEY_CHUNK), vt).view(*shape, dim + 1)
         total = torch.where(any_visible, total * alpha + pv[..., dim], total)
         acc = torch.where(any_visible.unsqueeze(-1), acc * alpha.unsqueeze(-1) + pv[..., :dim], acc)
@@ -291,7 +295,7 @@ def _attention_forward(
 
 class _Attention(torch.autograd.Function):
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, scale: float, window: int
     ) -> torch.Tensor:
         out, lse = _attention_forward(q, k, v, positions, scale, window, True)
@@ -300,7 +304,7 @@ class _Attention(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         q, k, v, positions, out, lse = ctx.saved_tensors
         keys = torch.arange(k.shape[2], device=q.device)[None, None, None, :]
         visible = keys <= positions[:, None, :, None]
@@ -357,13 +361,13 @@ def _rms_forward(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 class _RmsNorm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, eps: float) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, x: torch.Tensor, eps: float) -> torch.Tensor:
         ctx.save_for_backward(x)
         ctx.eps = eps
         return _rms_forward(x, eps)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None]:  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None]:
         (x,) = ctx.saved_tensors
         inv = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + ctx.eps)
         y = x * inv
@@ -391,13 +395,13 @@ def _layer_norm_forward(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 class _LayerNorm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, eps: float) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, x: torch.Tensor, eps: float) -> torch.Tensor:
         ctx.save_for_backward(x)
         ctx.eps = eps
         return _layer_norm_forward(x, eps)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None]:  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None]:
         (x,) = ctx.saved_tensors
         centred = x - x.mean(-1, keepdim=True)
         inv = torch.rsqrt(centred.pow(2).mean(-1, keepdim=True) + ctx.eps)
@@ -426,13 +430,13 @@ def _log_softmax_forward(x: torch.Tensor) -> torch.Tensor:
 
 class _LogSoftmax(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
         out = _log_softmax_forward(x)
         ctx.save_for_backward(out)
         return out
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
         (out,) = ctx.saved_tensors
         return grad - torch.exp(out) * grad.sum(-1, keepdim=True)
 
@@ -464,13 +468,13 @@ def _elementwise_forward(x: torch.Tensor, name: str) -> torch.Tensor:
 
 class _Elementwise(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, name: str) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, x: torch.Tensor, name: str) -> torch.Tensor:
         ctx.save_for_backward(x)
         ctx.name = name
         return _elementwise_forward(x, name)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         (x,) = ctx.saved_tensors
         with torch.enable_grad():
             probe = x.detach().requires_grad_(True)

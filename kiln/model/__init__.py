@@ -23,14 +23,8 @@
 
 from __future__ import annotations
 
-from kiln.model._decoder import (
-    Decoder,
-    KVCache,
-    RowLoras,
-    Unsupported,
-    decoder_of,
-    logit_map_of,
-)
+from typing import TYPE_CHECKING
+
 from kiln.model._device import (
     apply_determinism,
     cuda_device_count,
@@ -42,8 +36,6 @@ from kiln.model._device import (
     resolve_device,
     runtime_device,
 )
-from kiln.model._draw import DrawKey, draw_tokens, next_tokens, penalised
-from kiln.model._generator import Batch, LoraLayers, batch_logprobs, decoder_for, lora_hooks, sequence_logprobs
 from kiln.model._identity import ModelIdentity, capture_identity, git_source, training_precision, weights_cache_dir
 from kiln.model._loader import (
     LoadedModel,
@@ -70,9 +62,59 @@ from kiln.model._sampling import (
 from kiln.model._tiny import TINY_NAME, create_tiny, ensure_default_tiny
 from kiln.model._weights import WeightsInfo, read_weights_info
 
+if TYPE_CHECKING:  # the names below, for the type checker; at run time they load lazily (``__getattr__``)
+    from kiln.model._decoder import Decoder, KVCache, RowLoras, Unsupported, decoder_of, logit_map_of
+    from kiln.model._draw import DrawKey, draw_tokens, next_tokens, penalised
+    from kiln.model._generator import (
+        Batch,
+        Decoded,
+        LoraLayers,
+        batch_logprobs,
+        decode,
+        decoder_for,
+        lora_hooks,
+        sequence_logprobs,
+    )
+
+# The invariant forward, the one generator and the draws import torch (and kiln.kernels) at their top: they load on
+# first use, so ``import kiln.model`` stays light for the CLI's commands that never touch a model.
+_LAZY = {
+    "Decoder": "_decoder",
+    "KVCache": "_decoder",
+    "RowLoras": "_decoder",
+    "Unsupported": "_decoder",
+    "decoder_of": "_decoder",
+    "logit_map_of": "_decoder",
+    "DrawKey": "_draw",
+    "draw_tokens": "_draw",
+    "next_tokens": "_draw",
+    "penalised": "_draw",
+    "Batch": "_generator",
+    "Decoded": "_generator",
+    "LoraLayers": "_generator",
+    "batch_logprobs": "_generator",
+    "decode": "_generator",
+    "decoder_for": "_generator",
+    "lora_hooks": "_generator",
+    "sequence_logprobs": "_generator",
+}
+
+
+def __getattr__(name: str) -> object:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kiln.model' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(f"kiln.model.{module}"), name)
+    globals()[name] = value
+    return value
+
+
 __all__ = [
     "TINY_NAME",
     "Batch",
+    "Decoded",
     "Decoder",
     "DrawKey",
     "KVCache",
@@ -89,6 +131,7 @@ __all__ = [
     "check_model_dir",
     "create_tiny",
     "cuda_device_count",
+    "decode",
     "decoder_for",
     "decoder_of",
     "determinism_settings",

@@ -422,18 +422,44 @@ class Decoder:
         cache: KVCache | None = None,
         first_slot: int = 0,
         loras: RowLoras | None = None,
+        past: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None,
     ) -> torch.Tensor:
         """The final hidden states ``[B, T, H]`` (after the last norm) of ``ids`` ``[B, T]`` at ``positions``
-        ``[B, T]`` (default ``0..T-1`` on every row: a right-padded batch of whole sequences).
+        ``[B, T]`` (default ``0..T-1`` on every row -- a right-padded batch of whole sequences -- or, after ``past``,
+        ``P..P+T-1``).
 
         With a ``cache`` the rows are its slots ``first_slot..first_slot+B-1``: their keys and values are written
         at ``positions`` and each query attends to its slot's keys ``0..position`` (earlier positions must be in
-        the cache). Without one each row attends to its own ``ids``."""
+        the cache). With ``past`` (``prefix``'s per-layer keys and values of positions ``0..P-1``, batch 1 or B)
+        each row continues that prefix: a row's bits are those of its whole sequence in one forward, and the
+        gradient flows into the one prefix forward. Otherwise each row attends to its own ``ids``."""
+        return self._run(ids, positions, cache=cache, first_slot=first_slot, loras=loras, past=past)[0]
+
+    def prefix(
+        self, ids: torch.Tensor, loras: RowLoras | None = None
+    ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+        """``(hidden [B, P, H], per-layer (keys, values))`` of ``ids`` ``[B, P]`` (positions ``0..P-1``), the keys
+        and values kept (with gradient, when autograd records) for ``hidden(..., past=)``."""
+        hidden, kept = self._run(ids, None, loras=loras, keep=True)
+        return hidden, kept
+
+    def _run(
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor | None,
+        *,
+        cache: KVCache | None = None,
+        first_slot: int = 0,
+        loras: RowLoras | None = None,
+        past: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None,
+        keep: bool = False,
+    ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
         batch, length = ids.shape
         if positions is None:
-            positions = torch.arange(length, device=ids.device).unsqueeze(0).expand(batch, -1)
+            start = 0 if past is None else int(past[0][0].shape[2])
+            positions = torch.arange(start, start + length, device=ids.device).unsqueeze(0).expand(batch, -1)
         step = None if cache is None else _Step(cache, first_slot)
-        if step is not None:
+        if cache is not None:
             cache.reserve(first_slot + batch, int(positions.max()) + 1)
         h = torch.nn.functional.embedding(ids, self.embed.weight)
         if self.family == "gpt2":
@@ -441,16 +467,22 @@ class Decoder:
             rope = None
         else:
             rope = self._rope_at(positions, h.dtype)
+        kept: list[tuple[torch.Tensor, torch.Tensor]] = []
         for index, layer in enumerate(self.layers):
+            before = None if past is None else past[index]
             if torch.is_grad_enabled() and getattr(layer.module, "_kiln_recomputed", False) and step is None:
                 from torch.utils.checkpoint import checkpoint
 
-                h = checkpoint(self._layer, index, h, positions, rope, step, loras, use_reentrant=False)
+                h, kv = checkpoint(
+                    self._layer, index, h, positions, rope, step, loras, before, keep, use_reentrant=False
+                )
             else:
-                h = self._layer(index, h, positions, rope, step, loras)
-        return self._norm(self.final_norm, h)
+                h, kv = self._layer(index, h, positions, rope, step, loras, before, keep)
+            if kv is not None:
+                kept.append(kv)
+        return self._norm(self.final_norm, h), kept
 
-    def logits(self, rows: torch.Tensor, loras: RowLoras | None = None) -> torch.Tensor:
+    def logits(self, rows: torch.Tensor) -> torch.Tensor:
         """``[N, V]`` float32 logits of final hidden states ``rows`` ``[N, H]``: the head (and its bias) in the
         weights' dtype, then float32 and the config's logit map (scale, soft-cap)."""
         logits = inv.linear(rows, self.head.weight, self.head.bias).float()
@@ -489,7 +521,9 @@ class Decoder:
         rope: tuple[torch.Tensor, torch.Tensor] | None,
         step: _Step | None,
         loras: RowLoras | None,
-    ) -> torch.Tensor:
+        past: tuple[torch.Tensor, torch.Tensor] | None,
+        keep: bool,
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
         layer = self.layers[index]
         p = layer.projections
         batch, length, _ = h.shape
@@ -510,10 +544,15 @@ class Decoder:
             cos, sin = rope[0].unsqueeze(1), rope[1].unsqueeze(1)
             q = (q * cos) + (_rotate_half(q) * sin)
             k = (k * cos) + (_rotate_half(k) * sin)
-        if step is None:
-            keys, values = k, v
-        else:
+        kept = (k, v) if keep else None
+        if step is not None:
             keys, values = self._cached(index, step, positions, k, v)
+        elif past is not None:
+            before_k, before_v = past
+            keys = torch.cat([before_k.expand(batch, -1, -1, -1), k], dim=2)
+            values = torch.cat([before_v.expand(batch, -1, -1, -1), v], dim=2)
+        else:
+            keys, values = k, v
         a = inv.attention(q, keys, values, positions, self.scale)
         a = a.transpose(1, 2).reshape(batch, length, self.heads * self.head_dim)
         h = h + _project(p["attn_proj" if self.family == "gpt2" else "o_proj"], a, loras)
@@ -524,7 +563,7 @@ class Decoder:
             gate = _project(p["gate_proj"], x, loras)
             act = inv.silu(gate.float()) if self.activation == "silu" else inv.gelu_tanh(gate.float())
             m = _project(p["down_proj"], act.to(gate.dtype) * _project(p["up_proj"], x, loras), loras)
-        return h + m
+        return h + m, kept
 
     @staticmethod
     def _cached(

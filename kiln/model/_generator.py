@@ -22,13 +22,24 @@ import copy
 import dataclasses
 import weakref
 from collections.abc import Hashable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import torch
 
 from kiln.model._decoder import Decoder, KVCache, RowLoras, Unsupported
+from kiln.model._draw import DrawKey, next_tokens
+from kiln.model._sampling import Sampling
 
-__all__ = ["Batch", "LoraLayers", "batch_logprobs", "decoder_for", "lora_hooks", "sequence_logprobs"]
+__all__ = [
+    "Batch",
+    "Decoded",
+    "LoraLayers",
+    "batch_logprobs",
+    "decode",
+    "decoder_for",
+    "lora_hooks",
+    "sequence_logprobs",
+]
 
 LoraLayers = Mapping[str, tuple[torch.Tensor, torch.Tensor, float]]  # module path -> (A [r, in], B [out, r], scale)
 
@@ -116,15 +127,18 @@ def _lora_hook(module: Any, a: torch.Tensor, b: torch.Tensor, scale: float) -> A
     return hook
 
 
+Key = TypeVar("Key", bound=Hashable)
+
+
 @dataclasses.dataclass
-class _Row:
-    key: Hashable
+class _Row(Generic[Key]):
+    key: Key
     length: int  # positions in the cache
     lora: LoraLayers | None
     alone: Any = None  # the row's own transformers cache (fallback)
 
 
-class Batch:
+class Batch(Generic[Key]):
     """Rows decoding over ``model``; ``join`` and ``retain`` between ``step``s. Rows are any hashable keys."""
 
     def __init__(self, model: Any):
@@ -135,11 +149,11 @@ class Batch:
             self.decoder = decoder_for(model)
         except Unsupported as refused:
             self.fallback = str(refused)
-        self._rows: list[_Row] = []
+        self._rows: list[_Row[Key]] = []
         self._cache: KVCache | None = self.decoder.new_cache() if self.decoder is not None else None
 
     @property
-    def rows(self) -> list[Hashable]:
+    def rows(self) -> list[Key]:
         """The keys, in step order."""
         return [row.key for row in self._rows]
 
@@ -151,7 +165,7 @@ class Batch:
         return [row.length for row in self._rows]
 
     @torch.inference_mode()
-    def join(self, entries: Sequence[tuple[Hashable, Sequence[int], LoraLayers | None]]) -> torch.Tensor:
+    def join(self, entries: Sequence[tuple[Key, Sequence[int], LoraLayers | None]]) -> torch.Tensor:
         """Rows ``(key, prompt, lora)`` join: their prompts' forward (equal prompts with the same ``lora`` object
         run once). Returns the float32 logits ``[len(entries), V]`` after each prompt's last token."""
         if not entries:
@@ -194,7 +208,7 @@ class Batch:
         return logits[torch.tensor([position[source[i]] for i in range(len(entries))], device=logits.device)]
 
     def _join_alone(
-        self, entries: Sequence[tuple[Hashable, Sequence[int], LoraLayers | None]], source: list[int]
+        self, entries: Sequence[tuple[Key, Sequence[int], LoraLayers | None]], source: list[int]
     ) -> torch.Tensor:
         shared: dict[int, tuple[Any, torch.Tensor]] = {}
         out = []
@@ -224,7 +238,7 @@ class Batch:
             row.length += 1
         return decoder.logits(hidden[:, 0])
 
-    def _step_alone(self, row: _Row, token: int) -> torch.Tensor:
+    def _step_alone(self, row: _Row[Key], token: int) -> torch.Tensor:
         with lora_hooks(self.model, row.lora):
             result = self.model(
                 input_ids=torch.tensor([[token]], device=self.device), past_key_values=row.alone, use_cache=True
@@ -234,7 +248,7 @@ class Batch:
         return result.logits[0, -1].float()
 
     @torch.inference_mode()
-    def retain(self, keep: set[Hashable]) -> None:
+    def retain(self, keep: set[Key]) -> None:
         """Drop every row whose key is not in ``keep`` (the last rows move into the freed slots)."""
         index = 0
         while index < len(self._rows):
@@ -246,3 +260,66 @@ class Batch:
                 self._cache.move(last, index)
             self._rows[index] = self._rows[last]
             self._rows.pop()
+
+
+@dataclasses.dataclass
+class Decoded:
+    """One decoded sequence: the sampled ``ids`` (a sampled stop id kept, last), whether ``max_new`` rather than a
+    stop id ended it, and, when asked for, the log-probability of each sampled id under the logits it was drawn
+    from (the invariant log-softmax: what a trainer's forward of the same sequence recomputes, bit for bit)."""
+
+    ids: list[int]
+    truncated: bool
+    logprobs: list[float] | None = None
+
+
+def decode(
+    model: Any,
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_new: Sequence[int],
+    sampling: Sampling,
+    seed: int,
+    sequences: Sequence[int],
+    stop_ids: frozenset[int],
+    logprobs: bool = False,
+) -> list[Decoded]:
+    """Each prompt decoded until a stop id or its ``max_new`` tokens, every row in one ``Batch`` (one forward per
+    step); row i's draws are keyed ``DrawKey(seed, sequences[i], position)`` -- so a row samples the same tokens
+    whichever rows decode beside it. Each step reads its tokens (and flags, log-probabilities) to the host once.
+    Non-finite logits raise ``FloatingPointError`` naming how many tokens the row had."""
+    from kiln.kernels import invariant
+
+    out = [Decoded([], limit > 0, [] if logprobs else None) for limit in max_new]
+    live = [i for i, limit in enumerate(max_new) if limit > 0]
+    if not live:
+        return out
+    batch: Batch[int] = Batch(model)
+    logits = batch.join([(i, prompts[i], None) for i in live])
+    with torch.inference_mode():
+        while live:
+            keys = [DrawKey(seed, sequences[i], len(out[i].ids)) for i in live]
+            tokens = next_tokens(logits, [sampling] * len(live), keys)
+            parts = [tokens.double(), torch.isfinite(logits).all(-1).double()]
+            if logprobs:
+                scores = invariant.log_softmax(logits).gather(1, tokens.unsqueeze(1)).squeeze(1)
+                parts.append(scores.double())
+            flat = torch.cat(parts).tolist()  # the step's one read
+            count = len(live)
+            going = []
+            for j, i in enumerate(live):
+                if not flat[count + j]:
+                    raise FloatingPointError(f"non-finite student logits after {len(out[i].ids)} rollout tokens")
+                token = int(flat[j])
+                out[i].ids.append(token)
+                if logprobs:
+                    out[i].logprobs.append(flat[2 * count + j])  # type: ignore[union-attr]
+                if token in stop_ids:
+                    out[i].truncated = False
+                elif len(out[i].ids) < max_new[i]:
+                    going.append(i)
+            batch.retain(set(going))
+            live = [i for i in batch.rows if i in set(going)]
+            if live:
+                logits = batch.step([out[i].ids[-1] for i in live])
+    return out

@@ -142,7 +142,7 @@ class Scheduler:
         self._lock = lock
         self._stop_ids = stop_ids
         self._device = next(model.parameters()).device
-        self._batch: Batch | None = Batch(model)
+        self._batch: Batch[_Row] | None = Batch(model)
         self.fallback = self._batch.fallback  # why sequences decode alone, or None: they share each step's forward
         self._loras: dict[int, tuple[Any, LoraLayers | None]] = {}  # per adapter object, its layers (one dict each)
         self._cond = threading.Condition()
@@ -201,7 +201,7 @@ class Scheduler:
             self._stepping = True
         try:
             with self._lock:  # no forward of this scheduler's model runs from here on
-                running = self._batch.rows if self._batch is not None else []
+                running: list[_Row] = self._batch.rows if self._batch is not None else []
                 rows = [row for row in running if not row.done] + self._waiting
                 self._waiting = []
                 self._batch = None  # the KV caches go
@@ -298,7 +298,7 @@ class Scheduler:
                     row.events.append(event)
                 self._cond.notify_all()
 
-    def _decode(self, batch: Batch, running: list[_Row], emitted: list[tuple[_Row, Any]]) -> None:
+    def _decode(self, batch: Batch[_Row], running: list[_Row], emitted: list[tuple[_Row, Any]]) -> None:
         """One forward for the running sequences, and each one's next token."""
         if not running:
             return
@@ -313,7 +313,7 @@ class Scheduler:
         self.widest = max(self.widest, len(running))
         self._advance(running, logits, emitted)
 
-    def _join(self, batch: Batch, joining: list[_Row], emitted: list[tuple[_Row, Any]]) -> None:
+    def _join(self, batch: Batch[_Row], joining: list[_Row], emitted: list[tuple[_Row, Any]]) -> None:
         """The joining sequences' prompts in one prefill (none for a one-token answer given ``first``), and each
         one's first token from its prompt's logits (or from ``first``)."""
         import torch

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kiln.errors import Problem
-from kiln.teachers import MAX_TOP_K, log_probabilities, ranks_of, stable_top_k
+from kiln.teachers import MAX_TOP_K, ranks_of, stable_top_k
 
 __all__ = ["TeacherProtocol"]
 

@@ -11,6 +11,10 @@ right-padded into one forward of the decoder, the model's logits computed only a
 * ``ReferencePolicy``: a KL reference's log-probabilities of the taken tokens -- the frozen base (the adapter
   disabled for one forward) or the EMA of the LoRA tensors (swapped in for one forward, then back);
 * ``BatchedForwards``: a group's policy and reference forwards, ``micro_batch_size`` sequences at a time;
+* the invariant forward (``kiln.model.Decoder``, what the sampler runs): ``invariant_decoder`` finds a model's,
+  ``invariant_selected`` is ``selected_logits`` on it -- each sequence's rows its own forward's bits, the shared
+  prompt run once (``Decoder.prefix``) with the same bits as the whole sequences' -- and ``invariant_logits`` one
+  sequence's dense logits;
 * the shared prompt (``prefix_sharing``): ``shared_length`` finds the tokens every sequence of a group starts with,
   ``run_prefix`` runs them once (``Prefix``: their hidden states and key/value cache) and ``selected_logits(...,
   prefix=)`` runs only each sequence's own suffix against that cache, expanded across the batch. The positions a loss
@@ -43,6 +47,9 @@ __all__ = [
     "ReferencePolicy",
     "SelectedLogits",
     "group_logprobs",
+    "invariant_decoder",
+    "invariant_logits",
+    "invariant_selected",
     "logprobs",
     "plan_sharing",
     "prefix_problem",
@@ -265,6 +272,57 @@ def selected_logits(
     )
     rows = table.index_select(0, flat).float()
     return SelectedLogits(head.logit_map.head_logits(rows, out.weight, out.bias), positions, targets)
+
+
+def invariant_decoder(model: Any) -> Any:
+    """The model's invariant forward (``kiln.model.decoder_for``: one per model object), or None without one."""
+    from kiln.model import Unsupported, decoder_for
+
+    try:
+        return decoder_for(model)
+    except Unsupported:
+        return None
+
+
+def invariant_logits(decoder: Any, ids: torch.Tensor) -> torch.Tensor:
+    """``[T, V]`` float32 logits of one sequence ``ids`` (``[T]`` or ``[1, T]``) from the invariant forward."""
+    if ids.dim() == 1:
+        ids = ids.unsqueeze(0)
+    logits: torch.Tensor = decoder.logits(decoder.hidden(ids.to(decoder.device))[0])
+    return logits
+
+
+def invariant_selected(
+    decoder: Any, sequences: Sequence[Sequence[int]], wanted: Sequence[Sequence[bool]], *, shared: int = 0
+) -> SelectedLogits:
+    """``selected_logits`` from the invariant forward: one right-padded forward, or with ``shared`` > 0 the
+    sequences' first ``shared`` tokens once (``Decoder.prefix``) and each suffix after them -- either way each
+    sequence's rows are the bits of its own whole forward (and of the sampler's draws)."""
+    import torch
+
+    device = decoder.device
+    positions = [torch.as_tensor(w, dtype=torch.bool).nonzero().squeeze(1).to(device) for w in wanted]
+    targets = torch.cat(
+        [
+            torch.as_tensor(list(s), dtype=torch.long, device=device)[p + 1]
+            for s, p in zip(sequences, positions, strict=True)
+        ]
+    )
+    if not shared:
+        ids, _ = _right_padded(sequences, device)
+        width = ids.shape[1]
+        hidden = decoder.hidden(ids)
+        flat = torch.cat([i * width + p for i, p in enumerate(positions)])
+        rows = hidden.reshape(-1, hidden.shape[-1]).index_select(0, flat)
+        return SelectedLogits(decoder.logits(rows), positions, targets)
+    prompt = torch.tensor([list(sequences[0][:shared])], dtype=torch.long, device=device)
+    head, past = decoder.prefix(prompt)
+    suffix_ids, _ = _right_padded([list(s)[shared:] for s in sequences], device)
+    width = suffix_ids.shape[1]
+    suffix = decoder.hidden(suffix_ids, past=past)
+    table = torch.cat([head[0], suffix.reshape(-1, suffix.shape[-1])])  # the prompt's rows, then the suffixes'
+    flat = torch.cat([torch.where(p < shared, p, shared + i * width + p - shared) for i, p in enumerate(positions)])
+    return SelectedLogits(decoder.logits(table.index_select(0, flat)), positions, targets)
 
 
 def logprobs(model: Any, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -102,7 +102,16 @@ from kiln.trainers._checkpointing import (
     publish_state,
     restore_policy,
 )
-from kiln.trainers._forwards import PrefixPlan, plan_sharing, run_prefix, selected_logits, shared_length
+from kiln.trainers._forwards import (
+    PrefixPlan,
+    invariant_decoder,
+    invariant_logits,
+    invariant_selected,
+    plan_sharing,
+    run_prefix,
+    selected_logits,
+    shared_length,
+)
 from kiln.trainers._kit import (
     Cadence,
     OnCheckpoint,
@@ -146,9 +155,8 @@ if TYPE_CHECKING:
     from kiln.training import ModelHead
 
 KIND = "opd"
-ROLLOUT_RNG_FILE = "rollout_rng.safetensors"
 ROLLOUT_STREAM = "rollout-sampling"
-ROLLOUT_ALGORITHM = "kiln.torch-generator-state.v1"
+ROLLOUT_ALGORITHM = "kiln.counter-draws.splitmix64.v1"  # kiln.model.DrawKey: seed and position say everything
 ROLLOUT_SEED_SALT = 0x524F_4C4C_4F55_5453  # "ROLLOUTS": keeps the stream apart from lora-init's
 PROGRESS_AUX = ("candidates_consumed", "collapse_guardrail")
 EXECUTABLE_TOP_K = (16, 32)
@@ -163,7 +171,7 @@ __all__ = [
     "admit_request",
     "check_request",
     "resolve_config",
-    "rollout_generator",
+    "rollout_seed",
     "run_opd",
 ]
 
@@ -490,13 +498,20 @@ def admit_request(request: Request[OpdRequest], *, adapter_name: str, context: T
 
 
 def sharing_plan(cfg: EffectiveOpdConfig, model: Any, head: ModelHead | None) -> tuple[ModelHead | None, PrefixPlan]:
-    """``(head, plan)``: whether the student's batched training forward runs the tokens its rollouts share once
-    (``plan_sharing``); only a micro-batch of several rollouts has a forward to share, and a recomputed layer
-    (activation checkpointing) keeps no key/value cache. OPD's reference is the teacher: nothing to plan there."""
+    """``(head, plan)``: whether the student's batched training forward runs the tokens its rollouts share once;
+    only a micro-batch of several rollouts has a forward to share. With the invariant forward (the student's
+    rollouts and losses both run it) sharing is exact by construction (``Decoder.prefix``: the shared rows and the
+    suffixes after them are the whole sequences' bits), checkpointing or not; with the model's own forward it is
+    proven by ``plan_sharing``, and a recomputed layer (activation checkpointing) keeps no key/value cache. OPD's
+    reference is the teacher: nothing to plan there."""
     blockers = []
     if cfg.micro_batch_size == 1:
         blockers.append("micro_batch_size 1: every rollout runs its own forward, so no forward holds two")
-    elif cfg.gradient_checkpointing == "on":
+    if invariant_decoder(model) is not None:
+        if cfg.prefix_sharing == "off":
+            return head, PrefixPlan()
+        return head, PrefixPlan(cfg.prefix_sharing, policy=not blockers, reason="; ".join(blockers) or None)
+    if cfg.gradient_checkpointing == "on" and not blockers:
         blockers.append("gradient_checkpointing recomputes each decoder layer without a key/value cache")
     return plan_sharing(cfg.prefix_sharing, model, head, blockers=blockers, reference=False)
 
@@ -718,28 +733,27 @@ class Rollout:
         return self.teacher_ids, self.teacher_lp
 
 
-def rollout_generator(seed: int) -> torch.Generator:
-    """The ``rollout-sampling`` stream: a CPU ``torch.Generator`` seeded from the run's seed."""
-    import torch
-
-    return torch.Generator().manual_seed((seed ^ ROLLOUT_SEED_SALT) % 2**64)
+def rollout_seed(seed: int) -> int:
+    """The ``rollout-sampling`` stream's key: rollout i's token at position p is drawn with
+    ``kiln.model.DrawKey(rollout_seed(seed), i, p)`` (i counts the run's rollouts from 0)."""
+    return (seed ^ ROLLOUT_SEED_SALT) % 2**64
 
 
 def draw(
     job: AdmittedOpd,
     model: Any,
-    generator: torch.Generator,
     loop: OpdLoop,
     candidates: list[int],
     scorer: TeacherScorer | None,
 ) -> list[Rollout]:
     """The rollouts of ``candidates`` (indices into ``job.candidates``), in order, scored by the teacher: on the
-    ``prompts`` route sampled by the student from its current policy (one candidate alone with
-    ``kiln.model.sample``'s path, several in one ``sample_batch`` decode) and scored several in one ``score_batch``
-    call; on the ``teacher_jsonl`` route the row's response and its recorded scores."""
+    ``prompts`` route sampled by the student from its current policy -- decoded together by the one batched decoder
+    (``kiln.model.decode``), rollout i of the run drawing with ``DrawKey(rollout_seed(seed), i, position)`` -- and
+    scored several in one ``score_batch`` call; on the ``teacher_jsonl`` route the row's response and its recorded
+    scores."""
     import torch
 
-    from kiln.model import sample_batch
+    from kiln.model import Sampling, decode
 
     cfg = job.config
     if job.route != "prompts":
@@ -757,20 +771,20 @@ def draw(
     prefixes = [list(item.student_prefix) for item in items]
     t0 = time.perf_counter()
     model.eval()
-    sampled = sample_batch(
+    sampled = decode(
         model,
         prefixes,
         max_new=[min(cfg.max_tokens, job.max_len - len(prefix)) for prefix in prefixes],
-        temperature=cfg.temperature,
-        top_p=cfg.top_p,
-        generator=generator,
+        sampling=Sampling(temperature=cfg.temperature, top_p=cfg.top_p),
+        seed=rollout_seed(cfg.seed),
+        sequences=[loop.rollouts_sampled + i for i in range(len(prefixes))],
         stop_ids=job.stop_ids,
     )
     loop.rollouts_sampled += len(candidates)
     loop.timings["policy_forward_ms"] += (time.perf_counter() - t0) * 1000
     rolled = [
-        Rollout(prefix, action, truncated, list(item.observation_mask))
-        for prefix, (action, truncated), item in zip(prefixes, sampled, items, strict=True)
+        Rollout(prefix, found.ids, found.truncated, list(item.observation_mask))
+        for prefix, found, item in zip(prefixes, sampled, items, strict=True)
     ]
     scored = [(r, item) for r, item in zip(rolled, items, strict=True) if r.action]
     if scored and scorer is not None:
@@ -816,7 +830,8 @@ def candidate_loss(
     model.train()
     ids = torch.tensor([prefix + action], dtype=torch.long, device=model_device(model))
     t0 = time.perf_counter()
-    logits = forward_logits(model, ids)
+    decoder = invariant_decoder(model)
+    logits = invariant_logits(decoder, ids) if decoder is not None else forward_logits(model, ids)
     timings["policy_forward_ms"] += (time.perf_counter() - t0) * 1000
     start = len(prefix) - 1
     loss, per_position = top_k_reverse_kl(logits[start : start + len(action)], *rollout.scores)
@@ -858,8 +873,12 @@ def batch_loss(
     t0 = time.perf_counter()
     sequences = [r.prefix + r.action for r in rollouts]
     shared = shared_length(sequences) if share else 0
-    prefix = run_prefix(model, sequences[0][:shared]) if shared else None
-    found = selected_logits(model, head, sequences, wanted, prefix=prefix)
+    decoder = invariant_decoder(model)
+    if decoder is not None:
+        found = invariant_selected(decoder, sequences, wanted, shared=shared)
+    else:
+        prefix = run_prefix(model, sequences[0][:shared]) if shared else None
+        found = selected_logits(model, head, sequences, wanted, prefix=prefix)
     timings["policy_forward_ms"] += (time.perf_counter() - t0) * 1000
     total: torch.Tensor | None = None
     out: list[tuple[float, EnvCe]] = []
@@ -973,14 +992,9 @@ class OpdRun(RunProgress):
         check_pin(job.pre_scored.path if job.pin is not None else None, job.pin)
         policy = Policy(job, restore=restore_policy)
         model = policy.model
-        generator = rollout_generator(cfg.seed)
-        if job.resume is not None:
-            from safetensors.torch import load as load_tensors
-
-            rng = job.resume.manifest["rng_states"][ROLLOUT_STREAM]
-            generator.set_state(load_tensors(job.resume.blobs[rng["state_file"]])["state"])
+        if job.resume is not None:  # the rollout stream is a counter: its position is all there is to restore
             self.loop = OpdLoop.restore(len(job.candidates), job.resume.loop_state)
-            self.loop.rollouts_sampled = rng["position"]
+            self.loop.rollouts_sampled = job.resume.manifest["rng_states"][ROLLOUT_STREAM]["position"]
         loop = self.loop
         loop.timings = policy.timings
         if job.route == "prompts":
@@ -990,7 +1004,7 @@ class OpdRun(RunProgress):
         group = job.data_parallel
         sync = StepSync(group, policy.params, self.cancel)  # a data-parallel group's one collective per step
         self.cadence = cadence = Cadence(
-            job, lambda: self._publish_checkpoint(policy, generator), sync.cancel, self.on_checkpoint, sync=sync
+            job, lambda: self._publish_checkpoint(policy), sync.cancel, self.on_checkpoint, sync=sync
         )
         total, width, per_step = job.total_steps, cfg.micro_batch_size, job.per_step
         slots = steps_per_epoch(len(job.candidates), per_step)
@@ -1006,9 +1020,7 @@ class OpdRun(RunProgress):
             rollouts = [
                 r
                 for j, start in enumerate(range(0, len(members), width))
-                for r in draw(
-                    job, model, generator, loop, members[start : start + width], self.scorer if group.deals(j) else None
-                )
+                for r in draw(job, model, loop, members[start : start + width], self.scorer if group.deals(j) else None)
             ]
             values, found, kls = train_shares(
                 model,
@@ -1075,7 +1087,7 @@ class OpdRun(RunProgress):
     def failed_receipt(self, failure: tuple[str, str], exc: BaseException) -> JsonObject:
         return self.receipt(failure=failure)
 
-    def _publish_checkpoint(self, policy: Policy, generator: torch.Generator) -> PublishedCheckpoint:
+    def _publish_checkpoint(self, policy: Policy) -> PublishedCheckpoint:
         job, loop = self.job, self.loop
 
         def loop_document() -> JsonObject:
@@ -1085,7 +1097,7 @@ class OpdRun(RunProgress):
         def stamp(manifest: JsonObject, loop_doc: JsonObject) -> CheckpointProgress:
             finished = loop_doc["candidates_consumed"] >= job.total_steps
             manifest["rng_states"]["epoch-order"]["position"] = loop_doc["epoch_index"]
-            manifest["rng_states"][ROLLOUT_STREAM].update(position=loop.rollouts_sampled, state_file=ROLLOUT_RNG_FILE)
+            manifest["rng_states"][ROLLOUT_STREAM]["position"] = loop.rollouts_sampled
             manifest["auxiliary_state"]["candidates_consumed"] = loop_doc["candidates_consumed"]
             manifest["auxiliary_state"]["collapse_guardrail"] = loop_doc["collapse_guardrail"]
             order = [] if finished else epoch_order(job.config.seed, loop_doc["epoch_index"], loop.items)
@@ -1101,7 +1113,6 @@ class OpdRun(RunProgress):
                 policy.optimizer,
                 loop_document=loop_document,
                 stamp=stamp,
-                extra_tensors=lambda: {ROLLOUT_RNG_FILE: ("rng-state", {"state": generator.get_state().clone()})},
             )
         except BaseException:
             if loop.snapshots and loop.snapshots[-1]["candidates_consumed"] == loop.consumed:
