@@ -20,8 +20,13 @@ supervised, and are deterministic. ``select_loss_route`` picks a route from devi
 ``check_route_device`` says whether a route can run on a device; route names are stable strings recorded
 in receipts.
 
-This package imports only torch and the standard library, and triton for the Triton route: optional, imported
-inside functions, so the package imports (and every other route runs) without it.
+The invariant operations (``kiln.kernels.invariant``: products, chunked attention, norms, log-softmax and
+elementwise functions whose bits for a row depend on that row alone; ``kiln.kernels.exact``: the IEEE-only
+functions, trees and scans they and the portable draws are built from) are public modules of their own, what
+``kiln.model``'s invariant forward runs on; ``docs/invariant.md`` describes them.
+
+This package imports only torch and the standard library, and triton for the Triton kernels: optional, imported
+inside functions, so the package imports (and every torch implementation runs) without it.
 """
 
 from __future__ import annotations

@@ -1,35 +1,44 @@
 """Kiln's invariant operations: every op a decoder forward runs, computed so that a row's bits depend only on that
-row -- not on the rows beside it, not on padding, not on whether its positions ran in one prefill or one at a time.
+row -- not on the rows beside it, not on padding, not on whether its positions ran in one prefill or one at a time,
+not on whether autograd records. ``docs/invariant.md`` explains the whole design.
 
 The reduction structure (the same on every device; the tile sizes are each device's):
 
-* ``linear(x, w, b)`` -- rows in tiles of ``ROW_TILE`` (zero rows pad the last), output columns in blocks of
-  ``COL_BLOCK`` (the last block narrower). Each (tile, block) product is one matrix product of one fixed shape,
-  ``[ROW_TILE, K] x [K, COL_BLOCK]``, reduced over ``K`` whole (no split of ``K``); the bias is added after.
-  A row's output is the same whatever the number of rows and wherever the row falls.
-* ``attention(q, k, v, positions, scale)`` -- keys in chunks of ``KEY_CHUNK`` aligned at key position 0; query
-  rows (grouped per key/value head) in tiles of ``ROW_TILE``. Chunk by chunk, in order: the chunk's scores (one
-  ``[ROW_TILE, D] x [D, KEY_CHUNK]`` product), the keys after the query's position masked to -inf, the running
-  maximum, ``exp`` of the scores less it, the chunk's row sum (``tree_sum``) and its values product (one
-  ``[ROW_TILE, KEY_CHUNK] x [KEY_CHUNK, D]`` product) added to the running sums after rescaling them. A chunk a
-  query sees nothing of leaves its sums untouched, so the chunks past a query's position -- present in a prefill,
-  absent when the query decodes -- change nothing, and the keys it sees are reduced in the same order both ways.
-* ``rms_norm``, ``layer_norm``, ``log_softmax`` -- reductions along a row by ``tree_sum`` (a fixed pairwise tree),
+* ``linear(x, w, b)`` -- each output element is one row of ``x`` against one row of ``w``, reduced over ``K`` whole
+  by one kernel whatever the number of rows (no split of ``K``); the bias is added after.
+* ``attention(q, k, v, positions, scale, window)`` -- keys in chunks of ``KEY_CHUNK`` aligned at key position 0;
+  query rows grouped per key/value head, in tiles of ``ROW_TILE``. Chunk by chunk, in order: the chunk's scores,
+  the keys outside the query's view masked to -inf, the running maximum, ``exp`` of the scores less it, and the
+  chunk's row sum and values product added to the running ones after rescaling them. A chunk a query sees nothing
+  of leaves all three untouched (the update is skipped), so chunks past a query's position -- present in a
+  prefill, absent when the query decodes -- change nothing, and the keys it sees are reduced in one order.
+* ``rms_norm``, ``layer_norm``, ``log_softmax`` -- reductions along a row, by one fixed structure per row length;
   maxima (exact in any order).
-* elementwise functions (``silu``, ``gelu_tanh``, ``tanh``, ``exp``) -- per element: on the CPU from IEEE basic
-  operations (``kiln.kernels._exact``), since torch's vector and scalar kernels round differently there.
+* ``silu``, ``gelu_tanh``, ``tanh``, ``exp`` -- per element.
 
-On the CPU the products run through torch's ``bmm`` on batches of at least two items, one fixed shape per
-weight: the matrix library then computes every item with the same kernel (its one-item path and its plain ``mm``
-take another for some shapes, so a lone item is sent as two). On CUDA the same structure runs as Triton kernels
-(``_invariant_triton``): each program owns one output tile, reduces ``K`` in a fixed loop (no split-K, no
-atomics), and the number of rows never changes a program's work. ``TRITON_INTERPRET=1`` runs those kernels on
-CPU tensors (how the tests check them).
+On the CPU (torch):
+
+* products of the projections are oneDNN matmuls (``torch.ops.mkldnn._linear_pointwise``) on at least two rows --
+  a lone row goes with a zero row beside it: oneDNN reduces one row by another kernel, and from two rows on by one
+  kernel for any count (``tests/test_invariant_ops.py`` checks it). Without oneDNN, fixed-shape tiles:
+  ``[ROW_TILE, K] x [K, block]`` items of one ``bmm`` of at least two items (a lone item goes twice: the matrix
+  library takes another path for one);
+* attention's products and the norms' sums are fixed-shape ``bmm`` items: ``[ROW_TILE, D] x [D, KEY_CHUNK]`` for a
+  chunk's scores, ``[ROW_TILE, KEY_CHUNK] x [KEY_CHUNK, D + 1]`` for its values product and row sum together (a
+  column of ones beside the values), ``[SUM_TILE, H] x [H, 1]`` for a norm's sum;
+* the log-softmax's sum over the vocabulary is ``exact.tree_sum``, and every transcendental function is
+  ``kiln.kernels.exact``'s, built from IEEE-754 basic operations only: torch's own round some elements differently
+  in their vector and scalar paths, and which path an element takes depends on where it sits in the tensor.
+
+On CUDA the same structure runs as Triton kernels (``_invariant_triton``): each program owns an output tile or a
+row and reduces in a fixed loop (no split-K, no atomics); the number of rows never changes a program's work.
+``triton_backend()`` runs them on CPU tensors in triton's interpreter (``TRITON_INTERPRET=1``: how the tests check
+them). Elementwise functions on CUDA are torch's, whose one kernel computes every element alike.
 
 Gradients: each op is one autograd node whose backward uses torch's ordinary kernels (a gradient need not be
-invariant; a forward value must).
+invariant; a forward value must); with no gradient to record the forward runs directly, the same computation.
 
-``IMPLEMENTATION`` names the structure and its tile sizes; it changes whenever the numerics do.
+``IMPLEMENTATION`` names the structure and its CPU tile sizes; it changes whenever the numerics do.
 """
 
 from __future__ import annotations
@@ -69,7 +78,6 @@ ROW_TILE = 8
 COL_BLOCK = 128
 ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
 KEY_CHUNK = 64
-IMPLEMENTATION = f"kiln.invariant.v1 (cpu: rows {ROW_TILE}, columns {COL_BLOCK}, keys {KEY_CHUNK})"
 
 _FORCE_TRITON: list[bool] = []  # tests: the Triton kernels on CPU tensors (under TRITON_INTERPRET=1)
 
@@ -158,6 +166,12 @@ def onednn_products() -> bool:
     """Whether this torch runs CPU products through oneDNN's matmul (its x86 and Arm builds do): decided once per
     process, so every product of a run takes the same route."""
     return bool(torch.backends.mkldnn.is_available()) and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+IMPLEMENTATION = (
+    f"kiln.invariant.v1 (cpu: {'onednn' if onednn_products() else 'tiled'} products, rows {ROW_TILE}, "
+    f"keys {KEY_CHUNK}; cuda: triton)"
+)
 
 
 def _linear_forward(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
