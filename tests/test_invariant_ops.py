@@ -171,7 +171,16 @@ def test_an_exact_function_gives_an_element_the_same_bits_wherever_it_sits():
 
 
 def _model(family: str):
-    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import (
+        GPT2Config,
+        GPT2LMHeadModel,
+        LlamaConfig,
+        LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
 
     torch.manual_seed(0)
     common = {"vocab_size": 627, "hidden_size": 64, "intermediate_size": 176, "num_hidden_layers": 2,
@@ -180,10 +189,39 @@ def _model(family: str):
         return GPT2LMHeadModel(GPT2Config(vocab_size=627, n_positions=128, n_embd=64, n_layer=2, n_head=4)).eval()
     if family == "llama":
         return LlamaForCausalLM(LlamaConfig(**common)).eval()
+    if family == "mistral-window":  # a window shorter than the sequences: it shapes every query past it
+        return MistralForCausalLM(MistralConfig(**common, head_dim=16, sliding_window=7)).eval()
     return Qwen2ForCausalLM(Qwen2Config(**common, use_sliding_window=False)).eval()
 
 
-@pytest.mark.parametrize("family", ["qwen2", "llama", "gpt2"])
+def test_a_sliding_window_masks_what_the_model_s_own_forward_masks():
+    from kiln.model import Decoder
+
+    model = _model("mistral-window")
+    decoder = Decoder.of(model)
+    assert decoder.windows == [7, 7]
+    ids = torch.randint(0, 600, (2, 40), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        own = model(input_ids=ids).logits
+        ours = decoder.logits(decoder.hidden(ids).reshape(-1, 64)).view(2, 40, -1)
+    assert float((own - ours).abs().max()) < 1e-5 * max(1.0, float(own.abs().max()))
+
+
+def test_onednn_s_packed_weights_give_the_bits_of_the_weights_themselves():
+    if not inv.onednn_products():
+        pytest.skip("this torch runs CPU products without oneDNN: nothing is packed")
+    generator = torch.Generator().manual_seed(7)
+    for dtype in (torch.float32, torch.bfloat16):
+        for k, n in ((896, 4864), (4864, 896), (512, 1408), (896, 151936 // 16)):
+            w = torch.randn(n, k, generator=generator).to(dtype)
+            packed = inv.pack(w)
+            assert packed is not None
+            for rows in (1, 2, 8, 33):
+                x = torch.randn(rows, k, generator=generator).to(dtype)
+                assert torch.equal(inv.linear(x, w, packed=packed), inv.linear(x, w)), (dtype, k, n, rows)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama", "gpt2", "mistral-window"])
 def test_a_model_s_rows_are_the_same_alone_batched_stepped_and_in_one_forward(backend, family):
     from kiln.model import Decoder
 

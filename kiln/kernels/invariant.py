@@ -67,6 +67,8 @@ __all__ = [
     "layer_norm",
     "linear",
     "log_softmax",
+    "onednn_route",
+    "pack",
     "rms_norm",
     "rope_table",
     "silu",
@@ -174,21 +176,40 @@ IMPLEMENTATION = (
 )
 
 
-def _linear_forward(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def _linear_forward(x: torch.Tensor, w: torch.Tensor, packed: torch.Tensor | None = None) -> torch.Tensor:
     if backend_for(x.device) == "triton":
         out: torch.Tensor = _triton().linear(x, w)
         return out
     rows = x.reshape(-1, x.shape[-1])
     count = rows.shape[0]
-    if onednn_products() and w.dtype in ONEDNN_DTYPES:
+    if onednn_route(w):
         if count == 1:  # oneDNN reduces a lone row another way; with a zero row beside it, as every batch
             rows = torch.nn.functional.pad(rows, (0, 0, 0, 1))
-        out = torch.ops.mkldnn._linear_pointwise(rows, w, None, "none", [], "")
+        out = torch.ops.mkldnn._linear_pointwise(rows, w if packed is None else packed, None, "none", [], "")
     else:
         out = _tiled_products(_row_tiles(rows), w).view(-1, w.shape[0])
     if out.shape[0] != count:
         out = out[:count]
     return out.view(*x.shape[:-1], w.shape[0])
+
+
+SMALL_WEIGHT = 1 << 16  # weights of at most this many elements take the tiles on the CPU (oneDNN's call costs more)
+
+
+def onednn_route(w: torch.Tensor) -> bool:
+    """Whether the CPU products with ``w`` run through oneDNN (else through fixed-shape tiles): a function of the
+    weight's shape and dtype only, so every product with one weight takes one route."""
+    return onednn_products() and w.dtype in ONEDNN_DTYPES and w.shape[0] * w.shape[1] > SMALL_WEIGHT
+
+
+def pack(w: torch.Tensor) -> torch.Tensor | None:
+    """oneDNN's blocked layout of a frozen CPU weight ``w`` ``[N, K]`` (a copy), which its products read without
+    reordering ``w`` at each call -- the same bits as with ``w`` itself (``tests/test_invariant_ops.py``) --, or
+    None when ``w``'s products do not take oneDNN."""
+    if w.device.type != "cpu" or not onednn_route(w):
+        return None
+    packed: torch.Tensor = torch.ops.mkldnn._reorder_linear_weight(w.detach().contiguous(), 8)
+    return packed
 
 
 class _Linear(torch.autograd.Function):
@@ -210,9 +231,12 @@ class _Linear(torch.autograd.Function):
         return grad_x, grad_w, grad_b
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, *, packed: torch.Tensor | None = None
+) -> torch.Tensor:
     """``x @ w.T + b`` (``w`` ``[N, K]``; a transposed view serves GPT-2's ``Conv1D``), in ``x``'s dtype, by the
-    tiled structure of the module docstring. ``x`` is cast to ``w``'s dtype first when they differ."""
+    structure of the module docstring. ``x`` is cast to ``w``'s dtype first when they differ. ``packed``:
+    ``pack(w)``, read instead of ``w`` when no gradient is recorded (the same bits, faster)."""
     if x.dtype != w.dtype:
         x = x.to(w.dtype)
     if b is not None and b.dtype != w.dtype:
@@ -220,7 +244,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
     if _needs_grad(x, w, b):
         out: torch.Tensor = _Linear.apply(x, w, b)
         return out
-    out = _linear_forward(x, w)
+    out = _linear_forward(x, w, packed)
     return out if b is None else out + b
 
 
@@ -253,29 +277,44 @@ def _torch_attention(
     where = torch.nn.functional.pad(positions, (0, tiles * ROW_TILE - rows), value=-1)
     where = where.view(batch, 1, tiles, ROW_TILE, 1)
     chunks = -(-(int(positions.max()) + 1) // KEY_CHUNK) if positions.numel() else 0
+    width = chunks * KEY_CHUNK  # keys in whole chunks: zeros past L (finite, and never visible)
+    k = k[:, :, :width]
+    if k.shape[2] < width:
+        k = torch.nn.functional.pad(k, (0, 0, 0, width - k.shape[2]))
+    # the values with a column of ones beside them: p @ [V | 1] is the values product and the row sum of p at once
+    v = torch.nn.functional.pad(v[:, :, :width], (0, 1, 0, width - min(v.shape[2], width)))
+    v[..., dim] = 1.0
     shape = (batch, heads, tiles, ROW_TILE)
     offsets = torch.arange(KEY_CHUNK, device=q.device)
+
+    def products(a: torch.Tensor, b: torch.Tensor, width: int) -> torch.Tensor:
+        """``[B, H, T, ROW_TILE, width]``: each row tile of ``a`` ``[B*H*T, ROW_TILE, n]`` times its (b, h)'s
+        ``b`` ``[B, H, n, width]``, one fixed-shape item each; with several tiles per (b, h), one product per (b, h)
+        whose shared operand is broadcast, not copied per tile."""
+        n = b.shape[2]
+        if tiles == 1:
+            return _bmm(a, b.reshape(batch * heads, n, width)).view(*shape, width)
+        per = a.view(batch * heads, tiles, ROW_TILE, n)
+        flat = b.reshape(batch * heads, n, width)
+        out = a.new_empty((batch * heads, tiles, ROW_TILE, width))
+        for i in range(batch * heads):
+            out[i] = _bmm(per[i], flat[i].expand(tiles, n, width))
+        return out.view(*shape, width)
+
     m = total = acc = None
     for c in range(chunks):
         start = c * KEY_CHUNK
         kc, vc = k[:, :, start : start + KEY_CHUNK], v[:, :, start : start + KEY_CHUNK]
-        if kc.shape[2] < KEY_CHUNK:
-            grow = (0, 0, 0, KEY_CHUNK - kc.shape[2])
-            kc, vc = torch.nn.functional.pad(kc, grow), torch.nn.functional.pad(vc, grow)
-        kt = kc.transpose(2, 3).unsqueeze(2).expand(batch, heads, tiles, dim, KEY_CHUNK).reshape(-1, dim, KEY_CHUNK)
-        scores = _bmm(qt, kt).view(*shape, KEY_CHUNK) * scale
+        scores = products(qt, kc.transpose(2, 3), KEY_CHUNK) * scale
         keys = start + offsets
         visible = keys <= where  # [B, 1, T, ROW_TILE, KEY_CHUNK]
         if window:
             visible = visible & (keys > where - window)
         scores = torch.where(visible, scores, -math.inf)
         top = scores.amax(-1)
-        # p @ [V | 1]: the values product and the row sum of p from one fixed-shape product
-        vt = torch.nn.functional.pad(vc, (0, 1), value=1.0).unsqueeze(2)
-        vt = vt.expand(batch, heads, tiles, KEY_CHUNK, dim + 1).reshape(-1, KEY_CHUNK, dim + 1)
         if m is None and not window:  # the first chunk: every query sees its key 0 (padding rows are dropped)
             p = _exact.exp(scores - top.unsqueeze(-1))
-            pv = _bmm(p.reshape(-1, ROW_TILE, KEY_CHUNK), vt).view(*shape, dim + 1)
+            pv = products(p.reshape(-1, ROW_TILE, KEY_CHUNK), vc, dim + 1)
             m, total, acc = top, pv[..., dim], pv[..., :dim]
             continue
         if m is None or total is None or acc is None:  # a window: a row may see nothing of the first chunks
@@ -286,7 +325,7 @@ def _torch_attention(
         finite_new = torch.where(any_visible, m_new, 0.0)
         alpha = _exact.exp(torch.where(any_visible & (m > -math.inf), m - finite_new, -math.inf))
         p = _exact.exp(torch.where(visible, scores - finite_new.unsqueeze(-1), -math.inf))
-        pv = _bmm(p.reshape(-1, ROW_TILE, KEY_CHUNK), vt).view(*shape, dim + 1)
+        pv = products(p.reshape(-1, ROW_TILE, KEY_CHUNK), vc, dim + 1)
         total = torch.where(any_visible, total * alpha + pv[..., dim], total)
         acc = torch.where(any_visible.unsqueeze(-1), acc * alpha.unsqueeze(-1) + pv[..., :dim], acc)
         m = torch.where(any_visible, m_new, m)
@@ -353,7 +392,7 @@ def attention(
     group = q_heads // kv_heads
     dtype = q.dtype
     rows = q.float().reshape(batch, kv_heads, group * length, dim)  # row g * Tq + t: head g of the group, query t
-    row_positions = positions.repeat(1, group)
+    row_positions = positions.unsqueeze(1).expand(batch, group, length).reshape(batch, group * length)
     keys, values = k.float(), v.float()
     if _needs_grad(q, k, v):
         out: torch.Tensor = _Attention.apply(rows, keys, values, row_positions, float(scale), int(window or 0))

@@ -10,10 +10,11 @@ callers fall back, visibly: the server decodes each row alone with the model's o
 
 * ``llama``: Llama, Mistral, Qwen2, Qwen3 (``q_norm``/``k_norm``) -- pre-norm RMSNorm layers, rotary embeddings
   (the model's own ``inv_freq`` and ``attention_scaling``: default, linear, llama3 and yarn scaling; not the
-  dynamic kinds), grouped-query attention with optional biases, a gated MLP (``silu``, or GELU's tanh form);
+  dynamic kinds), grouped-query attention with optional biases and sliding windows (a query at p sees the keys
+  after ``p - window``, as transformers masks them), a gated MLP (``silu``, or GELU's tanh form);
 * ``gpt2``: GPT-2 -- LayerNorm, learned positions, ``Conv1D`` projections, GELU's tanh form.
 
-Refused: sliding-window attention, attention soft-capping or any other family, dynamic rotary scaling, quantized
+Refused: attention soft-capping or any other family, dynamic rotary scaling, quantized
 (NF4) projections, peft LoRA variants (DoRA) and merged adapters.
 
 What it computes, per layer, is the model's own arithmetic with the invariant ops in place of torch's: the
@@ -117,6 +118,7 @@ class _Projection:
     module: Any
     base: Any
     conv: bool
+    packed: list[torch.Tensor | None] = dataclasses.field(default_factory=lambda: [None])  # Decoder.pack's copy
 
     def weight(self) -> torch.Tensor:
         w: torch.Tensor = self.base.weight
@@ -155,7 +157,7 @@ def _project(proj: _Projection, x: torch.Tensor, loras: RowLoras | None) -> torc
     """The projection of ``x`` ``[B, T, K]`` with its base weights, then each LoRA's ``B(A(x)) * scale`` as peft
     adds it (``x`` cast to the LoRA's dtype, the sum cast back to the base output's)."""
     bias = proj.base.bias
-    y = inv.linear(x, proj.weight(), bias)
+    y = inv.linear(x, proj.weight(), bias, packed=proj.packed[0])
     live = proj.live_loras()
     if live:
         dtype = y.dtype
@@ -231,10 +233,12 @@ class KVCache:
 @dataclasses.dataclass(frozen=True)
 class _Step:
     """Where a forward's keys and values go: the cache, and each batch row's slot (rows ``0..B-1`` of the forward
-    are slots ``first..first+B-1``)."""
+    are slots ``first..first+B-1``); ``rows`` ``[B, T]`` each query's batch row, ``seen`` the highest position + 1."""
 
     cache: KVCache
     first: int
+    rows: torch.Tensor
+    seen: int
 
 
 # ----------------------------------------------------------------------------- the decoder
@@ -253,9 +257,9 @@ class Decoder:
     """The invariant forward of one model (see the module docstring). Build it with ``Decoder.of``."""
 
     def __init__(self, model: Any):
-        self.model = model
+        # no reference to ``model`` itself is kept (only to its modules): a cache keyed weakly by the model can let go
         causal = _causal(model)
-        self.causal = causal
+        self.architecture = type(causal).__name__
         config = causal.config
         self.config = config
         family = getattr(config, "model_type", None)
@@ -273,6 +277,7 @@ class Decoder:
             raise Unsupported(f"{type(causal).__name__}: no decoder stack or output head Kiln can reach")
         self.body = body
         self.head = _plain_module(head, "lm_head")
+        self._head_projection = _Projection("lm_head", self.head, self.head, False)
         self.logit_map = logit_map_of(config)
         self._paths = {id(module): name for name, module in causal.named_modules()}
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -304,10 +309,15 @@ class Decoder:
         return _Projection(self._paths[id(module)], module, base, isinstance(base, Conv1D))
 
     def _read_llama(self, config: Any) -> None:
-        if any(kind != "full_attention" for kind in getattr(config, "layer_types", None) or ()):
-            raise Unsupported(f"{config.model_type}: sliding-window attention layers")
-        if getattr(config, "model_type", None) == "mistral" and getattr(config, "sliding_window", None):
-            raise Unsupported("mistral: sliding-window attention")
+        kinds = list(getattr(config, "layer_types", None) or ["full_attention"] * len(self.body.layers))
+        if any(kind not in ("full_attention", "sliding_attention") for kind in kinds):
+            raise Unsupported(f"{config.model_type}: attention layers of kinds {sorted(set(kinds))}")
+        window = getattr(config, "sliding_window", None)
+        if config.model_type == "mistral" and window:  # Mistral windows every layer
+            kinds = ["sliding_attention"] * len(kinds)
+        if "sliding_attention" in kinds and not (isinstance(window, int) and window > 0):
+            raise Unsupported(f"{config.model_type}: sliding-window layers without a window size")
+        self.windows = [int(window) if kind == "sliding_attention" else 0 for kind in kinds]
         activation = GATED_ACTIVATIONS.get(str(getattr(config, "hidden_act", "")))
         if activation is None:
             raise Unsupported(f"{config.model_type}: activation {getattr(config, 'hidden_act', None)!r}")
@@ -368,6 +378,7 @@ class Decoder:
             for block in self.body.h
         ]
         first = self.body.h[0].attn
+        self.windows = [0] * len(self.layers)
         self.head_dim = int(first.head_dim)
         self.heads = self.kv_heads = int(first.num_heads)
         self.scale = float(first.scaling)
@@ -388,7 +399,7 @@ class Decoder:
         tolerance = PROBE_TOLERANCE.get(decoder.head.weight.dtype, PROBE_TOLERANCE_NARROW)
         if not error <= tolerance:
             raise Unsupported(
-                f"{type(decoder.causal).__name__}: Kiln's invariant forward differs from the model's own by "
+                f"{decoder.architecture}: Kiln's invariant forward differs from the model's own by "
                 f"{error:.3g} of its largest logit (tolerance {tolerance:g})"
             )
         decoder.probe_error = error
@@ -407,6 +418,19 @@ class Decoder:
     def new_cache(self) -> KVCache:
         """An empty cache for this model's layers, in the dtype its keys are computed in."""
         return KVCache(len(self.layers), self.kv_heads, self.head_dim, self._compute_dtype(), self.device)
+
+    def pack(self) -> int:
+        """Keep oneDNN's blocked copy of every frozen CPU projection weight (and the head's), which decoding then reads
+        instead of reordering the weight at each product -- the same bits (``kiln.kernels.invariant.pack``), at the
+        memory of a second copy of those weights. Returns the bytes the copies hold. For a serving copy, whose
+        weights never change; a trainer's forwards never use it."""
+        held = 0
+        for projection in [*(p for layer in self.layers for p in layer.projections.values()), self._head_projection]:
+            if projection.packed[0] is None and not projection.base.weight.requires_grad:
+                projection.packed[0] = inv.pack(projection.weight())
+                if projection.packed[0] is not None:
+                    held += projection.weight().numel() * projection.weight().element_size()
+        return held
 
     def _compute_dtype(self) -> torch.dtype:
         dtype: torch.dtype = self.embed.weight.dtype
@@ -458,15 +482,18 @@ class Decoder:
         if positions is None:
             start = 0 if past is None else int(past[0][0].shape[2])
             positions = torch.arange(start, start + length, device=ids.device).unsqueeze(0).expand(batch, -1)
-        step = None if cache is None else _Step(cache, first_slot)
+        seen = int(positions.max()) + 1
+        step = None
         if cache is not None:
-            cache.reserve(first_slot + batch, int(positions.max()) + 1)
+            cache.reserve(first_slot + batch, seen)
+            rows = torch.arange(batch, device=ids.device).unsqueeze(1).expand_as(positions)
+            step = _Step(cache, first_slot, rows, seen)
         h = torch.nn.functional.embedding(ids, self.embed.weight)
         if self.family == "gpt2":
             h = h + torch.nn.functional.embedding(positions, self.positions.weight)
             rope = None
         else:
-            rope = self._rope_at(positions, h.dtype)
+            rope = self._rope_at(positions, seen, h.dtype)
         kept: list[tuple[torch.Tensor, torch.Tensor]] = []
         for index, layer in enumerate(self.layers):
             before = None if past is None else past[index]
@@ -485,7 +512,8 @@ class Decoder:
     def logits(self, rows: torch.Tensor) -> torch.Tensor:
         """``[N, V]`` float32 logits of final hidden states ``rows`` ``[N, H]``: the head (and its bias) in the
         weights' dtype, then float32 and the config's logit map (scale, soft-cap)."""
-        logits = inv.linear(rows, self.head.weight, self.head.bias).float()
+        packed = self._head_projection.packed[0]
+        logits = inv.linear(rows, self.head.weight, self.head.bias, packed=packed).float()
         if self.logit_map.scale != 1.0:
             logits = logits * self.logit_map.scale
         if self.logit_map.softcap is not None:
@@ -495,23 +523,28 @@ class Decoder:
     def _norm(self, norm: Any, h: torch.Tensor) -> torch.Tensor:
         """The model's norm module on ``h``: RMSNorm (``weight * normed.to(dtype)``) or LayerNorm, in float32."""
         dtype = h.dtype
+        wide = h if dtype == torch.float32 else h.float()
         if self.family == "gpt2":
-            normed = inv.layer_norm(h.float(), float(norm.eps))
-            return (normed * norm.weight.float() + norm.bias.float()).to(dtype)
+            normed = inv.layer_norm(wide, float(norm.eps))
+            out = normed * norm.weight.float() + norm.bias.float()
+            return out if dtype == torch.float32 else out.to(dtype)
         eps = getattr(norm, "variance_epsilon", None)
         if eps is None:
             eps = norm.eps
-        return norm.weight * inv.rms_norm(h.float(), float(eps)).to(dtype)
+        normed = inv.rms_norm(wide, float(eps))
+        return norm.weight * (normed if dtype == torch.float32 else normed.to(dtype))
 
-    def _rope_at(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(cos, sin)`` ``[B, T, head_dim]`` of ``positions`` from the table (grown to cover them)."""
-        needed = int(positions.max()) + 1
+    def _rope_at(self, positions: torch.Tensor, needed: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cos, signed sin)`` ``[B, 1, T, head_dim]`` of ``positions`` from the table (grown to cover ``needed``
+        positions); the sin's first half negated, so that ``rotate_half(x) * sin`` is ``x.roll(half) * signed`` --
+        the same products, since negation is exact."""
         if self._rope is None or self._rope[0].shape[0] < needed:
             size = max(needed, 2 * (self._rope[0].shape[0] if self._rope is not None else 0), 256)
             cos, sin = inv.rope_table(self.inv_freq.to(self.device), size, self.rope_scale)
-            self._rope = (cos, sin)
+            half = sin.shape[-1] // 2
+            self._rope = (cos, torch.cat([-sin[:, :half], sin[:, half:]], dim=-1))
         cos, sin = self._rope
-        return cos[positions].to(dtype), sin[positions].to(dtype)
+        return cos[positions].to(dtype).unsqueeze(1), sin[positions].to(dtype).unsqueeze(1)
 
     def _layer(
         self,
@@ -541,9 +574,10 @@ class Decoder:
             k = self._norm(layer.k_norm, k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         if rope is not None:
-            cos, sin = rope[0].unsqueeze(1), rope[1].unsqueeze(1)
-            q = (q * cos) + (_rotate_half(q) * sin)
-            k = (k * cos) + (_rotate_half(k) * sin)
+            cos, signed = rope
+            half = self.head_dim // 2
+            q = (q * cos) + (q.roll(half, -1) * signed)
+            k = (k * cos) + (k.roll(half, -1) * signed)
         kept = (k, v) if keep else None
         if step is not None:
             keys, values = self._cached(index, step, positions, k, v)
@@ -553,7 +587,7 @@ class Decoder:
             values = torch.cat([before_v.expand(batch, -1, -1, -1), v], dim=2)
         else:
             keys, values = k, v
-        a = inv.attention(q, keys, values, positions, self.scale)
+        a = inv.attention(q, keys, values, positions, self.scale, self.windows[index] or None)
         a = a.transpose(1, 2).reshape(batch, length, self.heads * self.head_dim)
         h = h + _project(p["attn_proj" if self.family == "gpt2" else "o_proj"], a, loras)
         x = self._norm(layer.norms[1], h)
@@ -573,11 +607,9 @@ class Decoder:
         batch = k.shape[0]
         keys = step.cache.keys[index][step.first : step.first + batch]
         values = step.cache.values[index][step.first : step.first + batch]
-        rows = torch.arange(batch, device=k.device).unsqueeze(1).expand_as(positions)
-        keys.transpose(1, 2)[rows, positions] = k.transpose(1, 2).to(keys.dtype)
-        values.transpose(1, 2)[rows, positions] = v.transpose(1, 2).to(values.dtype)
-        seen = int(positions.max()) + 1
-        return keys[:, :, :seen], values[:, :, :seen]
+        keys.transpose(1, 2)[step.rows, positions] = k.transpose(1, 2).to(keys.dtype)
+        values.transpose(1, 2)[step.rows, positions] = v.transpose(1, 2).to(values.dtype)
+        return keys[:, :, : step.seen], values[:, :, : step.seen]
 
 
 def _plain_module(module: Any, what: str) -> Any:
@@ -585,8 +617,3 @@ def _plain_module(module: Any, what: str) -> Any:
     if type(base) is not torch.nn.Linear:
         raise Unsupported(f"the {what} is a {type(base).__name__}, not a linear layer")
     return base
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

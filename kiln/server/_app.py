@@ -216,7 +216,7 @@ def build_server(settings: Settings) -> Server:
         is_default=is_default,
         device=device,
         precision=served.precision,
-        bytes=served_bytes(served.model),
+        bytes=served_bytes(served.model) + generator.packed_bytes,
         policy=str(settings.training.serving_copy),
         while_released=str(settings.training.while_released),
     )

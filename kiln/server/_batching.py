@@ -186,6 +186,14 @@ class Scheduler:
             self._waiting.append(row)
         return Stream(self, row)
 
+    def pack(self) -> int:
+        """On the CPU, keep oneDNN's blocked copy of the served model's projection weights for decoding
+        (``kiln.model.Decoder.pack``: the same bits, no reordering at each product); the bytes it holds."""
+        decoder = self._batch.decoder if self._batch is not None else None
+        if decoder is None or self._device.type != "cpu":
+            return 0
+        return decoder.pack()
+
     def running(self) -> int:
         """Sequences in the batch (a closed one counts until it leaves)."""
         return len(self._batch.rows) if self._batch is not None else 0

@@ -239,6 +239,7 @@ class Generator:
         self._device = next(model.parameters()).device
         self._keep_last = "logits_to_keep" in inspect.signature(model.forward).parameters
         self.scheduler = Scheduler(model, self.lock, self._stop_ids)  # every route's sequences decode here
+        self.packed_bytes = self.scheduler.pack()  # on the CPU: oneDNN's copy of the projections, read when decoding
 
     # --- the served copy ----------------------------------------------------------------
 
