@@ -315,9 +315,10 @@ class Decoder:
         window = getattr(config, "sliding_window", None)
         if config.model_type == "mistral" and window:  # Mistral windows every layer
             kinds = ["sliding_attention"] * len(kinds)
-        if "sliding_attention" in kinds and not (isinstance(window, int) and window > 0):
+        size = window if isinstance(window, int) and window > 0 else 0
+        if "sliding_attention" in kinds and not size:
             raise Unsupported(f"{config.model_type}: sliding-window layers without a window size")
-        self.windows = [int(window) if kind == "sliding_attention" else 0 for kind in kinds]
+        self.windows = [size if kind == "sliding_attention" else 0 for kind in kinds]
         activation = GATED_ACTIVATIONS.get(str(getattr(config, "hidden_act", "")))
         if activation is None:
             raise Unsupported(f"{config.model_type}: activation {getattr(config, 'hidden_act', None)!r}")
