@@ -7,9 +7,10 @@ Two comparisons per model, each repeat running both sides in turn (medians repor
 
 (a) lone decoding: one sequence (a 31-token prompt) greedily decoded ``--tokens`` tokens. ``before``: the model's own
     forward with its own KV cache, one token a step, the first maximum of the last position's logits (what decoding
-    a sequence alone ran before the invariant forward). ``after``: ``kiln.model.Batch`` with that one row and the
-    portable draw (``kiln.model.next_tokens``), as the server and OPD now decode. Both must produce the same tokens
-    (the forward's numerics differ only in rounding; a greedy tie broken otherwise would show here).
+    a sequence alone ran before the invariant forward). ``after``: ``kiln.model.decode`` -- one row of the one
+    batched decoder on the invariant forward, and the portable draw -- with the weights packed as the server packs
+    its CPU serving copy (``Decoder.pack``). Both must produce the same tokens (the forward's numerics differ only
+    in rounding; a greedy tie broken otherwise would show here).
 (b) a training step: ``--batch`` sequences of ``--length`` tokens with LoRA attached (rank 16, every projection),
     the log-probabilities of their last quarter of positions, a loss, and its backward. ``plain``: the model's own
     right-padded forward, its head on the wanted rows (``kiln.trainers._forwards.selected_logits``) and torch's
@@ -90,7 +91,7 @@ def training_step(model: Any, sequences: list[list[int]], wanted: list[list[bool
     loss = -logp.gather(1, found.targets.unsqueeze(1)).mean()
     loss.backward()
     model.zero_grad(set_to_none=True)
-    return float(loss)
+    return float(loss.detach())
 
 
 def timed(run: Callable[[], Any]) -> tuple[float, Any]:
@@ -104,8 +105,11 @@ def bench_model(name: str, work: Path, args: argparse.Namespace) -> dict[str, tu
 
     from kiln.training import attach_lora
 
+    from kiln.model import decoder_for
+
     model = load(name, work)
     vocab = model.config.vocab_size
+    decoder_for(model).pack()  # as the server's CPU serving copy (the training step's peft model is another object)
     prompt = [(7 * i + 3) % (vocab - 10) + 10 for i in range(31)]
     out: dict[str, tuple[float, float]] = {}
     before_s, after_s = [], []

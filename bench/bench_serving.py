@@ -15,7 +15,8 @@ By default the routes run in this process (``kiln.server._openai.chat_completion
 what the HTTP route calls in a worker thread): the measurement is the engine's, without HTTP. With ``--live`` the
 requests go over HTTP to a ``kiln serve`` subprocess on loopback (one ``httpx.Client`` per thread). Each repeat runs
 the four cases in turn; reported are the median wall time of each case over the repeats and the ratios batched /
-sequential (target: at most 0.4 on the tiny model). Every repeat also checks that the batched answers equal the
+sequential (targets: at most 0.4 on the tiny model; 0.3 for (a) and 0.25 for (b) on the wide one). ``--smoke`` runs
+the smallest size (the suite runs it). Every repeat also checks that the batched answers equal the
 sequential ones (choices and usage). Models: ``tiny`` (the built-in tiny model) and ``wide`` (the benches'
 23.2 M-parameter model, ``_machine.make_wide``). Results: bench/README.md.
 """
@@ -62,6 +63,10 @@ def bodies(count: int, tokens: int) -> list[dict[str, Any]]:
         }
         for i in range(count)
     ]
+
+
+# (a) concurrent / sequential and (b) n=N / N x n=1 at most these (the wide model's from "One invariant forward")
+TARGETS = {"tiny": (0.4, 0.4), "wide": (0.3, 0.25)}
 
 
 # ----------------------------------------------------------------------------- the two ways to send
@@ -213,7 +218,10 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=8)
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--live", action="store_true", help="over HTTP to a kiln serve subprocess")
+    parser.add_argument("--smoke", action="store_true", help="the smallest run (the suite's): tiny, 2 x 2 tokens")
     args = parser.parse_args()
+    if args.smoke:
+        args.models, args.repeats, args.tokens, args.requests = "tiny", 1, 2, 2
     if args.threads is not None:
         os.environ["OMP_NUM_THREADS"] = str(args.threads)  # the kiln serve subprocess too
 
@@ -240,15 +248,15 @@ def main() -> None:
             results[name] = run_model(name, model_dir, work / name, args)
     n = args.requests
     print(f"\nmedian of {args.repeats} repeats, {n} requests x {args.tokens} tokens")
-    print(f"{'model':<6} {'case':<34} {'sequential':>11} {'batched':>9} {'ratio':>8}  target <= 0.4")
+    print(f"{'model':<6} {'case':<34} {'sequential':>11} {'batched':>9} {'ratio':>8}  target")
     for name, times in results.items():
-        for case, (slow, fast) in {
-            f"(a) {n} concurrent vs one by one": ("sequential", "concurrent"),
-            f"(b) n={n} vs {n} x n=1": ("n=1 x N", "n=N"),
+        for case, (slow, fast, target) in {
+            f"(a) {n} concurrent vs one by one": ("sequential", "concurrent", TARGETS.get(name, (0.4, 0.4))[0]),
+            f"(b) n={n} vs {n} x n=1": ("n=1 x N", "n=N", TARGETS.get(name, (0.4, 0.4))[1]),
         }.items():
             a, b = statistics.median(times[slow]), statistics.median(times[fast])
-            verdict = "met" if b / a <= 0.4 else "not met"
-            print(f"{name:<6} {case:<34} {a:>9.3f} s {b:>7.3f} s {b / a:>7.3f}x  {verdict}")
+            verdict = "met" if b / a <= target else "not met"
+            print(f"{name:<6} {case:<34} {a:>9.3f} s {b:>7.3f} s {b / a:>7.3f}x  <= {target}  {verdict}")
 
 
 if __name__ == "__main__":
