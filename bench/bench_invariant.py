@@ -103,9 +103,8 @@ def timed(run: Callable[[], Any]) -> tuple[float, Any]:
 def bench_model(name: str, work: Path, args: argparse.Namespace) -> dict[str, tuple[float, float]]:
     import torch
 
-    from kiln.training import attach_lora
-
     from kiln.model import decoder_for
+    from kiln.training import attach_lora
 
     model = load(name, work)
     vocab = model.config.vocab_size
