@@ -117,6 +117,7 @@ from kiln.adapters import (
 )
 from kiln.data import match_skeleton, template_errors
 from kiln.errors import AdapterError, CapacityError, ContractError, InternalError, KilnError, NotFoundError, Problem
+from kiln.host.progress import human_bytes, note
 from kiln.model import Sampling, sequence_logprobs
 from kiln.model import max_positions as _max_positions
 from kiln.model import special_tokens as _special_tokens
@@ -240,6 +241,10 @@ class Generator:
         self._keep_last = "logits_to_keep" in inspect.signature(model.forward).parameters
         self.scheduler = Scheduler(model, self.lock, self._stop_ids)  # every route's sequences decode here
         self.packed_bytes = self.scheduler.pack()  # on the CPU: oneDNN's copy of the projections, read when decoding
+        if self.scheduler.fallback is not None:
+            note(f"decoding: each sequence alone through the model's own forward ({self.scheduler.fallback})")
+        elif self.packed_bytes:
+            note(f"decoding: the invariant forward, {human_bytes(self.packed_bytes)} of projection weights packed")
 
     # --- the served copy ----------------------------------------------------------------
 

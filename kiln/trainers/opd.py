@@ -992,6 +992,14 @@ class OpdRun(RunProgress):
         check_pin(job.pre_scored.path if job.pin is not None else None, job.pin)
         policy = Policy(job, restore=restore_policy)
         model = policy.model
+        if job.route == "prompts" and invariant_decoder(model) is None:
+            from kiln.host.progress import note
+            from kiln.model import Unsupported, decoder_for
+
+            try:
+                decoder_for(model)
+            except Unsupported as why:  # the rollouts decode row by row, the losses use the model's own forward
+                note(f"opd: the student has no invariant forward ({why}); rollouts decode one row at a time")
         if job.resume is not None:  # the rollout stream is a counter: its position is all there is to restore
             self.loop = OpdLoop.restore(len(job.candidates), job.resume.loop_state)
             self.loop.rollouts_sampled = job.resume.manifest["rng_states"][ROLLOUT_STREAM]["position"]
