@@ -63,7 +63,8 @@ from kiln.model._tiny import TINY_NAME, create_tiny, ensure_default_tiny
 from kiln.model._weights import WeightsInfo, read_weights_info
 
 if TYPE_CHECKING:  # the names below, for the type checker; at run time they load lazily (``__getattr__``)
-    from kiln.model._decoder import Decoder, KVCache, RowLoras, Unsupported, decoder_of, logit_map_of
+    from kiln.model._cache import KVCache
+    from kiln.model._decoder import Decoder, RowLoras, Unsupported, decoder_of, logit_map_of
     from kiln.model._draw import DrawKey, draw_tokens, next_tokens, penalised
     from kiln.model._generator import (
         Batch,
@@ -80,7 +81,7 @@ if TYPE_CHECKING:  # the names below, for the type checker; at run time they loa
 # first use, so ``import kiln.model`` stays light for the CLI's commands that never touch a model.
 _LAZY = {
     "Decoder": "_decoder",
-    "KVCache": "_decoder",
+    "KVCache": "_cache",
     "RowLoras": "_decoder",
     "Unsupported": "_decoder",
     "decoder_of": "_decoder",

@@ -26,8 +26,8 @@ dtype, the sum cast back) -- from peft's live modules when the model is peft-wra
 ``disable_adapter()``), or per row from ``RowLoras`` (the server's adapters: rows of several adapters share a
 forward, each row gets exactly its own delta). No dropout runs: the forward is the model's eval-mode function.
 
-Caches are ``KVCache``: keys and values laid out by position (key j of a row at index j), so a decoding step reads
-every row's keys in place; layers marked by ``kiln.training.checkpoint_layers`` are recomputed in the backward
+Caches are ``KVCache`` (``kiln.model._cache``): keys and values laid out by position (key j of a row at index j),
+so a decoding step reads every row's keys in place; layers marked by ``kiln.training.checkpoint_layers`` are recomputed in the backward
 pass when autograd records.
 """
 
@@ -41,11 +41,11 @@ import torch
 
 from kiln.kernels import LogitMap
 from kiln.kernels import invariant as inv
+from kiln.model._cache import KVCache
 
 __all__ = [
     "PROBE_TOLERANCE",
     "Decoder",
-    "KVCache",
     "RowLoras",
     "Unsupported",
     "decoder_of",
@@ -171,63 +171,6 @@ def _project(proj: _Projection, x: torch.Tensor, loras: RowLoras | None) -> torc
             delta = inv.linear(inv.linear(part, a), b) * scale
             y = y.index_copy(0, index, (y.index_select(0, index) + delta).to(y.dtype))
     return y
-
-
-# ----------------------------------------------------------------------------- the cache
-
-
-class KVCache:
-    """Keys and values of decoding rows by position: per layer ``[slots, kv_heads, capacity, head_dim]``, row
-    ``slot``'s key j at index j. Storage grows (by doubling, zero-filled) as rows or positions need it."""
-
-    def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device):
-        self.shape = (layers, kv_heads, head_dim)
-        self.dtype, self.device = dtype, device
-        self.keys: list[torch.Tensor] = []
-        self.values: list[torch.Tensor] = []
-        self.slots = 0
-        self.capacity = 0
-
-    def reserve(self, slots: int, positions: int) -> None:
-        """Room for ``slots`` rows of ``positions`` positions each."""
-        if slots <= self.slots and positions <= self.capacity:
-            return
-        new_slots = max(slots, self.slots, 1)
-        new_capacity = max(positions, self.capacity, inv.KEY_CHUNK)
-        if slots > self.slots:
-            new_slots = max(new_slots, 2 * self.slots)
-        if positions > self.capacity:
-            new_capacity = max(new_capacity, 2 * self.capacity)
-        layers, heads, dim = self.shape
-        shape = (new_slots, heads, new_capacity, dim)
-        for store in (self.keys, self.values):
-            grown = []
-            for i in range(layers):
-                fresh = torch.zeros(shape, dtype=self.dtype, device=self.device)
-                if store:
-                    fresh[: self.slots, :, : self.capacity] = store[i]
-                grown.append(fresh)
-            store[:] = grown
-        self.slots, self.capacity = new_slots, new_capacity
-
-    def clear(self, slot: int) -> None:
-        """Zero a slot (a row that joins must never read what its slot's last row left)."""
-        for store in (self.keys, self.values):
-            for tensor in store:
-                tensor[slot].zero_()
-
-    def move(self, source: int, target: int) -> None:
-        """Copy slot ``source`` over slot ``target`` (rows stay packed in the first slots)."""
-        for store in (self.keys, self.values):
-            for tensor in store:
-                tensor[target].copy_(tensor[source])
-
-    def copy(self, source: int, targets: Sequence[int]) -> None:
-        """Copy slot ``source`` into each of ``targets`` (choices that share a prompt)."""
-        for store in (self.keys, self.values):
-            for tensor in store:
-                for target in targets:
-                    tensor[target].copy_(tensor[source])
 
 
 @dataclasses.dataclass(frozen=True)

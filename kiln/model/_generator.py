@@ -26,7 +26,8 @@ from typing import Any, Generic, TypeVar
 
 import torch
 
-from kiln.model._decoder import Decoder, KVCache, RowLoras, Unsupported
+from kiln.model._cache import KVCache
+from kiln.model._decoder import Decoder, RowLoras, Unsupported
 from kiln.model._draw import DrawKey, next_tokens
 from kiln.model._sampling import Sampling
 
