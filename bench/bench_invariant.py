@@ -94,10 +94,21 @@ def training_step(model: Any, sequences: list[list[int]], wanted: list[list[bool
     return float(loss.detach())
 
 
-def timed(run: Callable[[], Any]) -> tuple[float, Any]:
-    started = time.perf_counter()
-    result = run()
-    return time.perf_counter() - started, result
+def side_by_side(
+    label: str, first: Callable[[], Any], second: Callable[[], Any], repeats: int, same: Callable[[Any, Any], str]
+) -> tuple[float, float]:
+    """Both sides once each per repeat, in turn (after one warm-up each); the medians of their seconds. ``same``
+    says, per repeat, how their results compare."""
+    first(), second()
+    seconds: tuple[list[float], list[float]] = ([], [])
+    for repeat in range(repeats):
+        results = []
+        for side, run in enumerate((first, second)):
+            started = time.perf_counter()
+            results.append(run())
+            seconds[side].append(time.perf_counter() - started)
+        print(f"{label} repeat {repeat}: {seconds[0][-1]:.3f} s, {seconds[1][-1]:.3f} s ({same(*results)})", flush=True)
+    return statistics.median(seconds[0]), statistics.median(seconds[1])
 
 
 def bench_model(name: str, work: Path, args: argparse.Namespace) -> dict[str, tuple[float, float]]:
@@ -110,41 +121,28 @@ def bench_model(name: str, work: Path, args: argparse.Namespace) -> dict[str, tu
     vocab = model.config.vocab_size
     decoder_for(model).pack()  # as the server's CPU serving copy (the training step's peft model is another object)
     prompt = [(7 * i + 3) % (vocab - 10) + 10 for i in range(31)]
-    out: dict[str, tuple[float, float]] = {}
-    before_s, after_s = [], []
-    lone_after(model, prompt, 2)  # warm-up: the invariant forward's proof and first-call costs out of the way
-    lone_before(model, prompt, 2)
-    for repeat in range(args.repeats):
-        seconds_before, ids_before = timed(lambda: lone_before(model, prompt, args.tokens))
-        seconds_after, ids_after = timed(lambda: lone_after(model, prompt, args.tokens))
-        before_s.append(seconds_before)
-        after_s.append(seconds_after)
-        print(
-            f"{name} repeat {repeat}: lone decoding before {seconds_before:.3f} s, after {seconds_after:.3f} s "
-            f"(same tokens: {'yes' if ids_before == ids_after else 'NO'})",
-            flush=True,
+    out = {
+        "lone": side_by_side(
+            f"{name} lone decoding (before, after)",
+            lambda: lone_before(model, prompt, args.tokens),
+            lambda: lone_after(model, prompt, args.tokens),
+            args.repeats,
+            lambda a, b: f"same tokens: {'yes' if a == b else 'NO'}",
         )
-    out["lone"] = (statistics.median(before_s), statistics.median(after_s))
+    }
     peft = attach_lora(model, rank=16, alpha=32.0, seed=0)
     generator = torch.Generator().manual_seed(0)
     sequences = [torch.randint(10, vocab, (args.length,), generator=generator).tolist() for _ in range(args.batch)]
     tail = args.length // 4
     wanted = [[p >= args.length - 1 - tail for p in range(args.length - 1)] for _ in sequences]
     peft.train()
-    for invariant in (False, True):  # warm-up
-        training_step(peft, sequences, wanted, invariant)
-    plain_s, inv_s = [], []
-    for repeat in range(args.repeats):
-        seconds_plain, loss_plain = timed(lambda: training_step(peft, sequences, wanted, False))
-        seconds_inv, loss_inv = timed(lambda: training_step(peft, sequences, wanted, True))
-        plain_s.append(seconds_plain)
-        inv_s.append(seconds_inv)
-        print(
-            f"{name} repeat {repeat}: training step plain {seconds_plain:.3f} s, invariant {seconds_inv:.3f} s "
-            f"(loss {loss_plain:.6f} vs {loss_inv:.6f})",
-            flush=True,
-        )
-    out["train"] = (statistics.median(plain_s), statistics.median(inv_s))
+    out["train"] = side_by_side(
+        f"{name} training step (plain, invariant)",
+        lambda: training_step(peft, sequences, wanted, False),
+        lambda: training_step(peft, sequences, wanted, True),
+        args.repeats,
+        lambda a, b: f"loss {a:.6f} vs {b:.6f}",
+    )
     return out
 
 

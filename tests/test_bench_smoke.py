@@ -28,6 +28,7 @@ def _run(tmp_path: Path, *command: str) -> str:
 def test_the_invariant_forward_bench_runs_at_its_smallest_size(tmp_path):
     out = _run(tmp_path, "bench/bench_invariant.py", "--smoke")
     assert "same tokens: yes" in out
+    assert "same tokens: NO" not in out
     assert "lone decoding" in out.split("medians of")[-1]
     assert "training step" in out.split("medians of")[-1]
 

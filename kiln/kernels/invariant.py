@@ -404,72 +404,52 @@ def attention(
 # ----------------------------------------------------------------------------- row reductions and elementwise
 
 
-def _rms_forward(x: torch.Tensor, eps: float) -> torch.Tensor:
+def _norm_forward(x: torch.Tensor, eps: float, centred: bool) -> torch.Tensor:
+    """``(x - mean) / sqrt(var + eps)`` when ``centred`` (LayerNorm), else ``x / sqrt(mean(x²) + eps)`` (RMSNorm),
+    along the last dimension of float32 ``x``; each sum a fixed-shape product (``_row_sums``)."""
     if backend_for(x.device) == "triton":
-        out: torch.Tensor = _triton().rms_norm(x, eps)
+        out: torch.Tensor = _triton().layer_norm(x, eps) if centred else _triton().rms_norm(x, eps)
         return out
-    variance = _row_sums(x * x) / x.shape[-1]
+    width = x.shape[-1]
+    if centred:
+        x = x - (_row_sums(x) / width).unsqueeze(-1)
+    variance = _row_sums(x * x) / width
     return x * (1.0 / torch.sqrt(variance + eps)).unsqueeze(-1)
 
 
-class _RmsNorm(torch.autograd.Function):
+class _Norm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, eps: float) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, eps: float, centred: bool) -> torch.Tensor:
         ctx.save_for_backward(x)
-        ctx.eps = eps
-        return _rms_forward(x, eps)
+        ctx.eps, ctx.centred = eps, centred
+        return _norm_forward(x, eps, centred)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, None]:
         (x,) = ctx.saved_tensors
+        if ctx.centred:
+            x = x - x.mean(-1, keepdim=True)
+            grad = grad - grad.mean(-1, keepdim=True)
         inv = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + ctx.eps)
         y = x * inv
-        return inv * (grad - y * (grad * y).mean(-1, keepdim=True)), None
+        return inv * (grad - y * (grad * y).mean(-1, keepdim=True)), None, None
+
+
+def _norm(x: torch.Tensor, eps: float, centred: bool) -> torch.Tensor:
+    if _needs_grad(x):
+        out: torch.Tensor = _Norm.apply(x, float(eps), centred)
+        return out
+    return _norm_forward(x, float(eps), centred)
 
 
 def rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """``x / sqrt(mean(x²) + eps)`` of float32 ``x`` along its last dimension (no weight: callers apply it); the
-    sum of squares is a fixed-shape product (``_row_sums``)."""
-    if _needs_grad(x):
-        out: torch.Tensor = _RmsNorm.apply(x, float(eps))
-        return out
-    return _rms_forward(x, float(eps))
-
-
-def _layer_norm_forward(x: torch.Tensor, eps: float) -> torch.Tensor:
-    if backend_for(x.device) == "triton":
-        out: torch.Tensor = _triton().layer_norm(x, eps)
-        return out
-    width = x.shape[-1]
-    centred = x - (_row_sums(x) / width).unsqueeze(-1)
-    variance = _row_sums(centred * centred) / width
-    return centred * (1.0 / torch.sqrt(variance + eps)).unsqueeze(-1)
-
-
-class _LayerNorm(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, eps: float) -> torch.Tensor:
-        ctx.save_for_backward(x)
-        ctx.eps = eps
-        return _layer_norm_forward(x, eps)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None]:
-        (x,) = ctx.saved_tensors
-        centred = x - x.mean(-1, keepdim=True)
-        inv = torch.rsqrt(centred.pow(2).mean(-1, keepdim=True) + ctx.eps)
-        y = centred * inv
-        g = grad - grad.mean(-1, keepdim=True)
-        return inv * (g - y * (grad * y).mean(-1, keepdim=True)), None
+    """``x / sqrt(mean(x²) + eps)`` of float32 ``x`` along its last dimension (no weight: callers apply it)."""
+    return _norm(x, eps, centred=False)
 
 
 def layer_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """``(x - mean) / sqrt(var + eps)`` of float32 ``x`` along its last dimension (no weight or bias); both sums
-    are fixed-shape products."""
-    if _needs_grad(x):
-        out: torch.Tensor = _LayerNorm.apply(x, float(eps))
-        return out
-    return _layer_norm_forward(x, float(eps))
+    """``(x - mean) / sqrt(var + eps)`` of float32 ``x`` along its last dimension (no weight or bias)."""
+    return _norm(x, eps, centred=True)
 
 
 def _log_softmax_forward(x: torch.Tensor) -> torch.Tensor:

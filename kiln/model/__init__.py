@@ -59,12 +59,13 @@ from kiln.model._sampling import (
     special_tokens,
     stop_token_ids,
 )
+from kiln.model._structure import decoder_of, logit_map_of
 from kiln.model._tiny import TINY_NAME, create_tiny, ensure_default_tiny
 from kiln.model._weights import WeightsInfo, read_weights_info
 
 if TYPE_CHECKING:  # the names below, for the type checker; at run time they load lazily (``__getattr__``)
     from kiln.model._cache import KVCache
-    from kiln.model._decoder import Decoder, RowLoras, Unsupported, decoder_of, logit_map_of
+    from kiln.model._decoder import Decoder, RowLoras, Unsupported
     from kiln.model._draw import DrawKey, draw_tokens, next_tokens, penalised
     from kiln.model._generator import (
         Batch,
@@ -84,8 +85,6 @@ _LAZY = {
     "KVCache": "_cache",
     "RowLoras": "_decoder",
     "Unsupported": "_decoder",
-    "decoder_of": "_decoder",
-    "logit_map_of": "_decoder",
     "DrawKey": "_draw",
     "draw_tokens": "_draw",
     "next_tokens": "_draw",

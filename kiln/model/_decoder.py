@@ -35,21 +35,19 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterator, Sequence
-from typing import Any, TypeGuard
+from typing import Any
 
 import torch
 
-from kiln.kernels import LogitMap
 from kiln.kernels import invariant as inv
 from kiln.model._cache import KVCache
+from kiln.model._structure import decoder_of, logit_map_of
 
 __all__ = [
     "PROBE_TOLERANCE",
     "Decoder",
     "RowLoras",
     "Unsupported",
-    "decoder_of",
-    "logit_map_of",
 ]
 
 LLAMA_FAMILY = frozenset({"llama", "mistral", "qwen2", "qwen3"})
@@ -66,38 +64,6 @@ class Unsupported(Exception):  # noqa: N818 -- a reason, not a failure: callers 
 
 
 # ----------------------------------------------------------------------------- model structure
-
-
-def decoder_of(causal: Any) -> Any:
-    """The decoder stack of a causal LM (what returns ``last_hidden_state``), or None when it has none Kiln knows."""
-    get = getattr(causal, "get_decoder", None)
-    if callable(get):
-        try:
-            found = get()
-        except (AttributeError, NotImplementedError):
-            found = None
-        if found is not None and found is not causal:
-            return found
-    prefix = getattr(causal, "base_model_prefix", None)
-    found = getattr(causal, prefix, None) if isinstance(prefix, str) and prefix else None
-    return found if found is not None and found is not causal else None
-
-
-def logit_map_of(config: Any) -> LogitMap:
-    """The post-processing a model config declares, as a ``LogitMap`` (identity when it declares none)."""
-    scale = 1.0
-    divisor = getattr(config, "logits_scaling", None)
-    if _number(divisor) and divisor != 1:
-        scale /= float(divisor)
-    multiplier = getattr(config, "logit_scale", None)
-    if _number(multiplier) and multiplier != 1:
-        scale *= float(multiplier)
-    cap = getattr(config, "final_logit_softcapping", None)
-    return LogitMap(scale=scale, softcap=float(cap) if _number(cap) and cap > 0 else None)
-
-
-def _number(value: object) -> TypeGuard[int | float]:
-    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def _causal(model: Any) -> Any:

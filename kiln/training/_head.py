@@ -18,9 +18,10 @@ trained on an approximate loss.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, TypeGuard
+from typing import Any
 
 from kiln.errors import RequestError
+from kiln.model import decoder_of, logit_map_of
 
 __all__ = ["ModelHead", "decoder_of", "logit_map_of", "model_head"]
 
@@ -42,40 +43,6 @@ class ModelHead:
     def as_record(self) -> dict[str, Any]:
         """The receipt's ``runtime.sft_logits`` block."""
         return {"architecture": self.architecture, "head_bias": self.has_bias, **self.logit_map.as_record()}
-
-
-def decoder_of(causal: Any) -> Any:
-    """The decoder stack of a causal LM (what returns ``last_hidden_state``), or None when it has none Kiln knows."""
-    get = getattr(causal, "get_decoder", None)
-    if callable(get):
-        try:
-            found = get()
-        except (AttributeError, NotImplementedError):
-            found = None
-        if found is not None and found is not causal:
-            return found
-    prefix = getattr(causal, "base_model_prefix", None)
-    found = getattr(causal, prefix, None) if isinstance(prefix, str) and prefix else None
-    return found if found is not None and found is not causal else None
-
-
-def logit_map_of(config: Any) -> Any:
-    """The post-processing a model config declares, as a ``LogitMap`` (identity when it declares none)."""
-    from kiln.kernels import LogitMap
-
-    scale = 1.0
-    divisor = getattr(config, "logits_scaling", None)
-    if _number(divisor) and divisor != 1:
-        scale /= float(divisor)
-    multiplier = getattr(config, "logit_scale", None)
-    if _number(multiplier) and multiplier != 1:
-        scale *= float(multiplier)
-    cap = getattr(config, "final_logit_softcapping", None)
-    return LogitMap(scale=scale, softcap=float(cap) if _number(cap) and cap > 0 else None)
-
-
-def _number(value: object) -> TypeGuard[int | float]:
-    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def model_head(model: Any) -> ModelHead:
