@@ -12,9 +12,12 @@ functions agree with float64 references to about an ulp, giving the same bits fo
 
 from __future__ import annotations
 
+import os
 import random
 import subprocess
 import sys
+import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -277,3 +280,58 @@ def test_a_model_s_rows_are_the_same_at_any_thread_count(tiny_model_dir):
         for n in (1, 2)
     }
     assert len(found) == 1
+
+
+COMPILED_FOR_H100 = textwrap.dedent(
+    """
+    import os, sys
+    assert "TRITON_INTERPRET" not in os.environ
+    os.environ["TRITON_CACHE_DIR"] = sys.argv[1]
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from kiln.kernels import _invariant_triton as T
+
+    target = GPUTarget("cuda", 90, 32)
+    def build(function, signature, constants, warps=4):
+        source = ASTSource(T._kernel(function, False), signature, constants)
+        compiled = triton.compile(source, target=target, options={"num_warps": warps})
+        assert compiled.asm["cubin"], (function.__name__, constants)
+
+    for element, ieee in (("fp32", True), ("bf16", False)):
+        build(T._linear_kernel, {"x": f"*{element}", "w": f"*{element}", "out": f"*{element}", "rows": "i32", "cols": "i32",
+            "depth": "i32", "sxm": "i32", "sxk": "i32", "swn": "i32", "swk": "i32", "som": "i32",
+            "IEEE": "constexpr", "BM": "constexpr", "BN": "constexpr", "BK": "constexpr"},
+            {"IEEE": ieee, "BM": T.BLOCK_M, "BN": T.BLOCK_N, "BK": T.BLOCK_K})
+    attention = {"q": "*fp32", "k": "*fp32", "v": "*fp32", "positions": "*i64", "out": "*fp32", "lse": "*fp32",
+        "heads": "i32", "rows": "i32", "keys": "i32", "dim": "i32", "scale": "fp32", "window": "i32",
+        "sq_b": "i32", "sq_r": "i32", "sk_b": "i32", "sk_l": "i32", "sv_b": "i32", "sv_l": "i32", "sp_b": "i32",
+        "so_b": "i32", "so_r": "i32", "sl_b": "i32", "HAS_WINDOW": "constexpr", "BM": "constexpr", "KC": "constexpr",
+        "BD": "constexpr"}
+    for window in (False, True):
+        for bd in (16, 64, 128):
+            build(T._attention_kernel, attention, {"HAS_WINDOW": window, "BM": T.ATTENTION_ROWS, "KC": T.KEY_CHUNK, "BD": bd})
+    for centred in (False, True):
+        build(T._norm_kernel, {"x": "*fp32", "out": "*fp32", "width": "i32", "eps": "fp32", "sx": "i32", "so": "i32",
+            "CENTRED": "constexpr", "BLOCK": "constexpr"}, {"CENTRED": centred, "BLOCK": 1024})
+    build(T._log_softmax_kernel, {"x": "*fp32", "out": "*fp32", "width": "i32", "sx": "i32", "so": "i32", "BLOCK": "constexpr"}, {"BLOCK": 4096}, 8)
+    print("compiled")
+    """
+)
+
+
+@pytest.mark.slow
+def test_the_triton_kernels_compile_for_an_h100_without_a_gpu(tmp_path):
+    """The interpreter runs the kernels' Python and skips the compiler: compiling for sm_90 with triton's bundled
+    ptxas (no GPU needed) catches what only compiling finds -- fp32 products at IEEE precision and bf16 ones on the
+    tensor cores, attention with and without a window at head sizes 16, 64 and 128, both norms, the log-softmax."""
+    pytest.importorskip("triton", reason="the Triton kernels need triton (pinned in the dev extra)")
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    repo = Path(__file__).resolve().parent.parent
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(repo), env.get("PYTHONPATH")]))
+    done = subprocess.run(
+        [sys.executable, "-c", COMPILED_FOR_H100, str(tmp_path / "triton-cache")],
+        capture_output=True, text=True, env=env, timeout=600, cwd=repo, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert done.stdout.strip() == "compiled"

@@ -42,9 +42,9 @@ KEY_CHUNK = 64  # the same alignment as the torch structure
 
 
 def _linear_kernel(
-    x: Any,
-    w: Any,
-    out: Any,
+    x: torch.Tensor,
+    w: torch.Tensor,
+    out: torch.Tensor,
     rows: int,
     cols: int,
     depth: int,
@@ -97,12 +97,12 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def _attention_kernel(
-    q: Any,
-    k: Any,
-    v: Any,
-    positions: Any,
-    out: Any,
-    lse: Any,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
     heads: int,
     rows: int,
     keys: int,
@@ -189,8 +189,8 @@ def attention(
 
 
 def _norm_kernel(
-    x: Any,
-    out: Any,
+    x: torch.Tensor,
+    out: torch.Tensor,
     width: int,
     eps: float,
     sx: int,
@@ -226,7 +226,7 @@ def layer_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
     return _norm(x, eps, centred=True)
 
 
-def _log_softmax_kernel(x: Any, out: Any, width: int, sx: int, so: int, BLOCK: tl.constexpr) -> None:  # noqa: N803
+def _log_softmax_kernel(x: torch.Tensor, out: torch.Tensor, width: int, sx: int, so: int, BLOCK: tl.constexpr) -> None:  # noqa: N803
     row = tl.program_id(0).to(tl.int64)
     top = float("-inf")
     for start in range(0, width, BLOCK):
