@@ -25,6 +25,7 @@ what to do, an optional ``hint`` and, for documents, the JSON pointer of the bad
     ├── AccessError              path_not_allowed: a path outside what the server may read
     ├── UpstreamError            teacher_unreachable: a remote teacher did not answer its probe as a teacher does
     ├── RegistryError            registry_unwritable: the adapter registry cannot be written
+    ├── ScorerError              scorer_failed: a reward scorer failed, timed out or gave no finite reward
     └── InternalError            internal_error
 
 A run that fails *after* admission does not raise to its caller: it ends with a failed train receipt whose
@@ -79,6 +80,7 @@ __all__ = [
     "Problem",
     "RegistryError",
     "RequestError",
+    "ScorerError",
     "ShapeMismatchError",
     "StorageFailureError",
     "TrainingDataError",
@@ -304,6 +306,15 @@ class RegistryError(KilnError):
 
     codes = ("registry_unwritable",)
     default_code = "registry_unwritable"
+
+
+class ScorerError(KilnError):
+    """A reward scorer failed on a completion: it raised, exited non-zero, timed out, answered something that is not
+    ``{"reward": <finite number>}`` or did not answer within its retries. The message names the task and the scorer
+    and ends with the scorer's stderr tail (an executable's) or its error."""
+
+    codes = ("scorer_failed",)
+    default_code = "scorer_failed"
 
 
 class InternalError(KilnError):

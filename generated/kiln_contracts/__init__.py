@@ -20,7 +20,7 @@ SCHEMA_DIGESTS: dict[str, str] = {
     "kiln-checkpoint-v1.schema.json": "sha256:2ff24d0b6c4911a56a3517bd3552f02b22bfbe13a7a284b20208ad0f904d9116",
     "kiln-common-v1.schema.json": "sha256:140778be5b4882abd354e3ab1194bbe6a56e891d614d0aa7c0cace8c6ff07833",
     "kiln-config-v1.schema.json": "sha256:08e376a1b709a4aae08ddefeae72ab46a09dc3e9b455da57efae3cc8e764f197",
-    "kiln-control-plane-v1.schema.json": "sha256:fbac7905d40f40a83edcd2eb45752da05509490112ddcaa668fd04f738bbf66d",
+    "kiln-control-plane-v1.schema.json": "sha256:e5c928c93ac536c2f979d68a7eb8d34dbe98815dd7aaafeab6c19e8e62496ef4",
     "kiln-observability-v1.schema.json": "sha256:b10ca73fa169bff71f63462a55285f7b2350ad816bdfacbd1900b635d5b4335b"
 }
 

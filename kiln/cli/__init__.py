@@ -16,6 +16,7 @@ One module per command group; each adds its parsers (``add_*_parser``) and holds
     _teachers      ``kiln teachers add|list|remove``
     _evals         ``kiln eval suites|run|status|cancel|compare``
     _audit         ``kiln audit``: re-execute a published run and compare its bytes
+    _rollouts      ``kiln rollout-generate``: sample, score and publish GRPO groups with recorded provenance
     _parser        the parser class: no abbreviations, "did you mean", a group's own help, defaults in --help
 
 Imports run one way, with no cycle even counting the imports inside functions: this package imports every
@@ -42,6 +43,7 @@ from kiln.cli._checkpoints import add_checkpoints_parser
 from kiln.cli._evals import add_eval_parser
 from kiln.cli._parser import KilnParser, leaf_parser
 from kiln.cli._replay import add_replay_parser
+from kiln.cli._rollouts import add_rollout_parser
 from kiln.cli._server import add_health_parser, add_serve_parser
 from kiln.cli._teachers import add_teachers_parser
 from kiln.cli._train import add_models_parser, add_train_parser
@@ -70,6 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_teachers_parser(sub)
     add_eval_parser(sub)
     add_audit_parser(sub)
+    add_rollout_parser(sub)
     return parser
 
 

@@ -29,6 +29,7 @@ from kiln.data.grpo import (
     iter_dataset_groups,
     precheck_grpo_groups,
     read_groups,
+    spelled,
     refused_ingestion,
 )
 from kiln.data.jsonl import check_unchanged, dataset_sha256
@@ -83,6 +84,7 @@ __all__ = [
     "precheck_dataset_file",
     "precheck_sft_rows",
     "read_groups",
+    "spelled",
     "read_off_policy_file",
     "read_prompts",
     "refused_ingestion",

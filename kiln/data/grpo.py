@@ -78,6 +78,13 @@ Rendering and masks (any Hugging Face chat template that is prefix-stable;
        ``warning_filter`` is on (they are then counted in ``warning_tokens``). Every
        completion of a group has the same prompt ids (``input_ids[:prompt_tokens]``).
 
+Sampled token ids
+    A plain-text completion whose provenance (rollout-provenance v1) lists action token ids that spell exactly
+    what the text's tokenization of its action block spells (decoded with every token kept, nothing cleaned up)
+    is trained on those ids: the ids the behaviour policy sampled, where re-tokenizing the text would split a
+    sampled word otherwise. Ids that spell something else leave the text's tokenization (and, with
+    ``behavior_policy="recorded"``, refuse the completion as misaligned).
+
 Recorded behaviour log-probabilities
     From ``provenance.action_tokens[*].behavior_logprob`` (rollout-provenance v1 layout),
     one per action target in order, and only when that list matches the tokenized action
@@ -123,6 +130,7 @@ __all__ = [
     "GrpoSourcePosition",
     "iter_dataset_groups",
     "read_groups",
+    "spelled",
 ]
 
 GRPO_SOURCES = ("inline_grpo_groups", "jsonl_grpo_groups", "jsonl_grpo_groups_dry_run")
@@ -423,6 +431,7 @@ class _GroupReader:
                 hint="leave behavior_policy unset for no_importance_correction",
             )
         self.tokens = TrajectoryTokenizer(tokenizer, warning_filter)
+        self.tokenizer = tokenizer
         self.recorded = behavior_policy == "recorded"
 
     def group(self, index: int, value: Any) -> GrpoGroup:
@@ -460,10 +469,31 @@ class _GroupReader:
             reward = math.inf
         if not math.isfinite(reward):
             raise ItemError("reward: too large for a 64-bit float", "/reward")
-        input_ids, labels = self.tokens.completion(
-            messages, segments(rollout), prompt, from_text="trajectory" not in rollout
-        )
+        from_text = "trajectory" not in rollout
+        input_ids, labels = self.tokens.completion(messages, segments(rollout), prompt, from_text=from_text)
+        if from_text:
+            input_ids, labels = self._as_sampled(rollout.get("provenance"), input_ids, labels)
         return self._masks(number, rollout, input_ids, labels), labels.count(PROMPT)
+
+    def _as_sampled(
+        self, provenance: Any, input_ids: tuple[int, ...], labels: list[int]
+    ) -> tuple[tuple[int, ...], list[int]]:
+        """A text completion's ids with its action block replaced by the token ids its provenance records, when
+        those spell exactly what the text's own tokenization spells (``spelled``): the ids the behaviour policy
+        sampled, which a byte-level tokenizer may split otherwise when it re-tokenizes the text."""
+        recorded = _provenance_ids(provenance, len(self.tokenizer))
+        block = [i for i, label in enumerate(labels) if label == ACTION]
+        if recorded is None or not block or block != list(range(block[0], block[-1] + 1)):
+            return input_ids, labels
+        start, end = block[0], block[-1] + 1
+        if list(input_ids[start:end]) == recorded or spelled(self.tokenizer, recorded) != spelled(
+            self.tokenizer, input_ids[start:end]
+        ):
+            return input_ids, labels
+        return (
+            (*input_ids[:start], *recorded, *input_ids[end:]),
+            [*labels[:start], *([ACTION] * len(recorded)), *labels[end:]],
+        )
 
     def _masks(
         self,
@@ -507,6 +537,25 @@ def _check_shape(value: Any) -> str:
         )
     check_item("GrpoRequest", "groups", value, whole="the group")
     return present[0]
+
+
+def spelled(tokenizer: Any, ids: Sequence[int]) -> str:
+    """The text ``ids`` decode to, every token kept and nothing cleaned up: what two tokenizations of one text
+    share."""
+    return str(tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False))
+
+
+def _provenance_ids(provenance: Any, vocabulary: int) -> list[int] | None:
+    """The action token ids a rollout-provenance v1 record lists, when it lists valid ones."""
+    if not isinstance(provenance, dict) or provenance.get("schema", _ROLLOUT_PROVENANCE) != _ROLLOUT_PROVENANCE:
+        return None
+    tokens = provenance.get("action_tokens")
+    if not isinstance(tokens, list) or not tokens:
+        return None
+    ids = [t.get("token_id") if isinstance(t, dict) else None for t in tokens]
+    if any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < vocabulary for i in ids):
+        return None
+    return ids  # type: ignore[return-value]
 
 
 def _recorded_logprobs(provenance: Any, action_ids: list[int]) -> tuple[tuple[float, ...] | None, str | None]:

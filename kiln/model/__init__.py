@@ -74,6 +74,7 @@ if TYPE_CHECKING:  # the names below, for the type checker; at run time they loa
         batch_logprobs,
         decode,
         decoder_for,
+        generation_backend,
         lora_hooks,
         sequence_logprobs,
     )
@@ -95,6 +96,7 @@ _LAZY = {
     "batch_logprobs": "_generator",
     "decode": "_generator",
     "decoder_for": "_generator",
+    "generation_backend": "_generator",
     "lora_hooks": "_generator",
     "sequence_logprobs": "_generator",
 }
@@ -136,6 +138,7 @@ __all__ = [
     "decoder_of",
     "determinism_settings",
     "device_free_bytes",
+    "generation_backend",
     "device_memory_bytes",
     "draw_tokens",
     "ensure_default_tiny",

@@ -38,6 +38,7 @@ __all__ = [
     "batch_logprobs",
     "decode",
     "decoder_for",
+    "generation_backend",
     "lora_hooks",
     "sequence_logprobs",
 ]
@@ -60,6 +61,19 @@ def decoder_for(model: Any) -> Decoder:
     if isinstance(found, Unsupported):
         raise Unsupported(str(found))
     return found
+
+
+def generation_backend(model: Any) -> str:
+    """What decodes ``model`` (recorded with every rollout it samples): the invariant forward and its
+    implementation -- a trainer's forward of the same weights recomputes its log-probabilities bit for bit -- or
+    ``kiln.model-forward`` (each row alone through the model's own forward) for a family without one."""
+    from kiln.kernels import invariant
+
+    try:
+        decoder_for(model)
+    except Unsupported:
+        return "kiln.model-forward"
+    return f"kiln.invariant-forward: {invariant.IMPLEMENTATION}"
 
 
 def sequence_logprobs(model: Any, ids: Sequence[int], lora: LoraLayers | None = None) -> torch.Tensor:
@@ -280,18 +294,19 @@ def decode(
     *,
     max_new: Sequence[int],
     sampling: Sampling,
-    seed: int,
+    seed: int | Sequence[int],
     sequences: Sequence[int],
     stop_ids: frozenset[int],
     logprobs: bool = False,
 ) -> list[Decoded]:
     """Each prompt decoded until a stop id or its ``max_new`` tokens, every row in one ``Batch`` (one forward per
-    step); row i's draws are keyed ``DrawKey(seed, sequences[i], position)`` -- so a row samples the same tokens
-    whichever rows decode beside it. Each step reads its tokens (and flags, log-probabilities) to the host once.
+    step); row i's draws are keyed ``DrawKey(seed, sequences[i], position)`` (``seed[i]`` when ``seed`` is one per
+    row) -- so a row samples the same tokens whichever rows decode beside it. Each step reads its tokens (and flags, log-probabilities) to the host once.
     Non-finite logits raise ``FloatingPointError`` naming how many tokens the row had."""
     from kiln.kernels import invariant
 
     out = [Decoded([], limit > 0, [] if logprobs else None) for limit in max_new]
+    seeds = [seed] * len(prompts) if isinstance(seed, int) else list(seed)
     live = [i for i, limit in enumerate(max_new) if limit > 0]
     if not live:
         return out
@@ -299,7 +314,7 @@ def decode(
     logits = batch.join([(i, prompts[i], None) for i in live])
     with torch.inference_mode():
         while live:
-            keys = [DrawKey(seed, sequences[i], len(out[i].ids)) for i in live]
+            keys = [DrawKey(seeds[i], sequences[i], len(out[i].ids)) for i in live]
             tokens = next_tokens(logits, [sampling] * len(live), keys)
             parts = [tokens.double(), torch.isfinite(logits).all(-1).double()]
             if logprobs:

@@ -48,6 +48,7 @@ __all__ = [
     "SelectedLogits",
     "group_logprobs",
     "invariant_decoder",
+    "invariant_group_logprobs",
     "invariant_logits",
     "invariant_selected",
     "logprobs",
@@ -355,12 +356,36 @@ def group_logprobs(
     import torch
 
     found = selected_logits(model, head, sequences, wanted, prefix=prefix)
-    positions, targets = found.positions, found.targets
-    logp = torch.log_softmax(found.rows, dim=-1)
-    taken = logp.gather(1, targets.unsqueeze(1)).squeeze(1)
+    return per_sequence(found, sequences, torch.log_softmax(found.rows, dim=-1), entropy=entropy)
+
+
+def invariant_group_logprobs(
+    decoder: Any,
+    sequences: Sequence[Sequence[int]],
+    wanted: Sequence[Sequence[bool]],
+    *,
+    entropy: bool = False,
+    shared: int = 0,
+) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """``group_logprobs`` from the invariant forward (``invariant_selected``) and its log-softmax: each taken
+    log-probability is, bit for bit, the one the sampler recorded when it drew the token."""
+    from kiln.kernels import invariant
+
+    found = invariant_selected(decoder, sequences, wanted, shared=shared)
+    return per_sequence(found, sequences, invariant.log_softmax(found.rows), entropy=entropy)
+
+
+def per_sequence(
+    found: SelectedLogits, sequences: Sequence[Sequence[int]], logp: torch.Tensor, *, entropy: bool
+) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """The selected rows' log-probabilities ``logp`` as one ``(taken [T-1], entropy or None)`` per sequence, zero
+    where nothing was selected."""
+    import torch
+
+    taken = logp.gather(1, found.targets.unsqueeze(1)).squeeze(1)
     spread = -(logp.exp() * logp).sum(-1) if entropy else None
     results, start = [], 0
-    for seq, pos in zip(sequences, positions, strict=True):
+    for seq, pos in zip(sequences, found.positions, strict=True):
         stop = start + pos.numel()
         zeros = torch.zeros(len(seq) - 1, dtype=taken.dtype, device=taken.device)
         row = zeros.index_put((pos,), taken[start:stop])
@@ -414,18 +439,23 @@ class ReferencePolicy:
         *,
         width: int | None = None,
         shared: int = 0,
+        decoder: Any = None,
     ) -> list[torch.Tensor]:
         """The reference's taken log-probabilities of several sequences inside one ``disable_adapter()`` or one EMA
         swap: right-padded forwards (``group_logprobs``) of ``width`` sequences at a time (all at once when None);
-        ``shared`` > 0 runs those first tokens, which every sequence shares, once (``run_prefix``)."""
+        ``shared`` > 0 runs those first tokens, which every sequence shares, once (``run_prefix``). With a
+        ``decoder`` the forwards are the invariant ones (``invariant_group_logprobs``)."""
         t0 = time.perf_counter()
         step = width or len(sequences)
         found: list[torch.Tensor] = []
         with self._as_reference():
-            prefix = run_prefix(self.model, sequences[0][:shared]) if shared else None
+            prefix = run_prefix(self.model, sequences[0][:shared]) if shared and decoder is None else None
             for start in range(0, len(sequences), step):
-                part = group_logprobs(
-                    self.model, head, sequences[start : start + step], wanted[start : start + step], prefix=prefix
+                some, marks = sequences[start : start + step], wanted[start : start + step]
+                part = (
+                    group_logprobs(self.model, head, some, marks, prefix=prefix)
+                    if decoder is None
+                    else invariant_group_logprobs(decoder, some, marks, shared=shared)
                 )
                 found.extend(taken for taken, _ in part)
         self.timings["reference_forward_ms"] += (time.perf_counter() - t0) * 1000
@@ -437,7 +467,11 @@ class BatchedForwards:
     to its own dense forward (``policy`` answers None for it, ``references`` calls the reference per completion).
 
     ``sharing`` (a ``PrefixPlan``): the forwards that run the group's shared prompt once (``run_prefix``), then
-    ``width`` suffixes at a time against its cache -- also at width 1."""
+    ``width`` suffixes at a time against its cache -- also at width 1.
+
+    ``decoder`` (the model's invariant forward, for rollouts Kiln's generator sampled): every forward -- policy and
+    reference, at any width, shared or not -- runs it, so a recorded behaviour log-probability is recomputed bit
+    for bit."""
 
     def __init__(
         self,
@@ -449,10 +483,12 @@ class BatchedForwards:
         echo: bool,
         entropy: bool,
         sharing: PrefixPlan | None = None,
+        decoder: Any = None,
     ) -> None:
         self.model, self.head, self.reference, self.width = model, head, reference, width
         self.echo, self.entropy = echo, entropy
         self.sharing = sharing or PrefixPlan()
+        self.decoder = decoder
 
     def _batches(self, completions: Sequence[GrpoCompletion]) -> list[Sequence[GrpoCompletion]]:
         return [completions[i : i + self.width] for i in range(0, len(completions), self.width)]
@@ -466,17 +502,34 @@ class BatchedForwards:
 
         sequences = [c.input_ids for c in completions]
         shared = shared_length(sequences) if self.sharing.reference else 0
-        if self.width == 1 and not shared:
+        if self.width == 1 and not shared and self.decoder is None:
             return [self.reference(torch.tensor(c.input_ids, dtype=torch.long)) for c in completions]
         # one adapter switch (or EMA swap) for the group: its prompt once when shared, then width sequences at a time
         wanted = [self._wanted(c) for c in completions]
-        return list(self.reference.group(self.head, sequences, wanted, width=self.width, shared=shared))
+        return list(
+            self.reference.group(self.head, sequences, wanted, width=self.width, shared=shared, decoder=self.decoder)
+        )
 
     def policy(
         self, completions: Sequence[GrpoCompletion], timings: dict[str, float]
     ) -> list[tuple[torch.Tensor, torch.Tensor | None] | None]:
         """Per completion ``(taken, entropy)`` with gradient, or None when each runs its own forward (width 1)."""
         shared = shared_length([c.input_ids for c in completions]) if self.sharing.policy else 0
+        if self.decoder is not None:
+            t0 = time.perf_counter()
+            rows: list[tuple[torch.Tensor, torch.Tensor | None] | None] = []
+            for part in self._batches(completions):
+                rows.extend(
+                    invariant_group_logprobs(
+                        self.decoder,
+                        [c.input_ids for c in part],
+                        [self._wanted(c) for c in part],
+                        entropy=self.entropy,
+                        shared=shared,
+                    )
+                )
+            timings["policy_forward_ms"] += (time.perf_counter() - t0) * 1000
+            return rows
         if self.width == 1 and not shared:
             return [None] * len(completions)
         t0 = time.perf_counter()

@@ -92,6 +92,7 @@ from kiln.trainers._forwards import (
     BatchedForwards,
     PrefixPlan,
     ReferencePolicy,
+    invariant_decoder,
     logprobs,
     plan_sharing,
     shared_length,
@@ -933,6 +934,7 @@ class GrpoRun(RunProgress):
             echo=cfg.echo is not None,
             entropy=entropy_kl,
             sharing=job.sharing,
+            decoder=invariant_decoder(policy.model) if sampled_by_invariant_forward(job) else None,
         )
         # the loop: the planned steps, each a backward per share (this rank's part of it) and one optimizer step
         plan = step_plan(kept, cfg.loss_aggregation, cfg.gradient_accumulation_steps)
@@ -1018,7 +1020,7 @@ class GrpoRun(RunProgress):
         """The loss terms of completions ``mine`` of group ``number`` (``token_level``: a batched forward of them
         when configured; ``per_sample``: one completion, its own forward)."""
         terms = self.group_refs[number]
-        if self.job.config.loss_aggregation == "token_level":
+        if self.job.config.loss_aggregation == "token_level" or forwards.decoder is not None:
             completions = self.kept[number - 1].completions
             batched = forwards.policy([completions[i] for i in mine], self.loop.timings)
             return [self._completion(policy, number, *terms[i], batched[j], entropy_kl) for j, i in enumerate(mine)]
@@ -1259,6 +1261,61 @@ class GrpoLoop:
 
 # ----------------------------------------------------------------------------- the receipt
 
+INVARIANT_BACKEND = "kiln.invariant-forward"  # kiln.model.generation_backend of a model with the invariant forward
+BEHAVIOR_SOURCE_MEMBERS = ("behavior_policy", "tokenizer", "template_invocation", "sampling", "generation_backend")
+
+
+def sampled_by_invariant_forward(job: AdmittedGrpo) -> bool:
+    """Whether the run trains rollouts Kiln's generator sampled with the invariant forward, against their recorded
+    log-probabilities: then the run's forwards are the invariant forward too, and a step's ratios start at 1."""
+    completions = [c for g in job.ingestion.groups for c in g.completions]
+    return (
+        job.config.behavior_policy == "recorded"
+        and bool(completions)
+        and all(
+            isinstance(c.provenance, dict) and str(c.provenance.get("generation_backend", "")).startswith(INVARIANT_BACKEND)
+            for c in completions
+        )
+    )
+
+
+def recorded_provenance(kept: list[GrpoGroup]) -> JsonObject:
+    """The policy audit's ``recorded_provenance``: the trained completions whose provenance lists action tokens,
+    their sampled and forced tokens, and each distinct behaviour source (``kiln.grpo-behavior-source.v1``: the
+    digest of its five identity members)."""
+    sources: dict[str, JsonObject] = {}
+    totals = {"completion_count": 0, "sampled_action_tokens": 0, "forced_action_tokens": 0}
+    for group in kept:
+        for c in group.completions:
+            record = c.provenance
+            tokens = record.get("action_tokens") if isinstance(record, dict) else None
+            if not isinstance(record, dict) or not isinstance(tokens, list):
+                continue
+            forced = sum(1 for t in tokens if isinstance(t, dict) and t.get("forced") is True)
+            identity: JsonObject = {
+                key: record.get(key) if isinstance(record.get(key), dict) else {} for key in BEHAVIOR_SOURCE_MEMBERS[:4]
+            }
+            identity["generation_backend"] = str(record.get("generation_backend") or "unknown")
+            digest = json_sha256({"algorithm": "kiln.grpo-behavior-source.v1", **identity})
+            source = sources.setdefault(
+                digest,
+                {"behavior_source_sha256": digest, "completion_count": 0, "sampled_action_tokens": 0,
+                 "forced_action_tokens": 0, **identity},
+            )  # fmt: skip
+            for block in (source, totals):
+                block["completion_count"] += 1
+                block["sampled_action_tokens"] += len(tokens) - forced
+                block["forced_action_tokens"] += forced
+    out: JsonObject = {**totals, "unique_behavior_sources": len(sources)}
+    if sources:
+        listed = [sources[d] for d in sorted(sources)]
+        out["behavior_source_manifest_sha256"] = json_sha256(
+            {"algorithm": "kiln.grpo-behavior-source-manifest.v1", "sources": sorted(sources)}
+        )
+        out["behavior_sources"] = listed
+    return out
+
+
 
 def receipt(
     job: AdmittedGrpo,
@@ -1301,7 +1358,7 @@ def receipt(
     if not dry_run:
         grpo["prefix_sharing"] = prefix_receipt(job, kept)
     if audits and (audits.importance.ratio_observations or audits.kl.token_observations):
-        grpo["policy_audit"] = obj.policy_audit_receipt(audits.importance, audits.kl)
+        grpo["policy_audit"] = obj.policy_audit_receipt(audits.importance, audits.kl, recorded_provenance(kept))
     out["grpo"] = grpo
     out["echo"] = echo_block(cfg.echo, audits.echo if audits else EchoAccumulator())
     out["no_policy_loss"] = cfg.no_policy_loss
