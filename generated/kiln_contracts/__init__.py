@@ -16,11 +16,11 @@ from importlib import resources
 from typing import Any
 
 SCHEMA_DIGESTS: dict[str, str] = {
-    "kiln-artifacts-v1.schema.json": "sha256:aa8fbf978cc63b49f802731ea045c9e9b8f988dd72cf5d85878d1759640f1e5e",
-    "kiln-checkpoint-v1.schema.json": "sha256:2ff24d0b6c4911a56a3517bd3552f02b22bfbe13a7a284b20208ad0f904d9116",
+    "kiln-artifacts-v1.schema.json": "sha256:81da8afab3c66919c39249c852088f2672f99c6d067df1f8efd51820f67b13d5",
+    "kiln-checkpoint-v1.schema.json": "sha256:9a0260d7cf5265c62f78130f199166b27ba87ccff7bc15fb2c61f7785f81d06c",
     "kiln-common-v1.schema.json": "sha256:140778be5b4882abd354e3ab1194bbe6a56e891d614d0aa7c0cace8c6ff07833",
     "kiln-config-v1.schema.json": "sha256:08e376a1b709a4aae08ddefeae72ab46a09dc3e9b455da57efae3cc8e764f197",
-    "kiln-control-plane-v1.schema.json": "sha256:e5c928c93ac536c2f979d68a7eb8d34dbe98815dd7aaafeab6c19e8e62496ef4",
+    "kiln-control-plane-v1.schema.json": "sha256:47c272db819e48bac9c65489e90793f8f0446b117a57179e93c6e51168043c3d",
     "kiln-observability-v1.schema.json": "sha256:b10ca73fa169bff71f63462a55285f7b2350ad816bdfacbd1900b635d5b4335b"
 }
 

@@ -76,6 +76,7 @@ STATE_FILE_ROLES = {
     "ema_state": "ema-state",
     "reward_normalization_state": "reward-normalization-state",
     "loss_history": "loss-history",
+    "rollout_log": "rollout-log",
 }
 OPTIMIZER_HYPERPARAMETERS = {
     "sgd": ("learning_rate",),
@@ -90,7 +91,12 @@ REQUIRED_RNG_STREAMS = {
     "capability-distillation": ("lora-init",),
 }
 SFT_SOURCE_KIND = "sft-valid-example-order-v1"
-GRPO_SOURCE_KINDS = {"inline": "inline-grpo-trainable-order-v1", "jsonl": "jsonl-grpo-trainable-order-v1"}
+GRPO_SOURCE_KINDS = {
+    "inline": "inline-grpo-trainable-order-v1",
+    "jsonl": "jsonl-grpo-trainable-order-v1",
+    "online": "online-grpo-task-visit-order-v1",
+}
+CURSOR_ROUTES = ("jsonl", "online")  # the GRPO routes whose auxiliary state carries a source cursor
 OPD_SOURCE_KINDS = {"prompts": "opd-prompt-candidate-order-v1", "teacher_jsonl": "opd-teacher-jsonl-candidate-order-v1"}
 MODEL_IDENTITY_FIELDS = (
     "model_config_sha256",
@@ -620,6 +626,22 @@ def _reference_state(doc: dict[str, Any], at: str) -> Iterable[Problem]:
             yield Problem("inconsistent_fields", ptr(at, "state_files", key), f"Kiln's {kind} trainer keeps no {key}")
 
 
+@semantic_rule(DOC, "grpo-aux.rollout-log")
+def _rollout_log(doc: dict[str, Any], at: str) -> Iterable[Problem]:
+    """The manifest half of ``grpo-aux.rollout-log``: an online GRPO checkpoint, and only it, holds its rollout log
+    (its bytes are checked against the cursor when a run resumes from it: ``kiln.trainers.grpo``)."""
+    online = doc["training_kind"] == "grpo" and doc["auxiliary_state"].get("route") == "online"
+    if ("rollout_log" in doc["state_files"]) != online:
+        have = "present" if "rollout_log" in doc["state_files"] else "absent"
+        yield Problem(
+            "inconsistent_fields",
+            ptr(at, "state_files", "rollout_log"),
+            f"state_files.rollout_log is {have} but the checkpoint is "
+            + ("an online GRPO run's" if online else "not an online GRPO run's")
+            + " (an online run, and only it, keeps its rollout log)",
+        )
+
+
 # -- auxiliary state -----------------------------------------------------------------------
 
 
@@ -818,10 +840,10 @@ def _opd_planning_identity(aux: dict[str, Any], at: str) -> Iterable[Problem]:
 
 @semantic_rule(GRPO_AUX, "grpo-aux.route-fields")
 def _grpo_route_fields(aux: dict[str, Any], at: str) -> Iterable[Problem]:
-    jsonl = aux["route"] == "jsonl"
+    cursor = aux["route"] in CURSOR_ROUTES
     for name in ("source_byte_offset", "source_lines_consumed", "consumed_lines_sha256"):
-        if (name in aux) != jsonl:
-            need = "required" if jsonl else "not allowed"
+        if (name in aux) != cursor:
+            need = "required" if cursor else "not allowed"
             yield Problem("inconsistent_fields", ptr(at, name), f"{name} is {need} with route {aux['route']!r}")
 
 

@@ -91,8 +91,15 @@ def _generate(args: argparse.Namespace, output: Path, summary_path: Path) -> int
     from kiln.host.fs import atomic_write_bytes
     from kiln.host.progress import counter
     from kiln.model import resolve_model_path
-    from kiln.rollouts import BehaviourPolicy, Timings, read_request_template, read_tasks, sample_groups, scorer_of
-    from kiln.rollouts import summary_of
+    from kiln.rollouts import (
+        BehaviourPolicy,
+        Timings,
+        read_request_template,
+        read_tasks,
+        sample_groups,
+        scorer_of,
+        summary_of,
+    )
 
     template_value = None
     if args.request_template:

@@ -27,10 +27,12 @@ from kiln.data.grpo import (
     GrpoIngestion,
     GrpoSourcePosition,
     iter_dataset_groups,
+    online_ingestion,
     precheck_grpo_groups,
     read_groups,
-    spelled,
     refused_ingestion,
+    rollout_log_lines,
+    spelled,
 )
 from kiln.data.jsonl import check_unchanged, dataset_sha256
 from kiln.data.opd import (
@@ -81,13 +83,15 @@ __all__ = [
     "ingest_sft",
     "iter_dataset_groups",
     "match_skeleton",
+    "online_ingestion",
     "precheck_dataset_file",
     "precheck_sft_rows",
     "read_groups",
-    "spelled",
     "read_off_policy_file",
     "read_prompts",
     "refused_ingestion",
+    "rollout_log_lines",
+    "spelled",
     "template_errors",
     "tokenize_response",
 ]

@@ -129,11 +129,13 @@ __all__ = [
     "GrpoIngestion",
     "GrpoSourcePosition",
     "iter_dataset_groups",
+    "online_ingestion",
     "read_groups",
+    "rollout_log_lines",
     "spelled",
 ]
 
-GRPO_SOURCES = ("inline_grpo_groups", "jsonl_grpo_groups", "jsonl_grpo_groups_dry_run")
+GRPO_SOURCES = ("inline_grpo_groups", "jsonl_grpo_groups", "jsonl_grpo_groups_dry_run", "online_grpo_tasks")
 SEGMENT_KINDS = ("context", "action", "observation")
 BEHAVIOR_POLICIES = ("no_importance_correction", "recorded")
 _ROLLOUT_PROVENANCE = "kiln.rollout-provenance.v1"
@@ -294,6 +296,38 @@ def read_groups(
                 pointer=f"/{name}/{index}{bad.pointer}",
             ) from None
     return _ingestion(read, "inline_grpo_groups", "inline", None, json_sha256(parsed), [])
+
+
+ONLINE_SOURCE = "online_grpo_tasks"
+
+
+def online_ingestion(values: Sequence[Any], *, tokenizer: Any, warning_filter: bool, path: str | None) -> GrpoIngestion:
+    """The ingestion of an online GRPO run's rollout log so far: ``values`` are its groups (one per task visit, in
+    order, each as the JSON object of its log line), read by the same reader as any group with
+    ``behavior_policy="recorded"``; positions are the log's cursor after each line (``rollout_log_lines``)."""
+    read, positions = [], []
+    digests: list[str] = []
+    offset = 0
+    renderer = _GroupReader(tokenizer, warning_filter, "recorded")
+    for index, (value, line) in enumerate(zip(values, rollout_log_lines(values), strict=True)):
+        try:
+            read.append(renderer.group(index, value))
+        except ItemError as bad:
+            raise TrainingDataError(
+                f"online group {index + 1} is invalid: {bad.detail}", reason=bad.reason, pointer=bad.pointer
+            ) from None
+        offset += len(line)
+        digests.append(prefixed(hashlib.sha256(line).hexdigest()))
+        positions.append(GrpoSourcePosition(index + 1, offset, index + 1, json_sha256(digests)))
+    digest = json_sha256(digests)
+    return _ingestion(read, ONLINE_SOURCE, "online", path, digest, positions)
+
+
+def rollout_log_lines(values: Sequence[Any]) -> list[bytes]:
+    """An online run's rollout log, one canonical JSON line per group (what its checkpoints and adapter hold)."""
+    from kiln.documents.jsonio import canonical_json
+
+    return [canonical_json(value) + b"\n" for value in values]
 
 
 def refused_ingestion(dataset_path: str | os.PathLike[str], sha256: str) -> GrpoIngestion:

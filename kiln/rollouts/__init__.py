@@ -23,6 +23,7 @@ from kiln.rollouts._generate import (
     read_tasks,
     sample_groups,
     summary_of,
+    tasks_of,
 )
 from kiln.rollouts._scorers import (
     BUILTIN_SCORERS,
@@ -57,4 +58,5 @@ __all__ = [
     "sample_groups",
     "scorer_of",
     "summary_of",
+    "tasks_of",
 ]

@@ -49,6 +49,7 @@ __all__ = [
     "read_tasks",
     "sample_groups",
     "summary_of",
+    "tasks_of",
 ]
 
 PROVENANCE_SCHEMA = "kiln.rollout-provenance.v1"
@@ -88,18 +89,35 @@ def read_tasks(path: str | Path, template: RequestTemplate) -> list[Task]:
         text = source.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise RequestError(f"tasks file {source}: cannot be read: {exc}") from None
-    tasks: list[Task] = []
-    seen: set[str] = set()
+    values: list[tuple[str, Any]] = []
     for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
         where = f"{source} line {number}"
         try:
-            value = json.loads(line)
+            values.append((where, json.loads(line)))
         except ValueError as exc:
             raise RequestError(f"{where}: not JSON ({exc})", hint="write one task object per line") from None
+    if not values:
+        raise RequestError(f"tasks file {source} has no tasks", hint="write one task object per line")
+    return _tasks(values, template)
+
+
+def tasks_of(values: Sequence[Any], template: RequestTemplate) -> list[Task]:
+    """Tasks given as JSON values (a request's inline ``online.tasks``), in order."""
+    if not values:
+        raise RequestError("online.tasks is empty: give at least one task")
+    return _tasks([(f"online.tasks[{i}]", v) for i, v in enumerate(values)], template)
+
+
+def _tasks(values: list[tuple[str, Any]], template: RequestTemplate) -> list[Task]:
+    tasks: list[Task] = []
+    seen: set[str] = set()
+    for where, value in values:
         if not isinstance(value, dict):
-            raise RequestError(f"{where}: a task must be a JSON object", hint='{"messages": [...]} or {"prompt": "..."}')
+            raise RequestError(
+                f"{where}: a task must be a JSON object", hint='{"messages": [...]} or {"prompt": "..."}'
+            )
         if ("messages" in value) == ("prompt" in value):
             raise RequestError(f"{where}: a task has messages or prompt (exactly one)")
         if "messages" in value:
@@ -116,8 +134,6 @@ def read_tasks(path: str | Path, template: RequestTemplate) -> list[Task]:
             raise RequestError(f"{where}: task id {task_id!r} is used twice")
         seen.add(task_id)
         tasks.append(Task(task_id, [*template.messages, *messages], value))
-    if not tasks:
-        raise RequestError(f"tasks file {source} has no tasks", hint="write one task object per line")
     return tasks
 
 
@@ -276,8 +292,19 @@ def _attach(model: Any, registry: Path, name: str) -> tuple[Any, dict[str, Any]]
 
     files = adapter_directory(registry, name).read()
     config = files.config
-    options = sorted(config.enabled & {"use_dora", "use_rslora", "lora_bias", "modules_to_save", "alpha_pattern",
-                                       "trainable_token_indices", "layer_replication", "target_parameters"})
+    options = sorted(
+        config.enabled
+        & {
+            "use_dora",
+            "use_rslora",
+            "lora_bias",
+            "modules_to_save",
+            "alpha_pattern",
+            "trainable_token_indices",
+            "layer_replication",
+            "target_parameters",
+        }
+    )
     if config.rank_pattern or isinstance(config.target_modules, str) or options:
         raise RequestError(
             f"adapter {name!r}: its adapter_config.json uses settings rollout generation does not attach "

@@ -31,6 +31,7 @@ when it has one; the URL; the executable's resolved path and the SHA-256 of its 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib
 import json
@@ -50,13 +51,13 @@ from kiln.errors import RequestError, ScorerError
 
 __all__ = [
     "BUILTIN_SCORERS",
+    "BuiltinScorer",
     "EntryPointScorer",
     "ExecutableScorer",
     "HttpScorer",
     "ScoreRequest",
     "Scored",
     "Scorer",
-    "BuiltinScorer",
     "scorer_of",
 ]
 
@@ -218,15 +219,13 @@ class EntryPointScorer:
         if source and Path(source).is_file():
             found["module_sha256"] = hashlib.sha256(Path(source).read_bytes()).hexdigest()
         top = self.name.split(".", 1)[0].split(":", 1)[0]
-        try:
-            from importlib.metadata import packages_distributions, version
+        from importlib.metadata import PackageNotFoundError, packages_distributions, version
 
-            dists = packages_distributions().get(top)
-            if dists:
-                found["distribution"] = dists[0]
+        dists = packages_distributions().get(top)
+        if dists:
+            found["distribution"] = dists[0]
+            with contextlib.suppress(PackageNotFoundError):  # metadata is best effort; the module digest binds code
                 found["version"] = version(dists[0])
-        except Exception:  # noqa: BLE001 -- metadata is best effort; the module digest above is what binds the code
-            pass
         return found
 
     def score(self, requests: Sequence[ScoreRequest]) -> list[Scored]:
@@ -263,6 +262,8 @@ class HttpScorer:
     """One POST per completion; ``retries`` more attempts after a connection failure or a 5xx answer."""
 
     def __init__(self, url: str, *, timeout: float = 30.0, retries: int = 2, backoff: float = 0.5) -> None:
+        if not url.startswith(("http://", "https://")):
+            raise RequestError(f"scorer {url}: an HTTP scorer's URL starts with http:// or https://")
         self.name, self.timeout, self.retries, self.backoff = url, timeout, retries, backoff
 
     @property
@@ -275,9 +276,10 @@ class HttpScorer:
         for attempt in range(self.retries + 1):
             if attempt:
                 time.sleep(self.backoff * attempt)
-            http = urllib.request.Request(self.name, data=body, headers={"Content-Type": "application/json"})
+            headers = {"Content-Type": "application/json"}
+            http = urllib.request.Request(self.name, data=body, headers=headers)  # noqa: S310 -- http(s) only
             try:
-                with urllib.request.urlopen(http, timeout=self.timeout) as answer:  # noqa: S310 -- the configured URL
+                with urllib.request.urlopen(http, timeout=self.timeout) as answer:  # noqa: S310 -- scheme checked: http(s)
                     text = answer.read().decode("utf-8", "replace")
             except urllib.error.HTTPError as exc:
                 problem = f"HTTP {exc.code}: {exc.read().decode('utf-8', 'replace')[:500]}"
@@ -315,14 +317,18 @@ class ExecutableScorer:
 
     @property
     def identity(self) -> dict[str, Any]:
-        return {"kind": "executable", "path": str(self.path), "sha256": hashlib.sha256(self.path.read_bytes()).hexdigest()}
+        return {
+            "kind": "executable",
+            "path": str(self.path),
+            "sha256": hashlib.sha256(self.path.read_bytes()).hexdigest(),
+        }
 
     def score(self, requests: Sequence[ScoreRequest]) -> list[Scored]:
         if not requests:
             return []
         stdin = "".join(json.dumps(r.line(), ensure_ascii=False) + "\n" for r in requests)
         try:
-            done = subprocess.run(  # noqa: S603 -- a configured executable, no shell
+            done = subprocess.run(
                 [str(self.path)], input=stdin, capture_output=True, text=True, timeout=self.timeout, check=False
             )
         except subprocess.TimeoutExpired as exc:

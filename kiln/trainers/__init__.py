@@ -85,8 +85,17 @@ class Trainer:
         refuse_named_dataset(request)
         config = request.config
         base = None if config is None or config.base_adapter is None else config.base_adapter.root
+        online = getattr(request, "online", None)
         try:
-            check_sources(context, dataset_path=dataset_path_of(request), base_adapter=base)
+            check_sources(
+                context,
+                dataset_path=dataset_path_of(request),
+                base_adapter=base,
+                tasks_path=None
+                if online is None or online.tasks_path is None
+                else str(getattr(online.tasks_path, "root", online.tasks_path)),
+                scorer=None if online is None else str(getattr(online.scorer, "root", online.scorer)),
+            )
         except ContractError as exc:
             raise ContractError(exc.problems, document=self.request_type) from None
 

@@ -186,27 +186,32 @@ def publish_state(
     loop_document: Callable[[], JsonObject],
     stamp: Callable[[JsonObject, JsonObject], CheckpointProgress],
     extra_tensors: Callable[[], dict[str, tuple[str, Tensors]]] | None = None,
+    extra_files: Callable[[], dict[str, tuple[str, bytes]]] | None = None,
 ) -> PublishedCheckpoint:
     """Publish one exact-resume checkpoint of ``job`` (``kiln.checkpoints.publish_checkpoint``).
 
     Under the device lock (``capture``): host copies of the adapter tensors and optimizer slots, the loop-state
     document and any ``extra_tensors`` (``{file name: (role, tensors)}``). Then, off the lock:
     ``stamp(manifest, loop_document)`` fills the trainer's progress-dependent members of the identity manifest
-    and returns the ``CheckpointProgress``; the files are encoded here."""
+    and returns the ``CheckpointProgress``; the files are encoded here. ``extra_files``: other state files as bytes
+    (``{file name: (role, bytes)}``), captured with the rest."""
     cfg = job.config
 
-    def capture() -> tuple[Tensors, Tensors | None, JsonObject, dict[str, tuple[str, Tensors]]]:
+    snapshot_type = tuple[
+        Tensors, Tensors | None, JsonObject, dict[str, tuple[str, Tensors]], dict[str, tuple[str, bytes]]
+    ]
+
+    def capture() -> snapshot_type:
         return (
             adapter_tensors(params),
             optimizer_tensors(optimizer, params) if cfg.optimizer.stateful else None,
             loop_document(),
             {**(extra_tensors() if extra_tensors is not None else {}), **cuda_rng_capture(job.device)},
+            extra_files() if extra_files is not None else {},
         )
 
-    def encode(
-        snapshot: tuple[Tensors, Tensors | None, JsonObject, dict[str, tuple[str, Tensors]]],
-    ) -> tuple[JsonObject, dict[str, tuple[str, bytes]]]:
-        adapter, slots, loop_doc, extra = snapshot
+    def encode(snapshot: snapshot_type) -> tuple[JsonObject, dict[str, tuple[str, bytes]]]:
+        adapter, slots, loop_doc, extra, raw = snapshot
         manifest = job.identity_manifest()
         progress = stamp(manifest, loop_doc)
         manifest["checkpoint_id"] = checkpoint_id(kind, progress.global_step)
@@ -225,6 +230,7 @@ def publish_state(
             files[OPTIMIZER_FILE] = ("optimizer-state", encode_tensors(slots))
         for file_name, (role, tensors) in extra.items():
             files[file_name] = (role, encode_tensors(tensors))
+        files.update(raw)
         return manifest, files
 
     return publish_checkpoint(job.registry, capture, encode)

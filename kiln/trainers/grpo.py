@@ -51,8 +51,12 @@ not used here yet); no ``reward_filter_groups.json`` sidecar. The loss is reduce
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import math
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -62,6 +66,7 @@ from kiln_contracts.models.kiln_control_plane_v1_schema import GrpoConfig, GrpoR
 
 from kiln.artifacts.checkpoint_manifest import GRPO_SOURCE_KINDS
 from kiln.checkpoints import PublishedCheckpoint
+from kiln.data import rollout_log_lines
 from kiln.documents.digests import json_sha256, raw_hex
 from kiln.documents.jsonio import JsonObject
 from kiln.errors import (
@@ -73,6 +78,9 @@ from kiln.errors import (
     ZeroEnvTokensError,
     ZeroGroupsError,
 )
+from kiln.host.fs import atomic_write_bytes
+from kiln.rollouts import RequestTemplate, Scorer, Task
+from kiln.rollouts import Timings as RolloutTimings
 from kiln.trainers._admission import (
     AdmittedJob,
     TrainingContext,
@@ -141,6 +149,10 @@ if TYPE_CHECKING:
 
 KIND = "grpo"
 REFERENCE_FILE = "reference.safetensors"
+ROLLOUT_LOG_FILE = "rollouts.jsonl"  # an online run's rollout log, in its checkpoints and beside its adapter
+ROLLOUT_STREAM = "rollout-sampling"  # online: a counter stream, its position the task visits sampled
+ROLLOUT_ALGORITHM = "kiln.counter-draws.splitmix64.v1"
+ONLINE_SEED_SALT = 0x6F6E6C696E657267  # separates online GRPO's draws from OPD's and the server's for one seed
 PROGRESS_AUX = ("source_byte_offset", "source_lines_consumed", "consumed_lines_sha256", "ema_groups_since_refresh")
 
 __all__ = [
@@ -343,10 +355,17 @@ def check_request(request: Request[GrpoRequest]) -> None:
     sources = [key for key in ("groups", "agentic_groups") if key in model.model_fields_set]
     if len(sources) > 1:
         raise RequestError("send groups or its alias agentic_groups, not both", code="training_invalid_request")
-    if model.dataset_path is not None and sources:
-        raise RequestError("send inline groups or a dataset_path, not both", code="training_invalid_request")
-    if model.dataset_path is None and not sources:
-        raise RequestError("a GRPO request needs groups or a dataset_path", code="training_invalid_request")
+    given = sources + [key for key in ("dataset_path", "online") if getattr(model, key) is not None]
+    if len(given) > 1:
+        raise RequestError(
+            f"send one data source, not {' and '.join(given)}",
+            code="training_invalid_request",
+            hint="inline groups, a dataset_path, or online (tasks Kiln samples and scores)",
+        )
+    if not given:
+        raise RequestError(
+            "a GRPO request needs groups, a dataset_path or online tasks", code="training_invalid_request"
+        )
     if model.dry_run and model.dataset_path is None:
         raise RequestError(
             "dry_run checks a streamed file: it needs dataset_path",
@@ -356,6 +375,42 @@ def check_request(request: Request[GrpoRequest]) -> None:
 
 
 # ----------------------------------------------------------------------------- admission
+
+
+@dataclass(frozen=True)
+class OnlinePlan:
+    """An online run's tasks, scorer and sampling (``GrpoRequest.online``), read and checked at admission."""
+
+    tasks: tuple[Task, ...]
+    scorer: Scorer
+    template: RequestTemplate
+    group_size: int
+    passes: int
+    tasks_path: str | None
+    model_identity: JsonObject  # the base model's identity the rollouts' provenance records
+    prompt_lengths: tuple[int, ...] = ()  # each task's prompt tokens
+
+    @property
+    def visits(self) -> int:
+        return len(self.tasks) * self.passes
+
+    def identity(self) -> JsonObject:
+        """What decides the run's rollouts besides the policy and the seed (the checkpoint's data identity)."""
+        return {
+            "algorithm": "kiln.online-grpo.v1",
+            "tasks": [task.fields for task in self.tasks],
+            "template_messages": list(self.template.messages),
+            "sampling": self.template.as_json(),
+            "scorer": self.scorer.identity,
+            "group_size": self.group_size,
+            "passes": self.passes,
+        }
+
+
+def rollout_seed(seed: int) -> int:
+    """The first draw seed of an online run: completion j of task visit v draws with
+    ``DrawKey(rollout_seed(seed) + j, v, position)``."""
+    return (seed ^ ONLINE_SEED_SALT) % 2**64
 
 
 @dataclass(kw_only=True)
@@ -370,9 +425,12 @@ class AdmittedGrpo(AdmittedJob[EffectiveGrpoConfig]):
     refused: TrainingFailedError | None = None  # a dry run's data refusal, recorded by its failed receipt
     head: ModelHead | None = None  # proven at admission when micro-batches read the logits themselves
     sharing: PrefixPlan = field(default_factory=PrefixPlan)  # which forwards run a group's prompt once
+    online: OnlinePlan | None = None  # online GRPO: the groups are sampled and scored as the run goes
 
     @property
     def total_steps(self) -> int:
+        if self.online is not None:  # a step per gradient_accumulation_steps task visits (fewer when filtered)
+            return math.ceil(self.online.visits / self.config.gradient_accumulation_steps)
         kept, _ = plan_groups(self)
         return len(step_plan(kept, self.config.loss_aggregation, self.config.gradient_accumulation_steps))
 
@@ -382,22 +440,36 @@ class AdmittedGrpo(AdmittedJob[EffectiveGrpoConfig]):
 
     def identity_manifest(self) -> JsonObject:
         cfg = self.config
-        kept, _ = plan_groups(self)
         ema = cfg.kl_reference_policy.kind == "ema"
+        files = {"reference_state": REFERENCE_FILE} if ema else {}
+        if self.online is not None:  # the data is the online definition; the rollouts so far are a state file
+            content, count = json_sha256(self.online.identity()), self.online.visits
+            order = json_sha256(list(range(self.online.visits)))
+            files["rollout_log"] = ROLLOUT_LOG_FILE
+        else:
+            kept, _ = plan_groups(self)
+            content, count, order = self.ingestion.source_sha256, len(kept), json_sha256([g.index for g in kept])
         return manifest_head(
             self,
             KIND,
             total_steps=self.total_steps,
             data={
                 "source_kind": GRPO_SOURCE_KINDS[self.ingestion.route],
-                "content_sha256": raw_hex(self.ingestion.source_sha256),
-                "item_count": len(kept),
+                "content_sha256": raw_hex(content),
+                "item_count": count,
             },
-            rng_states={"lora-init": {"algorithm": LORA_INIT_ALGORITHM, "seed": cfg.seed, "position": 0}},
-            extra_state_files={"reference_state": REFERENCE_FILE} if ema else None,
+            rng_states={
+                "lora-init": {"algorithm": LORA_INIT_ALGORITHM, "seed": cfg.seed, "position": 0},
+                **(
+                    {ROLLOUT_STREAM: {"algorithm": ROLLOUT_ALGORITHM, "seed": rollout_seed(cfg.seed), "position": 0}}
+                    if self.online is not None
+                    else {}
+                ),
+            },
+            extra_state_files=files or None,
             auxiliary={
                 "route": self.ingestion.route,
-                "trainable_order_sha256": json_sha256([g.index for g in kept]),
+                "trainable_order_sha256": order,
                 "reference_policy": cfg.kl_reference_policy.kind,
             },
         )
@@ -421,17 +493,25 @@ def admit_request(request: Request[GrpoRequest], *, adapter_name: str, context: 
         checkpoint_interval=None if model.dry_run else context.checkpoint_interval,
         memory=context.memory,
     )
+    if model.online is not None:
+        cfg = _online_config(config, cfg, context)
     claim_target(registry, adapter_name, point)
     opened = base_model(context)  # tokenizer, config and weight headers: no weight is loaded before the plan
     path = dataset_path_of(model)
     pin = dataset_sha256(path) if path is not None else None
     start = time.perf_counter()
-    ingestion, refused = _ingest(request, opened, cfg, pin)
+    online = _online_plan(request, opened, context) if model.online is not None else None
+    if online is not None:
+        ingestion, refused = _online_start(opened, cfg, online), None
+    else:
+        ingestion, refused = _ingest(request, opened, cfg, pin)
     tokenize_ms = (time.perf_counter() - start) * 1000
     if path is not None and pin is not None and refused is None:
         check_unchanged(path, pin, now=ingestion.source_sha256)  # the bytes read are those pinned
     completions = [c for group in ingestion.groups for c in group.completions]
     longest = max((len(c.input_ids) for c in completions), default=1)
+    if online is not None:
+        longest = max(online.prompt_lengths) + online.template.max_tokens + 2  # the template's closing tokens
     loaded, cfg, plan = planned_model(
         opened,
         cfg,
@@ -456,11 +536,17 @@ def admit_request(request: Request[GrpoRequest], *, adapter_name: str, context: 
         refused=refused,
         pin=pin,
         head=model_head(loaded.model) if cfg.micro_batch_size > 1 else None,
+        online=online,
     )
     if not job.dry_run:
         job.head, job.sharing = prefix_plan(cfg, loaded.model, job.head)
     _check_data(job)
-    job.resume = load_resume(point, job.identity_manifest(), progress_auxiliary=PROGRESS_AUX)
+    job.resume = load_resume(
+        point,
+        job.identity_manifest(),
+        progress_auxiliary=PROGRESS_AUX,
+        progress_streams=(ROLLOUT_STREAM,) if job.online is not None else (),
+    )
     return job
 
 
@@ -515,10 +601,65 @@ def _ingest(
     return ingestion, None
 
 
+def _online_config(config: GrpoConfig, cfg: EffectiveGrpoConfig, context: TrainingContext) -> EffectiveGrpoConfig:
+    """An online run's configuration: ``token_level`` aggregation, one process, and the behaviour policy
+    ``recorded`` (its default: the rollouts carry the sampler's log-probabilities)."""
+    if cfg.loss_aggregation != "token_level":
+        refuse("loss_aggregation", "online GRPO trains each step's groups together: it needs token_level")
+    if context.data_parallel.active:
+        refuse(
+            "online",
+            "online GRPO samples on one process; it does not run over several ranks yet",
+            code="training_backend_unsupported",
+        )
+    if "behavior_policy" not in config.model_fields_set:
+        cfg = dataclasses.replace(cfg, behavior_policy="recorded")
+    return cfg
+
+
+def _online_plan(request: Request[GrpoRequest], opened: LoadedModel, context: TrainingContext) -> OnlinePlan:
+    """The online definition read and checked: the tasks (inline or the tasks file), the sampling, the scorer (on
+    a server only a builtin one: ``kiln.trainers._sources``), each task's prompt tokens."""
+    from kiln.data.trajectory import TrajectoryTokenizer
+    from kiln.rollouts import BehaviourPolicy, read_request_template, read_tasks, scorer_of, tasks_of
+
+    online = request.model.online
+    assert online is not None
+    sent = request.sent.get("online") or {}
+    template = read_request_template(sent.get("sampling"))
+    tasks_path = None if online.tasks_path is None else str(getattr(online.tasks_path, "root", online.tasks_path))
+    tasks = read_tasks(tasks_path, template) if tasks_path is not None else tasks_of(sent.get("tasks") or [], template)
+    scorer = scorer_of(
+        str(getattr(online.scorer, "root", online.scorer)),
+        search=None if context.data_roots is not None else Path.cwd(),
+    )
+    tokens = TrajectoryTokenizer(opened.tokenizer, True)
+    lengths = tuple(len(tokens.prefix(task.messages, [])[0]) for task in tasks)
+    identity = BehaviourPolicy.model_identity(opened.path, opened.tokenizer, "")
+    return OnlinePlan(tuple(tasks), scorer, template, online.group_size, online.passes, tasks_path, identity, lengths)
+
+
+def _online_start(opened: LoadedModel, cfg: EffectiveGrpoConfig, online: OnlinePlan) -> GrpoIngestion:
+    """An online run's ingestion before any group is sampled (the rollout log empty)."""
+    from kiln.data import online_ingestion
+
+    warning_filter = cfg.echo.warning_filter if cfg.echo else True
+    return online_ingestion([], tokenizer=opened.tokenizer, warning_filter=warning_filter, path=online.tasks_path)
+
+
 def _check_data(job: AdmittedGrpo) -> None:
     """An admitted job within the run bounds: its optimizer steps and, per completion, the prompt + completion tokens
-    against the model's context length."""
+    against the model's context length (online: each task's prompt, with room for one token)."""
     per = "completions" if job.config.loss_aggregation == "per_sample" else "groups"
+    if job.online is not None:
+        check_run_bounds(
+            total_steps=job.total_steps,
+            steps_rule=f"one per {job.config.gradient_accumulation_steps} task visits",
+            rows=((f"task {t.id!r}", n) for t, n in zip(job.online.tasks, job.online.prompt_lengths, strict=True)),
+            context=context_length(job.loaded),
+            margin=1,
+        )
+        return
     check_run_bounds(
         total_steps=job.total_steps,
         steps_rule=f"one per kept {per[:-1]}",
@@ -901,12 +1042,15 @@ class GrpoRun(RunProgress):
         self.delta_norms: list[JsonObject] = []
         self.cadence: Cadence | None = None
         self.group_refs: dict[int, list[tuple[GrpoCompletion, float, torch.Tensor | None]]] = {}
+        self.rollout_values: list[JsonObject] = []  # online: every sampled group, in task-visit order (the log)
+        self.rollout_timings = RolloutTimings()
 
     def train(self) -> TrainResult:
         job, cfg, loop = self.job, self.job.config, self.loop
         # setup: the plan, the policy, the reference, the restored state, the checkpoint cadence
         check_pin(job.ingestion.path, job.pin)
-        self.kept, self.counts = kept, _ = filter_groups(job)
+        if job.online is None:
+            self.kept, self.counts = filter_groups(job)
         policy = Policy(job, restore=restore_policy)
         loop.timings = policy.timings
         reference = cfg.kl_reference_policy
@@ -918,6 +1062,8 @@ class GrpoRun(RunProgress):
         reference_logp = ReferencePolicy(policy.model, policy.params, ema, policy.timings)
         if job.resume is not None:
             loop.restore(job.resume, ema, self.audits)
+            if job.online is not None:
+                self._restore_online(job.resume)
         group = job.data_parallel
         sync = StepSync(group, policy.params, self.cancel)  # a data-parallel group's one collective per step
         if group.active:
@@ -936,54 +1082,15 @@ class GrpoRun(RunProgress):
             sharing=job.sharing,
             decoder=invariant_decoder(policy.model) if sampled_by_invariant_forward(job) else None,
         )
-        # the loop: the planned steps, each a backward per share (this rank's part of it) and one optimizer step
-        plan = step_plan(kept, cfg.loss_aggregation, cfg.gradient_accumulation_steps)
-        dealt = [rank_shares(kept, shares, cfg.loss_aggregation, group) for shares in plan]
-        owned: dict[int, list[int]] = {}  # per group, the completions this rank trains (all of them: one process)
-        for shares, parts_of_step in zip(plan, dealt, strict=True):
-            for (number, _), (mine, _) in zip(shares, parts_of_step, strict=True):
-                owned.setdefault(number, []).extend(mine)
-        settled_at = loop.groups_committed
-        for shares, parts_of_step in zip(plan, dealt, strict=True):
-            if shares[-1][0] <= loop.groups_committed:
-                continue  # resumed: committed before the checkpoint (checkpoints land on step boundaries)
-            values: list[float] = []
-            found: list[Keyed] = []
-            value: float | None = None
-            for (number, indices), (mine, weights) in zip(shares, parts_of_step, strict=True):
-                terms = self._group_terms(number, forwards, owned[number])
-                if mine:
-                    parts = self._parts(policy, forwards, number, mine, entropy_kl)
-                    loss, share_found = share_loss(parts, *weights, cfg.echo)
-                    values.append(policy.accumulate(loss, lambda: f"optimizer step {len(loop.losses) + 1}"))
-                    found.append(((number, mine[0]), share_found))
-                if indices[-1] + 1 < len(terms):
-                    continue  # per_sample: the group goes on in the next step
-                if number == shares[-1][0]:
-                    value = self._commit(policy, sync, values, found)
-                if ema is not None:
-                    ema.update(policy.params, number)
-                loop.groups_committed = number
-                loop.completions += len(terms)
-                if self.progress:
-                    self.progress(
-                        {"step": number, "total": len(kept), "loss": value, "tokens": kept[number - 1].prompt_tokens}
-                    )
-            if value is None:  # per_sample, a step inside a group
-                self._commit(policy, sync, values, found)
-                continue
-            cadence.settled(
-                len(loop.losses),
-                last=loop.groups_committed >= len(kept),
-                # every checkpoint_interval groups, published at the end of the step that reaches it
-                due=any(cadence.due(n) for n in range(settled_at + 1, loop.groups_committed + 1)),
-                cancelled=partial(_cancelled_after_group, loop.groups_committed, len(kept)),
-            )
-            settled_at = loop.groups_committed
+        step = partial(self._step, policy, forwards, sync, ema, entropy_kl)
+        if job.online is not None:
+            self._online(policy, step)
+        else:
+            self._offline(step)
         # publication: every rank holds the same weights; rank 0 publishes adapter, receipt and manifest
         sync.check_same()
         self.delta_norms = lora_delta_norms(policy.model)
-        if not kept:  # reward_filter_on_empty "skip": finish without an update
+        if not self.kept:  # reward_filter_on_empty "skip", or an online run whose every group was filtered
             return publish_receipt_only(job, self.receipt(None), losses=list(loop.losses))
         return publish_adapter(
             job,
@@ -992,6 +1099,185 @@ class GrpoRun(RunProgress):
             losses=list(loop.losses),
             checkpoints=cadence.published,
         )
+
+    def _offline(self, step: Callable[[list[Share], list[Dealt], dict[int, list[int]]], None]) -> None:
+        """The planned steps over the given groups, each a backward per share (this rank's part of it) and one
+        optimizer step, checkpoints at their cadence."""
+        cfg, loop, kept, cadence = self.job.config, self.loop, self.kept, self.cadence
+        assert cadence is not None
+        plan = step_plan(kept, cfg.loss_aggregation, cfg.gradient_accumulation_steps)
+        dealt = [rank_shares(kept, shares, cfg.loss_aggregation, self.job.data_parallel) for shares in plan]
+        owned: dict[int, list[int]] = {}  # per group, the completions this rank trains (all of them: one process)
+        for shares, parts_of_step in zip(plan, dealt, strict=True):
+            for (number, _), (mine, _) in zip(shares, parts_of_step, strict=True):
+                owned.setdefault(number, []).extend(mine)
+        settled_at = loop.groups_committed
+        for shares, parts_of_step in zip(plan, dealt, strict=True):
+            if shares[-1][0] <= loop.groups_committed:
+                continue  # resumed: committed before the checkpoint (checkpoints land on step boundaries)
+            if not step(shares, parts_of_step, owned):
+                continue  # per_sample, a step inside a group
+            cadence.settled(
+                len(loop.losses),
+                last=loop.groups_committed >= len(kept),
+                # every checkpoint_interval groups, published at the end of the step that reaches it
+                due=any(cadence.due(n) for n in range(settled_at + 1, loop.groups_committed + 1)),
+                cancelled=partial(_cancelled_after_group, loop.groups_committed, len(kept)),
+            )
+            settled_at = loop.groups_committed
+
+    def _step(
+        self,
+        policy: Policy,
+        forwards: BatchedForwards,
+        sync: StepSync,
+        ema: obj.EmaReference | None,
+        entropy_kl: bool,
+        shares: list[Share],
+        parts_of_step: list[Dealt],
+        owned: dict[int, list[int]],
+    ) -> bool:
+        """One optimizer step over ``shares`` (this rank's ``parts_of_step``); False for a ``per_sample`` step
+        inside a group (its group goes on in the next step)."""
+        cfg, loop, kept = self.job.config, self.loop, self.kept
+        values: list[float] = []
+        found: list[Keyed] = []
+        value: float | None = None
+        for (number, indices), (mine, weights) in zip(shares, parts_of_step, strict=True):
+            terms = self._group_terms(number, forwards, owned[number])
+            if mine:
+                parts = self._parts(policy, forwards, number, mine, entropy_kl)
+                loss, share_found = share_loss(parts, *weights, cfg.echo)
+                values.append(policy.accumulate(loss, lambda: f"optimizer step {len(loop.losses) + 1}"))
+                found.append(((number, mine[0]), share_found))
+            if indices[-1] + 1 < len(terms):
+                continue  # per_sample: the group goes on in the next step
+            if number == shares[-1][0]:
+                value = self._commit(policy, sync, values, found)
+            if ema is not None:
+                ema.update(policy.params, number)
+            loop.groups_committed = number
+            loop.completions += len(terms)
+            if self.progress:
+                total = len(kept) if self.job.online is None else self.job.online.visits
+                done = number if self.job.online is None else loop.visits
+                self.progress({"step": done, "total": total, "loss": value, "tokens": kept[number - 1].prompt_tokens})
+        if value is None:  # per_sample, a step inside a group
+            self._commit(policy, sync, values, found)
+            return False
+        return True
+
+    # -- online GRPO: each step's groups sampled from the policy, scored, then trained
+
+    def _online(self, policy: Policy, step: Callable[[list[Share], list[Dealt], dict[int, list[int]]], bool]) -> None:
+        """Every step: the next ``gradient_accumulation_steps`` task visits sampled from the policy as it is now
+        (``kiln.rollouts.sample_groups``; visit v draws with ``DrawKey(rollout_seed(seed) + j, v, position)`` for
+        completion j), scored, appended to the rollout log, filtered like any group, then trained as one step with
+        their recorded log-probabilities. A checkpoint binds the log; resuming re-reads it and goes on."""
+        from kiln.data import online_ingestion
+        from kiln.rollouts import BehaviourPolicy, sample_groups
+
+        job, cfg, loop, online = self.job, self.job.config, self.loop, self.job.online
+        cadence = self.cadence
+        assert online is not None
+        assert cadence is not None
+        tokenizer = job.loaded.tokenizer
+        behaviour = BehaviourPolicy.of(
+            policy.model,
+            tokenizer,
+            {**online.model_identity, "precision": cfg.precision, "adapter": f"{job.adapter_name} (this run's policy)"},
+        )
+        seeds = [(rollout_seed(cfg.seed) + j) % 2**64 for j in range(online.group_size)]
+        width = cfg.gradient_accumulation_steps
+        warning_filter = cfg.echo.warning_filter if cfg.echo else True
+        while loop.visits < online.visits:
+            visits = list(range(loop.visits, min(loop.visits + width, online.visits)))
+            tasks = [online.tasks[v % len(online.tasks)] for v in visits]
+            sampled = sample_groups(
+                behaviour, tasks, seeds, online.template, online.scorer, timings=self.rollout_timings,
+                sequence_of=visits,
+            )  # fmt: skip
+            self.rollout_values.extend(g.value for g in sampled)
+            job.ingestion = online_ingestion(
+                self.rollout_values, tokenizer=tokenizer, warning_filter=warning_filter, path=online.tasks_path
+            )
+            numbers = []
+            for v in visits:
+                group = job.ingestion.groups[v]
+                keep, reason = obj.keep_group(
+                    [c.reward for c in group.completions],
+                    dynamic_sampling=cfg.dynamic_sampling,
+                    var_min=cfg.reward_filter_var_min,
+                    var_max=cfg.reward_filter_var_max,
+                )
+                if keep:
+                    self.kept.append(group)
+                    numbers.append(len(self.kept))
+                else:
+                    dynamic = reason == obj.DROP_EQUAL_REWARDS
+                    self.counts = FilterCounts(self.counts.dynamic + dynamic, self.counts.variance + (not dynamic))
+            loop.visits = visits[-1] + 1
+            if numbers:
+                shares = [(n, list(range(len(self.kept[n - 1].completions)))) for n in numbers]
+                dealt = rank_shares(self.kept, shares, cfg.loss_aggregation, job.data_parallel)
+                step(shares, dealt, dict(shares))
+            elif self.progress:
+                self.progress({"step": loop.visits, "total": online.visits, "loss": None, "tokens": 0})
+            cadence.settled(
+                len(loop.losses),
+                last=loop.visits >= online.visits,
+                due=numbers != [] and any(cadence.due(n) for n in numbers),
+                cancelled=partial(_cancelled_after_visit, loop.visits, online.visits),
+            )
+
+    def _restore_online(self, resume: Any) -> None:
+        """The rollout log of the checkpoint resumed from, checked against its cursor, read back, and the kept
+        groups and filter counts it implies."""
+        from kiln.data import online_ingestion
+
+        job, cfg, online = self.job, self.job.config, self.job.online
+        assert online is not None
+        manifest = resume.manifest
+        blob = resume.blobs[manifest["state_files"]["rollout_log"]]
+        lines = blob.splitlines(keepends=True)
+        aux = manifest["auxiliary_state"]
+        values = [json.loads(line) for line in lines]
+        ingestion = online_ingestion(
+            values, tokenizer=job.loaded.tokenizer, warning_filter=cfg.echo.warning_filter if cfg.echo else True,
+            path=online.tasks_path,
+        )  # fmt: skip
+        position = ingestion.positions[-1] if ingestion.positions else None
+        found = (
+            len(blob),
+            len(lines),
+            position.consumed_lines_sha256 if position else json_sha256([]),
+        )
+        wanted = (aux["source_byte_offset"], aux["source_lines_consumed"], aux["consumed_lines_sha256"])
+        if found != wanted:
+            raise TrainingFailedError(
+                f"the checkpoint's rollout log ({found[0]} bytes, {found[1]} lines, {found[2]}) is not the one its "
+                f"cursor records ({wanted[0]} bytes, {wanted[1]} lines, {wanted[2]})"
+            )
+        self.rollout_values = values
+        job.ingestion = ingestion
+        self.loop.visits = len(values)
+        for group in ingestion.groups:
+            keep, reason = obj.keep_group(
+                [c.reward for c in group.completions],
+                dynamic_sampling=cfg.dynamic_sampling,
+                var_min=cfg.reward_filter_var_min,
+                var_max=cfg.reward_filter_var_max,
+            )
+            if keep:
+                self.kept.append(group)
+            else:
+                dynamic = reason == obj.DROP_EQUAL_REWARDS
+                self.counts = FilterCounts(self.counts.dynamic + dynamic, self.counts.variance + (not dynamic))
+        if len(self.kept) != self.loop.groups_committed:
+            raise TrainingFailedError(
+                f"the checkpoint's rollout log keeps {len(self.kept)} groups but it committed "
+                f"{self.loop.groups_committed}"
+            )
 
     def _group_terms(
         self, number: int, forwards: BatchedForwards, owned: list[int]
@@ -1074,12 +1360,19 @@ class GrpoRun(RunProgress):
         def stamp(manifest: JsonObject, loop_doc: JsonObject) -> CheckpointProgress:
             consumed = loop.consumed(kept)
             manifest["auxiliary_state"].update(grpo_cursor(job.ingestion, consumed, ema, loop.groups_committed))
+            if job.online is not None:
+                manifest["rng_states"][ROLLOUT_STREAM]["position"] = loop.visits
             return CheckpointProgress(
                 loop_doc["global_step"], job.total_steps, 0, loop.groups_committed, list(range(len(kept)))
             )
 
         def reference() -> dict[str, tuple[str, dict[str, torch.Tensor]]]:
             return {REFERENCE_FILE: ("reference-state", ema.state_dict())} if ema is not None else {}
+
+        def rollout_log() -> dict[str, tuple[str, bytes]]:
+            if job.online is None:
+                return {}
+            return {ROLLOUT_LOG_FILE: ("rollout-log", b"".join(rollout_log_lines(self.rollout_values)))}
 
         return publish_state(
             job,
@@ -1089,6 +1382,7 @@ class GrpoRun(RunProgress):
             loop_document=lambda: loop.as_document(job, kept, ema, self.audits),
             stamp=stamp,
             extra_tensors=reference,
+            extra_files=rollout_log,
         )
 
     def failed_receipt(self, failure: tuple[str, str], exc: BaseException) -> JsonObject:
@@ -1100,14 +1394,27 @@ class GrpoRun(RunProgress):
         )  # fmt: skip
 
     def receipt(self, adapter_dir: Path | None) -> JsonObject:
-        return receipt(
+        out = receipt(
             self.job, self.started, self.kept, self.counts, self.audits, adapter_dir=adapter_dir,
             timings=self.loop.timings, delta_norms=self.delta_norms,
         )  # fmt: skip
+        if self.job.online is not None:
+            log = b"".join(rollout_log_lines(self.rollout_values))
+            if adapter_dir is not None:  # the staged adapter directory: the log is published with the adapter
+                atomic_write_bytes(adapter_dir / ROLLOUT_LOG_FILE, log)
+            wall_ms = (time.perf_counter() - self.started) * 1000
+            out["grpo"]["online"] = online_block(
+                self.job, self.rollout_values, log, self.rollout_timings, self.audits, wall_ms
+            )
+        return out
 
 
 def _cancelled_after_group(group: int, groups: int, checkpoint: str) -> str:
     return f"cancelled after group {group} of {groups}; resume from {checkpoint}"
+
+
+def _cancelled_after_visit(visit: int, visits: int, checkpoint: str) -> str:
+    return f"cancelled after task visit {visit} of {visits}; resume from {checkpoint}"
 
 
 # ----------------------------------------------------------------------------- how the command line describes a run
@@ -1171,7 +1478,7 @@ def grpo_cursor(
     """The progress-dependent members shared by the GRPO loop state and ``auxiliary_state``: the streamed source's
     byte offset, lines consumed (and, in the manifest, their digest) and the EMA reference's cadence."""
     out: JsonObject = {}
-    if ingestion.route == "jsonl":
+    if ingestion.route in ("jsonl", "online"):
         position = ingestion.positions[consumed - 1] if consumed else None
         out["source_byte_offset"] = position.source_byte_offset if position else 0
         out["source_lines_consumed"] = position.source_lines_consumed if position else 0
@@ -1191,9 +1498,13 @@ class GrpoLoop:
     groups_committed: int = 0  # trainable groups done (the cursor into the trainable order)
     losses: list[float] = field(default_factory=list)
     completions: int = 0
+    visits: int = 0  # online: task visits sampled, scored and settled (the rollout log's lines)
 
     def consumed(self, kept: list[GrpoGroup]) -> int:
-        """Groups of the source read so far (the trainable ones done and those filtered before them)."""
+        """Groups of the source read so far (the trainable ones done and those filtered before them; online: every
+        group of the rollout log)."""
+        if self.route == "online":
+            return self.visits
         return kept[self.groups_committed - 1].index + 1 if self.groups_committed else 0
 
     def as_document(
@@ -1265,15 +1576,75 @@ INVARIANT_BACKEND = "kiln.invariant-forward"  # kiln.model.generation_backend of
 BEHAVIOR_SOURCE_MEMBERS = ("behavior_policy", "tokenizer", "template_invocation", "sampling", "generation_backend")
 
 
+def online_block(
+    job: AdmittedGrpo, values: list[JsonObject], log: bytes, timings: RolloutTimings, audits: Audits, wall_ms: float
+) -> JsonObject:
+    """The receipt's ``grpo.online``: the run's definition, each step's rewards (from the rollout log), where the
+    time went and the behaviour/trainer gap (from the importance ratios, each taken at its step's start)."""
+    import hashlib
+
+    from kiln.documents.digests import prefixed
+
+    online, cfg = job.online, job.config
+    assert online is not None
+    width = cfg.gradient_accumulation_steps
+    steps: list[JsonObject] = []
+    for number, start in enumerate(range(0, len(values), width), start=1):
+        groups = values[start : start + width]
+        rewards = [float(c["reward"]) for g in groups for c in g["completions"]]
+        mean = sum(rewards) / len(rewards)
+        trained = sum(
+            1
+            for g in groups
+            if obj.keep_group(
+                [float(c["reward"]) for c in g["completions"]],
+                dynamic_sampling=cfg.dynamic_sampling,
+                var_min=cfg.reward_filter_var_min,
+                var_max=cfg.reward_filter_var_max,
+            )[0]
+        )
+        steps.append(
+            {
+                "step": number,
+                "task_visits": len(groups),
+                "groups_trained": trained,
+                "reward_mean": mean,
+                "reward_std": math.sqrt(sum((r - mean) ** 2 for r in rewards) / len(rewards)),
+                "reward_min": min(rewards),
+                "reward_max": max(rewards),
+            }
+        )
+    ratios = [r for r in (audits.importance.min_ratio, audits.importance.max_ratio) if r is not None]
+    first = values[0]["completions"][0].get("provenance", {}) if values else {}
+    return {
+        "tasks": len(online.tasks),
+        "passes": online.passes,
+        "group_size": online.group_size,
+        "task_visits": len(values),
+        "scorer": online.scorer.identity,
+        "sampling": online.template.as_json(),
+        "generation_backend": str(first.get("generation_backend") or "none sampled"),
+        "rollout_log_sha256": prefixed(hashlib.sha256(log).hexdigest()),
+        "steps": steps,
+        "generation_ms": round(timings.generation_ms, 3),
+        "scoring_ms": round(timings.scoring_ms, 3),
+        "training_ms": round(max(wall_ms - timings.generation_ms - timings.scoring_ms, 0.0), 3),
+        "max_behavior_logprob_gap": max(abs(math.log(r)) for r in ratios) if ratios else None,
+    }
+
+
 def sampled_by_invariant_forward(job: AdmittedGrpo) -> bool:
     """Whether the run trains rollouts Kiln's generator sampled with the invariant forward, against their recorded
     log-probabilities: then the run's forwards are the invariant forward too, and a step's ratios start at 1."""
+    if job.online is not None:
+        return job.config.behavior_policy == "recorded"  # its groups are sampled by the run's own decoder
     completions = [c for g in job.ingestion.groups for c in g.completions]
     return (
         job.config.behavior_policy == "recorded"
         and bool(completions)
         and all(
-            isinstance(c.provenance, dict) and str(c.provenance.get("generation_backend", "")).startswith(INVARIANT_BACKEND)
+            isinstance(c.provenance, dict)
+            and str(c.provenance.get("generation_backend", "")).startswith(INVARIANT_BACKEND)
             for c in completions
         )
     )
@@ -1314,7 +1685,6 @@ def recorded_provenance(kept: list[GrpoGroup]) -> JsonObject:
         )
         out["behavior_sources"] = listed
     return out
-
 
 
 def receipt(
