@@ -17,7 +17,7 @@ from typing import Any
 
 SCHEMA_DIGESTS: dict[str, str] = {
     "kiln-artifacts-v1.schema.json": "sha256:81da8afab3c66919c39249c852088f2672f99c6d067df1f8efd51820f67b13d5",
-    "kiln-checkpoint-v1.schema.json": "sha256:9a0260d7cf5265c62f78130f199166b27ba87ccff7bc15fb2c61f7785f81d06c",
+    "kiln-checkpoint-v1.schema.json": "sha256:7b35e45ed0597160836b7967a7f09bff14ebca01aaf96fa34093ad91fb24dd89",
     "kiln-common-v1.schema.json": "sha256:140778be5b4882abd354e3ab1194bbe6a56e891d614d0aa7c0cace8c6ff07833",
     "kiln-config-v1.schema.json": "sha256:08e376a1b709a4aae08ddefeae72ab46a09dc3e9b455da57efae3cc8e764f197",
     "kiln-control-plane-v1.schema.json": "sha256:47c272db819e48bac9c65489e90793f8f0446b117a57179e93c6e51168043c3d",

@@ -229,10 +229,10 @@ def _sft_epoch_summaries(state: dict[str, Any], at: str) -> Iterable[Problem]:
 
 @semantic_rule(GRPO, "grpo-loop.route-fields")
 def _grpo_route_fields(state: dict[str, Any], at: str) -> Iterable[Problem]:
-    jsonl = state["route"] == "jsonl"
+    cursor = state["route"] in ("jsonl", "online")  # a streamed file, or an online run's rollout log
     for name in ("source_byte_offset", "source_lines_consumed"):
-        if (name in state) != jsonl:
-            need = "required" if jsonl else "not allowed"
+        if (name in state) != cursor:
+            need = "required" if cursor else "not allowed"
             yield Problem("inconsistent_fields", ptr(at, name), f"{name} is {need} with route {state['route']!r}")
 
 

@@ -1229,6 +1229,12 @@ class GrpoRun(RunProgress):
                 due=numbers != [] and any(cadence.due(n) for n in numbers),
                 cancelled=partial(_cancelled_after_visit, loop.visits, online.visits),
             )
+        if not self.kept:
+            raise ZeroGroupsError(
+                f"every one of the {online.visits} sampled groups was filtered out (equal or too spread rewards); "
+                "nothing trained",
+                _as_counts(self.counts),
+            )
 
     def _restore_online(self, resume: Any) -> None:
         """The rollout log of the checkpoint resumed from, checked against its cursor, read back, and the kept
@@ -1273,11 +1279,12 @@ class GrpoRun(RunProgress):
             else:
                 dynamic = reason == obj.DROP_EQUAL_REWARDS
                 self.counts = FilterCounts(self.counts.dynamic + dynamic, self.counts.variance + (not dynamic))
-        if len(self.kept) != self.loop.groups_committed:
+        if len(values) != manifest["progress"]["cursor_in_epoch"]:
             raise TrainingFailedError(
-                f"the checkpoint's rollout log keeps {len(self.kept)} groups but it committed "
-                f"{self.loop.groups_committed}"
+                f"the checkpoint's rollout log holds {len(values)} task visits but its cursor is at "
+                f"{manifest['progress']['cursor_in_epoch']}"
             )
+        self.loop.groups_committed = len(self.kept)
 
     def _group_terms(
         self, number: int, forwards: BatchedForwards, owned: list[int]
@@ -1360,8 +1367,10 @@ class GrpoRun(RunProgress):
         def stamp(manifest: JsonObject, loop_doc: JsonObject) -> CheckpointProgress:
             consumed = loop.consumed(kept)
             manifest["auxiliary_state"].update(grpo_cursor(job.ingestion, consumed, ema, loop.groups_committed))
-            if job.online is not None:
+            if job.online is not None:  # the cursor counts task visits, the order is the visits' own
                 manifest["rng_states"][ROLLOUT_STREAM]["position"] = loop.visits
+                order = list(range(job.online.visits))
+                return CheckpointProgress(loop_doc["global_step"], job.total_steps, 0, loop.visits, order)
             return CheckpointProgress(
                 loop_doc["global_step"], job.total_steps, 0, loop.groups_committed, list(range(len(kept)))
             )
@@ -1388,16 +1397,22 @@ class GrpoRun(RunProgress):
     def failed_receipt(self, failure: tuple[str, str], exc: BaseException) -> JsonObject:
         if isinstance(exc, (ZeroGroupsError, ZeroEnvTokensError)):
             self.counts = _from_counts(exc.counts) or self.counts
-        return receipt(
+        out = receipt(
             self.job, self.started, self.kept, self.counts, self.audits, failure=failure, timings=self.loop.timings,
             delta_norms=self.delta_norms,
         )  # fmt: skip
+        return self._online_receipt(out, None)
 
     def receipt(self, adapter_dir: Path | None) -> JsonObject:
         out = receipt(
             self.job, self.started, self.kept, self.counts, self.audits, adapter_dir=adapter_dir,
             timings=self.loop.timings, delta_norms=self.delta_norms,
         )  # fmt: skip
+        return self._online_receipt(out, adapter_dir)
+
+    def _online_receipt(self, out: JsonObject, adapter_dir: Path | None) -> JsonObject:
+        """An online run's receipt: its ``grpo.online`` block, and its rollout log written into the staged adapter
+        directory (published with the adapter)."""
         if self.job.online is not None:
             log = b"".join(rollout_log_lines(self.rollout_values))
             if adapter_dir is not None:  # the staged adapter directory: the log is published with the adapter

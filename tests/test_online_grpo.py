@@ -1,0 +1,182 @@
+"""Online GRPO: each step's groups are sampled from the policy as it is at the step's start (the one batched
+decoder), scored, and trained with their recorded log-probabilities -- every importance ratio exactly 1 before the
+update, a gap of 0.0 -- and a run cancelled or failed at any step resumes to the same adapter bytes and the same
+rollout log."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import stat
+import sys
+import threading
+
+import pytest
+
+from kiln.trainers.grpo import admit_grpo, run_grpo
+
+TASKS = [
+    {"id": "vowel", "prompt": "Say something with a vowel.", "pattern": "[aeiou]"},
+    {"id": "digit", "messages": [{"role": "user", "content": "Write a digit."}], "pattern": "[0-9]"},
+    {"id": "space", "prompt": "Two words, please.", "pattern": " "},
+]
+SAMPLING = {"temperature": 1.0, "max_tokens": 6}
+
+
+def _request(scorer="builtin:regex", **config):
+    online = {"tasks": TASKS, "scorer": scorer, "group_size": 4, "passes": 2, "sampling": SAMPLING}
+    return {"online": online, "config": {"seed": 5, "learning_rate": 0.05, **config}}
+
+
+def _run(registry, model_dir, request, *, cancel_at=None, name="online", on_step=None):
+    job = admit_grpo(adapter_name=name, registry=registry, request=request, model_path=str(model_dir))
+    event = threading.Event()
+
+    def progress(e):
+        if on_step is not None:
+            on_step(e["step"])
+        if cancel_at is not None and e["step"] == cancel_at:
+            event.set()
+
+    return run_grpo(job, progress=progress, cancel=event)
+
+
+@pytest.fixture(scope="module")
+def whole(tmp_path_factory, tiny_model_dir):
+    """One uninterrupted online run (6 task visits, a step each)."""
+    registry = tmp_path_factory.mktemp("whole") / "adapters"
+    result = _run(registry, tiny_model_dir, _request())
+    assert result.status == "success", result.receipt.get("failure_message")
+    return result
+
+
+def test_online_steps_train_on_policy_with_every_ratio_exactly_one(whole):
+    receipt = whole.receipt
+    online = receipt["grpo"]["online"]
+    assert online["task_visits"] == 6
+    assert [s["step"] for s in online["steps"]] == [1, 2, 3, 4, 5, 6]
+    assert online["generation_backend"].startswith("kiln.invariant-forward")
+    ratios = receipt["grpo"]["policy_audit"]["importance_sampling"]
+    assert ratios["ratio_observations"] > 0
+    # every ratio, taken at its step's start after the previous steps' updates, is exactly 1: the sampler's
+    # recorded log-probabilities are the trainer's to the bit
+    assert ratios["min_ratio"] == ratios["max_ratio"] == 1.0
+    assert online["max_behavior_logprob_gap"] == 0.0
+    assert receipt["grpo"]["behavior_policy"] == "recorded"
+    assert online["scorer"] == {
+        "kind": "builtin",
+        "name": "builtin:regex",
+        "kiln_version": online["scorer"]["kiln_version"],
+    }
+    assert whole.losses and len(whole.losses) == sum(s["groups_trained"] > 0 for s in online["steps"])
+
+
+def test_the_rollout_log_is_published_beside_the_adapter_and_bound_by_the_receipt(whole):
+    log = (whole.adapter_dir / "rollouts.jsonl").read_bytes()
+    online = whole.receipt["grpo"]["online"]
+    assert online["rollout_log_sha256"] == "sha256:" + hashlib.sha256(log).hexdigest()
+    groups = [json.loads(line) for line in log.splitlines()]
+    assert [g["task_id"] for g in groups] == ["vowel", "digit", "space"] * 2
+    rewards = [c["reward"] for g in groups for c in g["completions"]]
+    assert set(rewards) <= {0.0, 1.0}
+    for g, step in zip(groups, online["steps"], strict=True):
+        assert step["reward_mean"] == sum(c["reward"] for c in g["completions"]) / 4
+        for c in g["completions"]:
+            tokens = c["provenance"]["action_tokens"]
+            assert tokens and all(isinstance(t["behavior_logprob"], float) for t in tokens)
+    recorded = whole.receipt["grpo"]["policy_audit"]["recorded_provenance"]
+    trained = sum(s["groups_trained"] for s in online["steps"])
+    assert recorded["completion_count"] == 4 * trained
+    assert recorded["unique_behavior_sources"] == 1
+
+
+def test_a_run_whose_every_group_has_equal_rewards_fails_zero_groups(tmp_path, tiny_model_dir):
+    request = _request()
+    request["online"]["tasks"] = [{"id": "any", "prompt": "Hi", "pattern": ""}]  # every completion matches
+    result = _run(tmp_path / "adapters", tiny_model_dir, request)
+    assert result.status == "failed"
+    assert result.receipt["failure_reason"] == "zero_groups"
+    assert result.losses == []
+    assert result.receipt["grpo"]["dynamic_groups_filtered"] == 2
+    assert [s["groups_trained"] for s in result.receipt["grpo"]["online"]["steps"]] == [0, 0]
+
+
+@pytest.mark.parametrize("cancel_at", [2, 5])
+def test_cancel_then_resume_gives_the_same_adapter_and_rollouts(cancel_at, whole, tmp_path, tiny_model_dir):
+    registry = tmp_path / "adapters"
+    request = _request(checkpoint_interval=1)
+    cut = _run(registry, tiny_model_dir, request, cancel_at=cancel_at)
+    assert cut.cancelled and cut.checkpoints
+    resumed = _run(
+        registry, tiny_model_dir, _request(checkpoint_interval=1, resume_checkpoint=cut.checkpoints[-1].name)
+    )
+    assert resumed.status == "success", resumed.receipt.get("failure_message")
+    assert resumed.losses == whole.losses
+    assert (resumed.adapter_dir / "adapter_model.safetensors").read_bytes() == (
+        whole.adapter_dir / "adapter_model.safetensors"
+    ).read_bytes()
+    assert (resumed.adapter_dir / "rollouts.jsonl").read_bytes() == (whole.adapter_dir / "rollouts.jsonl").read_bytes()
+
+
+SCORER = """#!{python}
+import json, os, re, sys
+here = os.path.dirname(os.path.abspath(__file__))
+if os.path.exists(os.path.join(here, "fail")):
+    sys.stderr.write("the grader lost its answer key\\n")
+    sys.exit(3)
+for line in sys.stdin:
+    item = json.loads(line)
+    hit = re.search(item["task"]["pattern"], item["completion"]) is not None
+    print(json.dumps({{"reward": 1.0 if hit else 0.0, "matched": hit}}))
+"""
+
+
+@pytest.fixture
+def scorer_script(tmp_path):
+    path = tmp_path / "scorer" / "grade.py"
+    path.parent.mkdir()
+    path.write_text(SCORER.format(python=sys.executable))
+    path.chmod(path.stat().st_mode | stat.S_IXUSR)
+    return path
+
+
+def test_a_failing_scorer_fails_the_step_naming_the_task_and_its_stderr_and_the_run_resumes(
+    scorer_script, tmp_path, tiny_model_dir
+):
+    whole = _run(tmp_path / "whole", tiny_model_dir, _request(scorer=str(scorer_script)))
+    assert whole.status == "success", whole.receipt.get("failure_message")
+    registry = tmp_path / "adapters"
+    flag = scorer_script.parent / "fail"
+
+    def after(step):
+        if step == 3:
+            flag.write_text("")  # step 4's scoring fails
+
+    failed = _run(registry, tiny_model_dir, _request(scorer=str(scorer_script), checkpoint_interval=1), on_step=after)
+    assert failed.status == "failed"
+    message = failed.receipt["failure_message"]
+    assert "task 'vowel'" in message and str(scorer_script) in message
+    assert "exited with status 3" in message and "the grader lost its answer key" in message
+    checkpoint = failed.checkpoints[-1]
+    flag.unlink()
+    request = _request(scorer=str(scorer_script), checkpoint_interval=1, resume_checkpoint=checkpoint.name)
+    resumed = _run(registry, tiny_model_dir, request)
+    assert resumed.status == "success", resumed.receipt.get("failure_message")
+    assert resumed.losses == whole.losses
+    assert (resumed.adapter_dir / "adapter_model.safetensors").read_bytes() == (
+        whole.adapter_dir / "adapter_model.safetensors"
+    ).read_bytes()
+    log = [json.loads(line) for line in (resumed.adapter_dir / "rollouts.jsonl").read_bytes().splitlines()]
+    assert all("matched" in c["scorer"] for g in log for c in g["completions"])  # the scorer's other fields kept
+
+
+def test_resume_refuses_a_changed_task_list(tmp_path, tiny_model_dir):
+    registry = tmp_path / "adapters"
+    cut = _run(registry, tiny_model_dir, _request(checkpoint_interval=1), cancel_at=2)
+    request = _request(checkpoint_interval=1, resume_checkpoint=cut.checkpoints[-1].name)
+    request["online"]["tasks"] = [*TASKS[:2], {**TASKS[2], "pattern": "x"}]
+    from kiln.errors import CheckpointError
+
+    with pytest.raises(CheckpointError) as refused:
+        admit_grpo(adapter_name="online", registry=registry, request=request, model_path=str(tiny_model_dir))
+    assert "data" in str(refused.value.message) or refused.value.problems
