@@ -289,6 +289,8 @@ def cmd_train_local(args: argparse.Namespace, kind: str) -> int:
             postfix = {"tok_s": f"{tokens[0] / max(time.perf_counter() - started, 1e-9):,.0f}"}
             if event["loss"] is not None:  # an OPD candidate with an empty rollout has none
                 postfix = {text.metric: f"{event['loss']:.4f}", **postfix}
+            if event.get("reward") is not None:  # online GRPO: the mean reward of the group just trained
+                postfix = {"reward": f"{event['reward']:.3f}", **postfix}
             bar.set_postfix(postfix)
             bar.update(1)
 

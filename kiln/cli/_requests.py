@@ -197,7 +197,12 @@ def training_config(args: argparse.Namespace) -> dict[str, Any]:
 def build_request(args: argparse.Namespace, path: Path) -> dict[str, Any]:
     """The request body: the file's data (as the kind's parser says to read it), the flags' config, ``--adapter`` as
     ``config.output_name``, ``--teacher`` and ``--dry-run`` where the kind has them."""
-    request = _read_file(path, args.inline_key, args.whole_request)
+    tasks = getattr(args, "tasks", None)
+    request = (
+        _online_request(args, Path(tasks))
+        if tasks is not None
+        else _read_file(path, args.inline_key, args.whole_request)
+    )
     config = request.get("config") or {}
     if not isinstance(config, dict):
         raise ValueError(f"{path}: config must be a JSON object")
@@ -212,6 +217,30 @@ def build_request(args: argparse.Namespace, path: Path) -> dict[str, Any]:
     if getattr(args, "teacher", None) is not None:
         request["teacher"] = args.teacher
     return request
+
+
+def _online_request(args: argparse.Namespace, tasks: Path) -> dict[str, Any]:
+    """An online GRPO request: the tasks file (its absolute path with --local; its tasks inline for a server, which
+    reads no file of the client's), the scorer, the group size, the passes and the request template's sampling."""
+    online: dict[str, Any] = {"scorer": args.scorer}
+    if args.local:
+        online["tasks_path"] = str(tasks.resolve())
+    else:
+        lines = tasks.read_text(encoding="utf-8").splitlines()
+        try:
+            online["tasks"] = [json.loads(line) for line in lines if line.strip()]
+        except ValueError as exc:
+            raise ValueError(f"--tasks {tasks}: a line is not JSON ({exc})") from None
+    if args.group_size is not None:
+        online["group_size"] = args.group_size
+    if args.passes is not None:
+        online["passes"] = args.passes
+    if args.request_template is not None:
+        try:
+            online["sampling"] = json.loads(Path(args.request_template).read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"--request-template {args.request_template}: {exc}") from None
+    return {"online": online}
 
 
 def training_flags(args: argparse.Namespace) -> list[tuple[str, Any]]:

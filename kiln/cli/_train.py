@@ -117,12 +117,32 @@ def add_train_parser(sub: Any) -> None:
 
     p = kinds.add_parser(
         "grpo",
-        help="GRPO on a file of scored groups (on a server, or in-process with --local)",
+        help="GRPO on a file of scored groups, or online: Kiln samples and scores each step's groups itself",
         description="Submit a GRPO job: a .jsonl file is sent as its absolute dataset_path (the streamed route), "
-        "a .json file as the request object itself (or, for a bare array, as its groups). --adapter becomes "
-        "config.output_name; the other flags override the file's config.",
+        "a .json file as the request object itself (or, for a bare array, as its groups). With --tasks instead "
+        "of --file the run is online: every step samples --group-size completions of the next tasks from the "
+        "current policy, scores them with --scorer and trains on them. --adapter becomes config.output_name; the "
+        "other flags override the file's config.",
     )
-    _add_kind_options(p)
+    _add_kind_options(p, file_required=False)
+    p.add_argument(
+        "--tasks",
+        metavar="FILE",
+        help="online GRPO: a JSONL file of tasks ({messages} or {prompt}, an id, the fields the scorer reads)",
+    )
+    p.add_argument(
+        "--scorer",
+        help="online: builtin:exact|regex|json; with --local also a Python module:function (TRL's reward-function "
+        "call), an executable or an http(s) URL",
+    )
+    p.add_argument("--group-size", type=int, metavar="G", help="online: completions per task visit (default 8)")
+    p.add_argument("--passes", type=int, metavar="N", help="online: visits of every task (default 1)")
+    p.add_argument(
+        "--request-template",
+        metavar="FILE",
+        help="online: a JSON file of sampling settings (temperature, top_p, top_k, min_p, repetition_penalty, "
+        "min_tokens, max_tokens) and messages put before every task's",
+    )
     p.add_argument(
         "--dry-run",
         action="store_true",
@@ -315,9 +335,11 @@ def _add_ranks(p: argparse.ArgumentParser, share: str) -> None:
     ranks.add_argument("--rdzv-id", metavar="ID", help="the run's rendezvous id, the same on every node")
 
 
-def _add_kind_options(p: argparse.ArgumentParser) -> None:
+def _add_kind_options(p: argparse.ArgumentParser, *, file_required: bool = True) -> None:
     """The options of ``kiln train grpo`` and ``kiln train opd`` (defaults are the server's)."""
-    p.add_argument("-f", "--file", required=True, help="a .jsonl file (sent as dataset_path) or a .json request")
+    p.add_argument(
+        "-f", "--file", required=file_required, help="a .jsonl file (sent as dataset_path) or a .json request"
+    )
     p.add_argument("--adapter", required=True, help="output adapter name (path-safe): config.output_name")
     p.add_argument("--local", action="store_true", help="run in-process instead of on a server")
     p.add_argument("--model", help="--local: local Hugging Face model directory (default: the built-in tiny model)")
@@ -354,6 +376,21 @@ def cmd_train_sft(args: argparse.Namespace) -> int:
 
 
 def cmd_train_grpo(args: argparse.Namespace) -> int:
+    online = [flag for flag, value in (("--scorer", args.scorer), ("--group-size", args.group_size),
+              ("--passes", args.passes), ("--request-template", args.request_template)) if value is not None]  # fmt: skip
+    if (args.file is None) == (args.tasks is None):
+        print("error: give a data file (-f/--file) or online tasks (--tasks), one of the two", file=sys.stderr)
+        return 2
+    if args.tasks is None and online:
+        print(f"error: {', '.join(online)} go with --tasks (online GRPO)", file=sys.stderr)
+        return 2
+    if args.tasks is not None and args.scorer is None:
+        print(
+            "error: --tasks needs --scorer (builtin:exact, builtin:regex or builtin:json for a start)", file=sys.stderr
+        )
+        return 2
+    if args.tasks is not None:
+        args.file = args.tasks  # the file the command reads; build_request makes the online request of it
     return cmd_train_local(args, "grpo") if args.local else submit(args, "grpo")
 
 

@@ -1161,7 +1161,16 @@ class GrpoRun(RunProgress):
             if self.progress:
                 total = len(kept) if self.job.online is None else self.job.online.visits
                 done = number if self.job.online is None else loop.visits
-                self.progress({"step": done, "total": total, "loss": value, "tokens": kept[number - 1].prompt_tokens})
+                event: JsonObject = {
+                    "step": done,
+                    "total": total,
+                    "loss": value,
+                    "tokens": kept[number - 1].prompt_tokens,
+                }
+                if self.job.online is not None:
+                    rewards = [c.reward for c in kept[number - 1].completions]
+                    event["reward"] = sum(rewards) / len(rewards)
+                self.progress(event)
         if value is None:  # per_sample, a step inside a group
             self._commit(policy, sync, values, found)
             return False
@@ -1436,6 +1445,13 @@ def _cancelled_after_visit(visit: int, visits: int, checkpoint: str) -> str:
 
 
 def _headline(job: AdmittedGrpo) -> str:
+    online = job.online
+    if online is not None:
+        return (
+            f"Training GRPO adapter '{job.adapter_name}' online: {len(online.tasks)} tasks x {online.passes} "
+            f"pass(es), {online.group_size} completions per task visit, scorer {online.scorer.name}, "
+            f"seed {job.config.seed}"
+        )
     groups = job.ingestion.groups
     completions = sum(len(g.completions) for g in groups)
     return (
@@ -1454,6 +1470,14 @@ def _success(job: AdmittedGrpo, result: TrainResult) -> list[str]:
         ]
     seconds = result.receipt["runtime"]["wall_clock_ms"] / 1000
     losses = f", loss {result.losses[0]:.4f} -> {result.losses[-1]:.4f}" if result.losses else ""
+    online = result.receipt["grpo"].get("online")
+    if online is not None:  # the reward of the first and the last tenth of the steps
+        steps = online["steps"]
+        tenth = max(len(steps) // 10, 1)
+        first, last = (sum(s["reward_mean"] for s in part) / len(part) for part in (steps[:tenth], steps[-tenth:]))
+        gap = online["max_behavior_logprob_gap"]
+        losses += f", mean reward {first:.3f} -> {last:.3f} (first and last {tenth} step(s))"
+        losses += "" if gap is None else f", behaviour/trainer gap {gap:g}"
     return [
         f"✓ trained {data['groups_trained']} groups in {seconds:.1f} s{losses}",
         *artifact_lines(result),
