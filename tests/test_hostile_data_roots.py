@@ -258,3 +258,73 @@ def test_live_a_local_teacher_is_read_only_from_the_data_roots_the_models_direct
         served = http.post("/v1/teachers", json={"alias": "self", "kind": "local", "model_id": str(server.model)})
         assert served.status_code == 200, served.text  # the served model may teach
         assert http.delete("/v1/teachers/self").status_code == 200
+
+
+# ----------------------------------------------------------------------------- online GRPO: no request runs code
+
+
+@pytest.mark.parametrize(
+    "scorer",
+    ["/bin/sh", "./grade.py", "os:system", "subprocess:run", "http://127.0.0.1:9/score", "grade.py"],
+)
+def test_a_server_runs_only_builtin_scorers_a_request_names(tmp_path, scorer):
+    registry = tmp_path / "adapters"
+    restricted = TrainingContext(registry=registry, data_roots=(tmp_path / "roots",))
+    with pytest.raises(AccessError) as refused:
+        check_sources(restricted, dataset_path=None, base_adapter=None, scorer=scorer)
+    assert refused.value.code == "path_not_allowed"
+    assert refused.value.pointer == "/online/scorer"
+    check_sources(restricted, dataset_path=None, base_adapter=None, scorer="builtin:json")
+    check_sources(TrainingContext(registry=registry), dataset_path=None, base_adapter=None, scorer=scorer)  # --local
+
+
+def test_an_online_tasks_path_follows_the_dataset_path_rule(tmp_path):
+    tasks = _rows(tmp_path / "outside" / "tasks.jsonl", [{"prompt": "hi"}])
+    restricted = TrainingContext(registry=tmp_path / "adapters", data_roots=(tmp_path / "roots",))
+    with pytest.raises(AccessError) as refused:
+        check_sources(restricted, dataset_path=None, base_adapter=None, tasks_path=str(tasks))
+    assert refused.value.pointer == "/online/tasks_path"
+
+
+@pytest.mark.slow
+def test_live_an_online_request_naming_a_command_is_refused_403_before_anything_runs(server, tmp_path):
+    marker = tmp_path / "ran"
+    script = tmp_path / "evil.sh"
+    script.write_text(f"#!/bin/sh\ntouch {marker}\n")
+    script.chmod(0o755)
+    body = {
+        "online": {"tasks": [{"prompt": "hi", "pattern": "x"}], "scorer": str(script), "group_size": 2},
+        "config": {"output_name": "never", "seed": 1},
+    }
+    with server.client() as http:
+        answer = http.post("/v1/train/grpo", json=body)
+        assert answer.status_code == 403, answer.text
+        assert answer.json()["error"]["pointer"] == "/online/scorer"
+        answer = http.post("/v1/train/grpo", json={**body, "online": {**body["online"], "scorer": "os:system"}})
+        assert answer.status_code == 403, answer.text
+        assert http.get("/v1/train/status").json() == [], "nothing was queued"
+    assert not marker.exists()
+
+
+@pytest.mark.slow
+def test_live_an_online_run_with_a_builtin_scorer_trains_on_the_server(server):
+    body = {
+        "online": {
+            "tasks": [
+                {"id": "d", "prompt": "A digit?", "pattern": "[0-9]"},
+                {"id": "e", "prompt": "An e?", "pattern": "e"},
+            ],
+            "scorer": "builtin:regex",
+            "group_size": 4,
+            "sampling": {"temperature": 1.0, "top_k": 20, "max_tokens": 4},
+        },
+        "config": {"output_name": "online-served", "seed": 3, "auto_load": False},
+    }
+    with server.client() as http:
+        answer = http.post("/v1/train/grpo", json=body)
+        assert answer.status_code == 200, answer.text
+        detail = _finished(http, answer.json()["job_id"])
+    assert detail["state"] == "completed", detail
+    receipt = json.loads((server.home / "adapters" / "online-served" / "train_receipt.json").read_text())
+    assert receipt["grpo"]["online"]["task_visits"] == 2
+    assert receipt["grpo"]["online"]["max_behavior_logprob_gap"] in (0.0, None)

@@ -272,18 +272,21 @@ class HttpScorer:
 
     def _post(self, request: ScoreRequest) -> Scored:
         body = json.dumps(request.line()).encode()
-        problem = ""
+        problem, attempts = "", 0
         for attempt in range(self.retries + 1):
             if attempt:
                 time.sleep(self.backoff * attempt)
+            attempts += 1
             headers = {"Content-Type": "application/json"}
             http = urllib.request.Request(self.name, data=body, headers=headers)  # noqa: S310 -- http(s) only
             try:
-                with urllib.request.urlopen(http, timeout=self.timeout) as answer:  # noqa: S310 -- scheme checked: http(s)
+                with urllib.request.urlopen(http, timeout=self.timeout) as answer:  # noqa: S310 -- http(s) only
                     text = answer.read().decode("utf-8", "replace")
             except urllib.error.HTTPError as exc:
-                problem = f"HTTP {exc.code}: {exc.read().decode('utf-8', 'replace')[:500]}"
+                with exc:  # the error answer holds the connection until it is closed
+                    problem = f"HTTP {exc.code}: {exc.read().decode('utf-8', 'replace')[:500]}"
                 if exc.code < 500:
+                    problem += " (a 4xx answer is not retried)"
                     break
                 continue
             except (urllib.error.URLError, TimeoutError, OSError) as exc:
@@ -293,8 +296,7 @@ class HttpScorer:
                 return _answer(self.name, request, json.loads(text))
             except ValueError:
                 raise _fail(self.name, request, f"answered {text[:200]!r}, which is not JSON") from None
-        tries = "attempt" if self.retries == 0 else f"{self.retries + 1} attempts"
-        raise _fail(self.name, request, f"{problem} (after {tries})")
+        raise _fail(self.name, request, f"{problem} (after {attempts} attempt{'s' if attempts > 1 else ''})")
 
     def score(self, requests: Sequence[ScoreRequest]) -> list[Scored]:
         return [self._post(r) for r in requests]
