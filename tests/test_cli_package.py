@@ -104,6 +104,6 @@ def test_no_cli_module_imports_a_private_name_of_another(path):
 def test_the_package_is_split_into_one_module_per_command_group():
     assert sorted(path.stem for path in CLI.glob("*.py")) == [
         "__init__", "__main__", "_adapters", "_audit", "_checkpoints", "_client", "_evals", "_jobs", "_local", "_parser", "_replay",
-        "_requests", "_server", "_teachers", "_train", "_validate",
+        "_requests", "_rollouts", "_server", "_teachers", "_train", "_validate",
     ]  # fmt: skip
     assert not list(CLI.parent.glob("_cli_*.py")), "the flat kiln/_cli_*.py modules are gone"

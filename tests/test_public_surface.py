@@ -20,7 +20,7 @@ def test_public_modules_export_exactly_their_declared_names():
         "AccessError", "AdapterError", "AdapterLoadError", "AuthError", "BaseAdapterMissingError", "CancelledError",
         "CapacityError", "CheckpointError", "ConflictError", "ContractError", "DataSchemaError", "DocumentReadError",
         "IntegrityError", "InternalError", "KilnError", "NonFiniteLossError", "NotFoundError", "OutOfMemoryError",
-        "Problem", "RegistryError", "RequestError", "ShapeMismatchError", "StorageFailureError",
+        "Problem", "RegistryError", "RequestError", "ScorerError", "ShapeMismatchError", "StorageFailureError",
         "TrainingDataError", "TrainingFailedError", "UnknownDocumentTypeError", "UnsafeLoraScaleError", "UnsupportedLossConfigError",
             "UpstreamError",
         "ZeroActionTokensError", "ZeroEnvTokensError", "ZeroGroupsError", "all_failure_reasons", "storage_condition",
@@ -46,8 +46,9 @@ def test_the_data_package_exports_its_ingestion_entry_points_and_shared_componen
         "GrpoSourcePosition", "IGNORE_INDEX", "OFF_POLICY_SOURCE", "OffPolicyFile", "OffPolicyRow", "OpdPromptItem",
         "OpdPrompts", "PROMPTS_SOURCE", "REJECTION_REASONS", "ROLES", "SEGMENT_KINDS", "SFT_INGESTION_SCHEMA",
         "SftExample", "SftIngestion", "check_unchanged", "dataset_sha256", "ingest_sft", "iter_dataset_groups",
-        "match_skeleton", "precheck_dataset_file", "precheck_sft_rows", "read_groups", "read_off_policy_file", "read_prompts", "refused_ingestion",
-        "template_errors", "tokenize_response",
+        "match_skeleton", "online_ingestion", "precheck_dataset_file", "precheck_sft_rows", "read_groups",
+        "read_off_policy_file", "read_prompts", "refused_ingestion", "rollout_log_lines", "spelled", "template_errors",
+        "tokenize_response",
     ]  # fmt: skip
     assert sorted(kiln.data.chat.__all__) == [
         "ChatTemplate", "InvalidRowError", "ROLES", "json_type", "match_skeleton", "normalise_message",
@@ -64,6 +65,19 @@ def test_the_data_package_exports_its_ingestion_entry_points_and_shared_componen
         for name in module.__all__:
             assert hasattr(module, name), f"{module.__name__}.{name}"
     assert kiln.data.check_unchanged is kiln.data.jsonl.check_unchanged  # one home for the pinned-file check
+
+
+def test_the_rollouts_package_exports_its_scorers_and_generator():
+    import kiln.rollouts
+
+    assert sorted(kiln.rollouts.__all__) == [
+        "BUILTIN_SCORERS", "BehaviourPolicy", "BuiltinScorer", "EntryPointScorer", "ExecutableScorer", "HttpScorer",
+        "PROVENANCE_SCHEMA", "RequestTemplate", "RolloutGroup", "SUMMARY_TYPE", "ScoreRequest", "Scored", "Scorer",
+        "Task", "Timings", "read_request_template", "read_tasks", "sample_groups", "scorer_of", "summary_of",
+        "tasks_of",
+    ]  # fmt: skip
+    for name in kiln.rollouts.__all__:
+        assert hasattr(kiln.rollouts, name), name
 
 
 def test_every_exported_name_exists():

@@ -1100,7 +1100,7 @@ class GrpoRun(RunProgress):
             checkpoints=cadence.published,
         )
 
-    def _offline(self, step: Callable[[list[Share], list[Dealt], dict[int, list[int]]], None]) -> None:
+    def _offline(self, step: Callable[[list[Share], list[Dealt], dict[int, list[int]]], bool]) -> None:
         """The planned steps over the given groups, each a backward per share (this rank's part of it) and one
         optimizer step, checkpoints at their cadence."""
         cfg, loop, kept, cadence = self.job.config, self.loop, self.kept, self.cadence
