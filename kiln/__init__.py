@@ -22,7 +22,7 @@ Architecture map (data flows one way; lower layers never import higher ones)::
 Between the artifacts and the CLI sit the checkpoint engine, the configuration
 (``kiln.host.config``), the kernels (the loss routes, the invariant operations), the model and data layers
 (the invariant forward, the one batched decoder, the portable draws), the adapter lifecycle,
-the shared training components, the trainers, the job runner (``kiln.jobs.worker``) and the
+the shared training components, the rollouts Kiln samples and scores itself (``kiln.rollouts``), the trainers, the job runner (``kiln.jobs.worker``) and the
 HTTP server (``kiln.server``); ARCHITECTURE.md draws the full stack. The generated models are
 what travels between them: requests, configs, settings and worker specs, never raw dicts.
 """

@@ -68,7 +68,8 @@ def test_online_steps_train_on_policy_with_every_ratio_exactly_one(whole):
         "name": "builtin:regex",
         "kiln_version": online["scorer"]["kiln_version"],
     }
-    assert whole.losses and len(whole.losses) == sum(s["groups_trained"] > 0 for s in online["steps"])
+    assert whole.losses
+    assert len(whole.losses) == sum(s["groups_trained"] > 0 for s in online["steps"])
 
 
 def test_the_rollout_log_is_published_beside_the_adapter_and_bound_by_the_receipt(whole):
@@ -83,7 +84,8 @@ def test_the_rollout_log_is_published_beside_the_adapter_and_bound_by_the_receip
         assert step["reward_mean"] == sum(c["reward"] for c in g["completions"]) / 4
         for c in g["completions"]:
             tokens = c["provenance"]["action_tokens"]
-            assert tokens and all(isinstance(t["behavior_logprob"], float) for t in tokens)
+            assert tokens
+            assert all(isinstance(t["behavior_logprob"], float) for t in tokens)
     recorded = whole.receipt["grpo"]["policy_audit"]["recorded_provenance"]
     trained = sum(s["groups_trained"] for s in online["steps"])
     assert recorded["completion_count"] == 4 * trained
@@ -106,7 +108,8 @@ def test_cancel_then_resume_gives_the_same_adapter_and_rollouts(cancel_at, whole
     registry = tmp_path / "adapters"
     request = _request(checkpoint_interval=1)
     cut = _run(registry, tiny_model_dir, request, cancel_at=cancel_at)
-    assert cut.cancelled and cut.checkpoints
+    assert cut.cancelled
+    assert cut.checkpoints
     resumed = _run(
         registry, tiny_model_dir, _request(checkpoint_interval=1, resume_checkpoint=cut.checkpoints[-1].name)
     )
@@ -155,8 +158,10 @@ def test_a_failing_scorer_fails_the_step_naming_the_task_and_its_stderr_and_the_
     failed = _run(registry, tiny_model_dir, _request(scorer=str(scorer_script), checkpoint_interval=1), on_step=after)
     assert failed.status == "failed"
     message = failed.receipt["failure_message"]
-    assert "task 'vowel'" in message and str(scorer_script) in message
-    assert "exited with status 3" in message and "the grader lost its answer key" in message
+    assert "task 'vowel'" in message
+    assert str(scorer_script) in message
+    assert "exited with status 3" in message
+    assert "the grader lost its answer key" in message
     checkpoint = failed.checkpoints[-1]
     flag.unlink()
     request = _request(scorer=str(scorer_script), checkpoint_interval=1, resume_checkpoint=checkpoint.name)
@@ -170,7 +175,7 @@ def test_a_failing_scorer_fails_the_step_naming_the_task_and_its_stderr_and_the_
     assert all("matched" in c["scorer"] for g in log for c in g["completions"])  # the scorer's other fields kept
 
 
-def test_resume_refuses_a_changed_task_list(tmp_path, tiny_model_dir):
+def test_resume_refuses_a_changed_task_list_naming_the_data(tmp_path, tiny_model_dir):
     registry = tmp_path / "adapters"
     cut = _run(registry, tiny_model_dir, _request(checkpoint_interval=1), cancel_at=2)
     request = _request(checkpoint_interval=1, resume_checkpoint=cut.checkpoints[-1].name)
@@ -179,4 +184,34 @@ def test_resume_refuses_a_changed_task_list(tmp_path, tiny_model_dir):
 
     with pytest.raises(CheckpointError) as refused:
         admit_grpo(adapter_name="online", registry=registry, request=request, model_path=str(tiny_model_dir))
-    assert "data" in str(refused.value.message) or refused.value.problems
+    assert "data.content_sha256 differs" in refused.value.message  # the online definition is the run's data
+
+
+def test_kiln_audit_reexecutes_an_online_run_from_its_recorded_rollouts(tmp_path, tiny_model_dir):
+    from kiln.audit import AuditSources, audit
+
+    registry = tmp_path / "adapters"
+    run = _run(registry, tiny_model_dir, _request(checkpoint_interval=2))
+    assert run.status == "success"
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text("".join(json.dumps(t) + "\n" for t in TASKS))
+    sources = AuditSources(data_file=tasks, model=str(tiny_model_dir))
+    record = audit(run.adapter_dir, sources=sources)
+    assert record["verdict"] == "reproduced", record.get("first_difference") or record.get("cannot_audit")
+    rescored = audit(run.adapter_dir, sources=AuditSources(data_file=tasks, model=str(tiny_model_dir), rescore=True))
+    assert rescored["verdict"] == "reproduced"
+    # a recorded reward changed (and its digest rebound) is a different run: its adapter is not reproduced
+    log = run.adapter_dir / "rollouts.jsonl"
+    groups = [json.loads(line) for line in log.read_text().splitlines()]
+    completions = groups[0]["completions"]
+    completions[0]["reward"] = 1.0 - completions[0]["reward"]
+    from kiln.data import rollout_log_lines
+
+    forged = b"".join(rollout_log_lines(groups))
+    log.write_bytes(forged)
+    receipt_path = run.adapter_dir / "train_receipt.json"
+    receipt = json.loads(receipt_path.read_text())
+    receipt["grpo"]["online"]["rollout_log_sha256"] = "sha256:" + hashlib.sha256(forged).hexdigest()
+    receipt_path.write_text(json.dumps(receipt))
+    forged_record = audit(run.adapter_dir, sources=sources)
+    assert forged_record["verdict"] != "reproduced"

@@ -63,7 +63,8 @@ def test_rollouts_publish_groups_with_provenance_and_a_summary(tmp_path, tiny_mo
     groups = [json.loads(line) for line in out.read_text().splitlines()]
     assert [g["task_id"] for g in groups] == ["a", "b"]
     summary = json.loads(summary_path.read_text())
-    assert summary["schema"] == "kiln.rollout-summary.v1" and summary["completions"] == 8
+    assert summary["schema"] == "kiln.rollout-summary.v1"
+    assert summary["completions"] == 8
     assert summary["scorer"] == {
         "kind": "builtin",
         "name": "builtin:regex",
@@ -75,8 +76,10 @@ def test_rollouts_publish_groups_with_provenance_and_a_summary(tmp_path, tiny_mo
             p = c["provenance"]
             assert p["schema"] == "kiln.rollout-provenance.v1"
             assert p["generation_backend"].startswith("kiln.invariant-forward")
-            assert p["behavior_policy"]["adapter"] is None and p["behavior_policy"]["base_weights_sha256"]
-            assert p["sampling"]["top_k"] == 50 and p["sampling"]["draw_rule"] == "kiln.counter-draws.splitmix64.v1"
+            assert p["behavior_policy"]["adapter"] is None
+            assert p["behavior_policy"]["base_weights_sha256"]
+            assert p["sampling"]["top_k"] == 50
+            assert p["sampling"]["draw_rule"] == "kiln.counter-draws.splitmix64.v1"
             assert any(t["forced"] for t in p["action_tokens"])  # the template's closing tokens
             assert not p["action_tokens"][0]["forced"]
             seeds.append(p["seed"])
@@ -89,11 +92,12 @@ def test_rollouts_publish_groups_with_provenance_and_a_summary(tmp_path, tiny_mo
     shutil.copy(inputs[0], again / "tasks.jsonl")
     shutil.copy(inputs[1], again / "req.json")
     code, out2, _ = _generate(again, tiny_model_dir, (again / "tasks.jsonl", again / "req.json"))
-    assert code == 0 and out2.read_bytes() == out.read_bytes()
+    assert code == 0
+    assert out2.read_bytes() == out.read_bytes()
 
 
 def test_recorded_rollouts_train_with_every_step_zero_ratio_exactly_one(tmp_path, tiny_model_dir, inputs):
-    code, out, summary_path = _generate(tmp_path, tiny_model_dir, inputs)
+    code, out, _summary_path = _generate(tmp_path, tiny_model_dir, inputs)
     assert code == 0
     job, result = _train_first_group(tmp_path, tiny_model_dir, out)
     assert result.status == "success", result.receipt.get("failure_message")
@@ -127,7 +131,8 @@ def test_an_adapter_samples_and_its_warm_started_run_recomputes_it_exactly(
     assert code == 0
     group = json.loads(out.read_text().splitlines()[0])
     behaviour = group["completions"][0]["provenance"]["behavior_policy"]
-    assert behaviour["adapter"] == "bot" and behaviour["adapter_weights_sha256"].startswith("sha256:")
+    assert behaviour["adapter"] == "bot"
+    assert behaviour["adapter_weights_sha256"].startswith("sha256:")
     _, result = _train_first_group(tmp_path, tiny_model_dir, out, base_adapter="bot")
     assert result.status == "success", result.receipt.get("failure_message")
     ratios = result.receipt["grpo"]["policy_audit"]["importance_sampling"]
@@ -154,8 +159,11 @@ def test_a_failing_scorer_writes_nothing_and_names_the_task(tmp_path, tiny_model
                  "--output", str(out), "--model", str(tiny_model_dir), "--request-template", str(template)])  # fmt: skip
     assert code == 2
     err = capsys.readouterr().err
-    assert "error [scorer_failed]" in err and "task 'a'" in err and "no key for this task" in err
-    assert not out.exists() and not (tmp_path / "rollout_summary.json").exists()
+    assert "error [scorer_failed]" in err
+    assert "task 'a'" in err
+    assert "no key for this task" in err
+    assert not out.exists()
+    assert not (tmp_path / "rollout_summary.json").exists()
 
 
 @pytest.mark.parametrize(
@@ -165,4 +173,6 @@ def test_a_failing_scorer_writes_nothing_and_names_the_task(tmp_path, tiny_model
 def test_a_bad_request_template_is_refused_naming_the_field(tmp_path, tiny_model_dir, inputs, template, says, capsys):
     inputs[1].write_text(json.dumps(template))
     code, out, _ = _generate(tmp_path, tiny_model_dir, inputs)
-    assert code == 2 and says in capsys.readouterr().err and not out.exists()
+    assert code == 2
+    assert says in capsys.readouterr().err
+    assert not out.exists()

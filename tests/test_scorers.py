@@ -10,6 +10,7 @@ import json
 import stat
 import sys
 import threading
+from typing import ClassVar
 
 import pytest
 
@@ -60,7 +61,8 @@ def test_a_builtin_missing_its_task_field_fails_naming_the_task():
     with pytest.raises(ScorerError) as failed:
         BuiltinScorer("exact").score([_request("4", task_id="sum-1")])
     assert failed.value.code == "scorer_failed"
-    assert "task 'sum-1'" in failed.value.message and "builtin:exact" in failed.value.message
+    assert "task 'sum-1'" in failed.value.message
+    assert "builtin:exact" in failed.value.message
     assert 'no "answer"' in failed.value.message
 
 
@@ -106,7 +108,8 @@ def test_an_entry_point_is_called_like_a_trl_reward_function(rewards_dir):
     found = scorer.score([_request("4", answer="4"), _request("5", answer="4")])
     assert [s.reward for s in found] == [pytest.approx(1.2), pytest.approx(0.2)]
     identity = scorer.identity
-    assert identity["kind"] == "entry_point" and identity["entry_point"] == f"{module}:length_reward"
+    assert identity["kind"] == "entry_point"
+    assert identity["entry_point"] == f"{module}:length_reward"
     assert identity["module_sha256"] == hashlib.sha256(REWARDS.encode()).hexdigest()
     assert str(where) not in sys.path, "the search directory is not left on the import path"
 
@@ -114,7 +117,8 @@ def test_an_entry_point_is_called_like_a_trl_reward_function(rewards_dir):
 def test_an_entry_points_other_fields_are_kept(rewards_dir):
     where, module = rewards_dir
     (found,) = scorer_of(f"{module}:details", search=where).score([_request("x")])
-    assert found.reward == 0.5 and found.details == {"why": "half"}
+    assert found.reward == 0.5
+    assert found.details == {"why": "half"}
 
 
 @pytest.mark.parametrize(
@@ -129,7 +133,8 @@ def test_an_entry_point_that_misbehaves_fails_naming_the_task(rewards_dir, funct
     where, module = rewards_dir
     with pytest.raises(ScorerError) as failed:
         scorer_of(f"{module}:{function}", search=where).score([_request("a"), _request("b")])
-    assert says in failed.value.message and "task 't1'" in failed.value.message
+    assert says in failed.value.message
+    assert "task 't1'" in failed.value.message
 
 
 def test_an_entry_point_that_does_not_import_is_refused():
@@ -180,7 +185,9 @@ def test_an_executable_that_misbehaves_fails_with_its_stderr_tail(tmp_path, body
     with pytest.raises(ScorerError) as failed:
         scorer_of(str(path)).score([_request("a"), _request("b")])
     message = failed.value.message
-    assert says in message and str(path) in message and "task 't1'" in message
+    assert says in message
+    assert str(path) in message
+    assert "task 't1'" in message
     assert "grader v2 starting" in message  # the stderr tail
 
 
@@ -199,9 +206,9 @@ def test_an_executable_runs_without_a_shell(tmp_path):
 
 
 class _Grader(http.server.BaseHTTPRequestHandler):
-    script: list[int] = []  # statuses to answer, in order; then 200
+    script: ClassVar[list[int]] = []  # statuses to answer, in order; then 200
 
-    def do_POST(self):  # noqa: N802 -- the handler's name
+    def do_POST(self):
         item = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         status = self.script.pop(0) if self.script else 200
         body = json.dumps({"reward": float(len(item["completion"]))} if status == 200 else {"error": "no"}).encode()
@@ -248,9 +255,8 @@ def test_an_http_scorer_does_not_retry_a_4xx_and_stops_after_its_retries(grader)
 
 
 def test_an_http_scorer_that_does_not_answer_fails_naming_the_task():
-    with socket_closed() as port:
-        with pytest.raises(ScorerError, match=r"task 't1'.*no answer"):
-            HttpScorer(f"http://127.0.0.1:{port}/", retries=1, backoff=0.0, timeout=2).score([_request("a")])
+    with socket_closed() as port, pytest.raises(ScorerError, match=r"task 't1'.*no answer"):
+        HttpScorer(f"http://127.0.0.1:{port}/", retries=1, backoff=0.0, timeout=2).score([_request("a")])
 
 
 class socket_closed:  # noqa: N801 -- a context manager read as a phrase

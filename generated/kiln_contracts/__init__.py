@@ -16,7 +16,7 @@ from importlib import resources
 from typing import Any
 
 SCHEMA_DIGESTS: dict[str, str] = {
-    "kiln-artifacts-v1.schema.json": "sha256:81da8afab3c66919c39249c852088f2672f99c6d067df1f8efd51820f67b13d5",
+    "kiln-artifacts-v1.schema.json": "sha256:7025a25fc7603f11da9e3c0c323f55d7c6cc6890e78e87866dd86f384b3478e8",
     "kiln-checkpoint-v1.schema.json": "sha256:7b35e45ed0597160836b7967a7f09bff14ebca01aaf96fa34093ad91fb24dd89",
     "kiln-common-v1.schema.json": "sha256:140778be5b4882abd354e3ab1194bbe6a56e891d614d0aa7c0cace8c6ff07833",
     "kiln-config-v1.schema.json": "sha256:08e376a1b709a4aae08ddefeae72ab46a09dc3e9b455da57efae3cc8e764f197",

@@ -38,6 +38,9 @@ UNMEASURED = (
     "model.path",
     "training_data.path",
     "data.sft_ingestion.source_locator",
+    "grpo.online.generation_ms",  # an online run's time shares (an audit replays its rollouts: no generation)
+    "grpo.online.scoring_ms",
+    "grpo.online.training_ms",
 )
 # loop-state members that time the run: carried across a resume for the receipt, not computed by it
 STATE_OCCASION = ("phase_timings", "writer_timings")

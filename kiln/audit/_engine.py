@@ -15,7 +15,9 @@ thread count, build, kernels, precision, model files), the same base weights, th
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import json
 import secrets
 import shutil
 import tempfile
@@ -25,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kiln import contracts
 from kiln.adapters import CONFIG_FILE, MANIFEST_FILE, RECEIPT_FILE, WEIGHTS_FILE
@@ -53,12 +55,14 @@ class AuditSources:
     """What an audit reads beyond the target: ``data_file``, the run's data where the recorded path no longer holds
     it or the run sent it inline (a ``.jsonl`` file is read as ``dataset_path``; a ``.json`` file holds the array of
     examples, groups or prompts, or a request object carrying them), the base model directory, the OPD teacher's
-    alias and registry. None: what the run recorded."""
+    alias and registry. None: what the run recorded. ``rescore``: an online GRPO run's scorer scores its recorded
+    completions again and must give the recorded rewards (else it is not run: the recorded rewards train)."""
 
     data_file: Path | None = None
     model: str | None = None
     teacher: str | None = None
     teachers_root: Path | None = None
+    rescore: bool = False
 
 
 class _CannotAuditError(Exception):
@@ -186,8 +190,36 @@ def _data_of(kind: str, path: Path) -> JsonObject:
     raise _CannotAuditError("data_file", f"{path} holds no {key}: give the file the run was trained from")
 
 
+def _online_data(run: _Published, sources: AuditSources) -> JsonObject | None:
+    """An online GRPO run's ``online`` member: its recorded definition, with the tasks of ``--file`` (a ``.jsonl``
+    tasks file, or a ``.json`` array of tasks or request holding ``online.tasks``) when it sent them inline."""
+    online = (((run.receipt or {}).get("grpo") or {}).get("online") or {}).get("definition")
+    if online is None:
+        return None
+    online = dict(online)
+    if sources.data_file is not None:
+        path = sources.data_file
+        tasks: Any
+        if path.suffix == ".jsonl":
+            tasks = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+        else:
+            value = read_json_file(path)
+            tasks = value if isinstance(value, list) else ((value or {}).get("online") or {}).get("tasks")
+        if not isinstance(tasks, list):
+            raise _CannotAuditError("data_file", f"{path} holds no tasks: give the tasks the run was trained on")
+        online.pop("tasks_path", None)
+        online["tasks"] = tasks
+    elif "tasks_path" not in online:
+        raise _CannotAuditError(
+            "online.tasks", "the run's tasks were sent inline and are not stored with it; pass --file with the tasks"
+        )
+    return {"online": online}
+
+
 def _request(run: _Published, sources: AuditSources, resume: str | None) -> JsonObject:
-    data = None if sources.data_file is None else _data_of(run.kind, sources.data_file)
+    data = _online_data(run, sources)
+    if data is None:
+        data = None if sources.data_file is None else _data_of(run.kind, sources.data_file)
     if data is None:
         recorded = (run.receipt or {}).get("training_data") or {}
         if not recorded.get("path"):
@@ -228,6 +260,35 @@ def _model_path(run: _Published, sources: AuditSources) -> str:
     if not recorded:
         raise _CannotAuditError("model.path", "the run's base model path is not recorded; pass --model")
     return str(recorded)
+
+
+ROLLOUT_LOG = "rollouts.jsonl"  # an online GRPO run's rollout log (kiln.trainers.grpo), beside its adapter
+
+
+def _rollout_log(run: _Published) -> tuple[JsonObject, ...]:
+    """An online GRPO run's recorded groups: the rollout log published beside its adapter, checked against the
+    receipt's digest; for a run that published only checkpoints, the newest checkpoint's log (read strictly)."""
+    adapter = run.target.parent / run.adapter if run.is_checkpoint else run.target
+    receipt_path = adapter / RECEIPT_FILE
+    receipt = read_json_file(receipt_path) if receipt_path.is_file() else None
+    online = (receipt or {}).get("grpo", {}).get("online") if receipt and receipt.get("status") == "success" else None
+    if online is not None:
+        path = adapter / ROLLOUT_LOG
+        if not path.is_file():
+            raise _CannotAuditError("rollouts.jsonl", f"{path} is missing: the online run's rollouts are its data")
+        data = path.read_bytes()
+        digest = prefixed(hashlib.sha256(data).hexdigest())
+        if digest != online["rollout_log_sha256"]:
+            raise _CannotAuditError(
+                "grpo.online.rollout_log_sha256",
+                f"{path} has digest {digest}; the receipt records {online['rollout_log_sha256']}",
+            )
+    elif run.boundaries:
+        newest = load_checkpoint(run.boundaries[max(run.boundaries)])
+        data = newest.blobs[newest.manifest["state_files"]["rollout_log"]]
+    else:
+        raise _CannotAuditError("rollouts.jsonl", "the online run published neither its rollout log nor a checkpoint")
+    return tuple(json.loads(line) for line in data.splitlines())
 
 
 def _check_standing(run: _Published, job: Admitted) -> JsonObject:
@@ -310,6 +371,9 @@ def _replay(
             job = trainer.admit(request, adapter_name=run.adapter, context=context)
         except KilnError as exc:  # the resume admission refuses a checkpoint outside this envelope, naming it
             raise _CannotAuditError(str(exc.pointer or exc.code), exc.message) from None
+        online = getattr(job, "online", None)
+        if online is not None:  # an online GRPO run: its recorded rollouts, not new samples
+            setattr(job, "online", dataclasses.replace(online, replay=_rollout_log(run), rescore=sources.rescore))  # noqa: B010
         envelope = _check_standing(run, job)
         cancel = threading.Event()
         boundaries = sorted(s for s in run.boundaries if s > segment.start)

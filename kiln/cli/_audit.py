@@ -64,6 +64,12 @@ def add_audit_parser(sub: Any) -> None:
     p.add_argument("--model", metavar="DIR", help="the base model directory (default: the path the run recorded)")
     p.add_argument("--teacher", metavar="ALIAS", help="OPD: the teacher alias (default: the one the run recorded)")
     p.add_argument(
+        "--rescore",
+        action="store_true",
+        help="online GRPO: run the scorer again on the recorded completions and require the recorded rewards (by "
+        "default the recorded rewards train and no scorer runs)",
+    )
+    p.add_argument(
         "--threads",
         type=int,
         metavar="N",
@@ -107,6 +113,7 @@ def cmd_audit(args: argparse.Namespace) -> int:
         data_file=None if args.file is None else Path(args.file),
         model=args.model,
         teacher=args.teacher,
+        rescore=args.rescore,
     )
     previous = signal.signal(signal.SIGTERM, _stop)  # a terminated audit still removes its temporary registry
     try:

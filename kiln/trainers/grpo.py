@@ -389,6 +389,11 @@ class OnlinePlan:
     tasks_path: str | None
     model_identity: JsonObject  # the base model's identity the rollouts' provenance records
     prompt_lengths: tuple[int, ...] = ()  # each task's prompt tokens
+    # an audit's re-execution: the run's recorded groups, used instead of sampling and scoring (``rescore``: the
+    # scorer runs again on the recorded completions and must give the recorded rewards)
+    replay: tuple[JsonObject, ...] | None = None
+    rescore: bool = False
+    definition: JsonObject = field(default_factory=dict)  # the request's ``online`` as sent, inline tasks left out
 
     @property
     def visits(self) -> int:
@@ -436,14 +441,15 @@ class AdmittedGrpo(AdmittedJob[EffectiveGrpoConfig]):
 
     @property
     def data_sha256(self) -> str:
-        return self.ingestion.source_sha256
+        """What the run trains on: the source's digest (online: the digest of the online definition)."""
+        return json_sha256(self.online.identity()) if self.online is not None else self.ingestion.source_sha256
 
     def identity_manifest(self) -> JsonObject:
         cfg = self.config
         ema = cfg.kl_reference_policy.kind == "ema"
         files = {"reference_state": REFERENCE_FILE} if ema else {}
         if self.online is not None:  # the data is the online definition; the rollouts so far are a state file
-            content, count = json_sha256(self.online.identity()), self.online.visits
+            content, count = self.data_sha256, self.online.visits
             order = json_sha256(list(range(self.online.visits)))
             files["rollout_log"] = ROLLOUT_LOG_FILE
         else:
@@ -636,7 +642,11 @@ def _online_plan(request: Request[GrpoRequest], opened: LoadedModel, context: Tr
     tokens = TrajectoryTokenizer(opened.tokenizer, True)
     lengths = tuple(len(tokens.prefix(task.messages, [])[0]) for task in tasks)
     identity = BehaviourPolicy.model_identity(opened.path, opened.tokenizer, "")
-    return OnlinePlan(tuple(tasks), scorer, template, online.group_size, online.passes, tasks_path, identity, lengths)
+    definition = online.model_dump(mode="json", exclude_unset=True, exclude={"tasks"})
+    return OnlinePlan(
+        tuple(tasks), scorer, template, online.group_size, online.passes, tasks_path, identity, lengths,
+        definition=definition,
+    )  # fmt: skip
 
 
 def _online_start(opened: LoadedModel, cfg: EffectiveGrpoConfig, online: OnlinePlan) -> GrpoIngestion:
@@ -1202,11 +1212,14 @@ class GrpoRun(RunProgress):
         while loop.visits < online.visits:
             visits = list(range(loop.visits, min(loop.visits + width, online.visits)))
             tasks = [online.tasks[v % len(online.tasks)] for v in visits]
-            sampled = sample_groups(
-                behaviour, tasks, seeds, online.template, online.scorer, timings=self.rollout_timings,
-                sequence_of=visits,
-            )  # fmt: skip
-            self.rollout_values.extend(g.value for g in sampled)
+            if online.replay is not None:
+                self.rollout_values.extend(_replayed(online, visits, tasks))
+            else:
+                sampled = sample_groups(
+                    behaviour, tasks, seeds, online.template, online.scorer, timings=self.rollout_timings,
+                    sequence_of=visits,
+                )  # fmt: skip
+                self.rollout_values.extend(g.value for g in sampled)
             job.ingestion = online_ingestion(
                 self.rollout_values, tokenizer=tokenizer, warning_filter=warning_filter, path=online.tasks_path
             )
@@ -1437,6 +1450,34 @@ def _cancelled_after_group(group: int, groups: int, checkpoint: str) -> str:
     return f"cancelled after group {group} of {groups}; resume from {checkpoint}"
 
 
+def _replayed(online: OnlinePlan, visits: list[int], tasks: list[Task]) -> list[JsonObject]:
+    """The recorded groups of ``visits`` (an audit's re-execution), each checked to be its task's; with
+    ``rescore`` the scorer scores the recorded completions again and must give the recorded rewards."""
+    from kiln.rollouts import ScoreRequest
+
+    assert online.replay is not None
+    if visits[-1] >= len(online.replay):
+        raise TrainingFailedError(
+            f"the recorded rollout log holds {len(online.replay)} task visits; the run needs {visits[-1] + 1}"
+        )
+    out = []
+    for v, task in zip(visits, tasks, strict=True):
+        value = online.replay[v]
+        if value.get("task_id") != task.id or value.get("messages") != task.messages:
+            raise TrainingFailedError(f"recorded task visit {v + 1} is not task {task.id!r}'s group")
+        if online.rescore:
+            completions = value["completions"]
+            requests = [ScoreRequest(task.fields, task.id, task.messages, c["text"]) for c in completions]
+            for j, (c, scored) in enumerate(zip(completions, online.scorer.score(requests), strict=True)):
+                if scored.reward != c["reward"]:
+                    raise TrainingFailedError(
+                        f"rescore: {online.scorer.name} gives {scored.reward!r} for completion {j + 1} of task visit "
+                        f"{v + 1} (task {task.id!r}); the run recorded {c['reward']!r}"
+                    )
+        out.append(value)
+    return out
+
+
 def _cancelled_after_visit(visit: int, visits: int, checkpoint: str) -> str:
     return f"cancelled after task visit {visit} of {visits}; resume from {checkpoint}"
 
@@ -1656,6 +1697,7 @@ def online_block(
     ratios = [r for r in (audits.importance.min_ratio, audits.importance.max_ratio) if r is not None]
     first = values[0]["completions"][0].get("provenance", {}) if values else {}
     return {
+        "definition": online.definition,
         "tasks": len(online.tasks),
         "passes": online.passes,
         "group_size": online.group_size,
