@@ -38,3 +38,10 @@ def test_the_serving_bench_runs_at_its_smallest_size(tmp_path):
     out = _run(tmp_path, "bench/bench_serving.py", "--smoke", "--threads", "1")
     assert "batched answers identical: yes" in out
     assert "(b) n=2 vs 2 x n=1" in out
+
+
+@pytest.mark.slow
+def test_the_online_grpo_bench_runs_at_its_smallest_size(tmp_path):
+    out = _run(tmp_path, "bench/bench_online_grpo.py", "--smoke", "--dir", str(tmp_path / "work"))
+    assert "| kiln |" in out
+    assert "max behaviour/trainer gap 0.0" in out  # the bench itself fails on any other gap

@@ -540,3 +540,35 @@ def test_the_dashboard_asks_for_the_api_key_and_then_lists_jobs_with_it(tab, tmp
         tab.shot("key-accepted")
 
     assert tab.page_errors == []
+
+
+def test_an_online_grpo_job_plots_its_reward_beside_its_loss(tab, tmp_path, tiny_model_dir):
+    page = tab.page
+    body = {
+        "online": {
+            "tasks": [{"id": f"t{i}", "prompt": f"A digit, please ({i}).", "pattern": "[0-9]"} for i in range(6)],
+            "scorer": "builtin:regex",
+            "group_size": 4,
+            "sampling": {"temperature": 1.0, "top_k": 30, "max_tokens": 6},
+        },
+        "config": {"output_name": "ui-online", "seed": 2, "dynamic_sampling": False, "auto_load": False},
+    }
+    with ServerProcess(tmp_path / "home", tiny_model_dir) as server, server.client() as http:
+        answer = http.post("/v1/train/grpo", json=body)
+        assert answer.status_code == 200, answer.text
+        job_id = answer.json()["job_id"]
+        wait_for(lambda: http.get(f"/v1/train/jobs/{job_id}").json()["state"] in ("completed", "failed"), timeout=300)
+        detail = http.get(f"/v1/train/jobs/{job_id}").json()
+        assert detail["state"] == "completed", detail.get("error")
+        rewards = [point["reward"] for point in detail["loss_history"]]
+        assert len(rewards) == 6
+        assert all(0.0 <= r <= 1.0 for r in rewards)
+        page.goto(f"{server.url}/ui")
+        page.locator(f'#jobs tbody tr[data-job-id="{job_id}"]').click()
+        reward = page.locator("#loss-plot polyline#reward-line")
+        expect(reward).to_have_attribute("data-count", "6")
+        expect(page.locator("#loss-plot polyline#loss-line")).to_have_attribute("data-count", "6")
+        points = [tuple(map(float, pair.split(","))) for pair in reward.get_attribute("points").split()]
+        assert all(0 <= x <= 560 and 0 <= y <= 240 for x, y in points)
+        expect(page.locator("#loss-plot .reward-tick").first).to_contain_text("reward")
+        tab.shot("online-reward")

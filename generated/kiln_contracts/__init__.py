@@ -20,7 +20,7 @@ SCHEMA_DIGESTS: dict[str, str] = {
     "kiln-checkpoint-v1.schema.json": "sha256:7b35e45ed0597160836b7967a7f09bff14ebca01aaf96fa34093ad91fb24dd89",
     "kiln-common-v1.schema.json": "sha256:140778be5b4882abd354e3ab1194bbe6a56e891d614d0aa7c0cace8c6ff07833",
     "kiln-config-v1.schema.json": "sha256:08e376a1b709a4aae08ddefeae72ab46a09dc3e9b455da57efae3cc8e764f197",
-    "kiln-control-plane-v1.schema.json": "sha256:47c272db819e48bac9c65489e90793f8f0446b117a57179e93c6e51168043c3d",
+    "kiln-control-plane-v1.schema.json": "sha256:918a03f5457b960a9f11ea36ad89874c35b37862468ad7dadb3b64e6c8fdae73",
     "kiln-observability-v1.schema.json": "sha256:b10ca73fa169bff71f63462a55285f7b2350ad816bdfacbd1900b635d5b4335b"
 }
 
