@@ -9,7 +9,12 @@ import pytest
 from kiln.contracts import validate_path
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
-TYPES = {"sft_request.json": "SftRequest", "opd_prompts.json": "OpdRequest", "gated_sft_request.json": "SftRequest"}
+TYPES = {
+    "sft_request.json": "SftRequest",
+    "opd_prompts.json": "OpdRequest",
+    "gated_sft_request.json": "SftRequest",
+    "online_json_request.json": "GrpoRequest",
+}
 
 
 @pytest.mark.parametrize("path", sorted(EXAMPLES.glob("*.json")), ids=lambda p: p.name)

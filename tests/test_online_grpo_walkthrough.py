@@ -16,13 +16,13 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _walkthrough() -> list[str]:
-    """The `kiln train grpo ... --tasks` command of the README's online GRPO section."""
+    """The `kiln train grpo` command of the README's online GRPO section."""
     text = (ROOT / "README.md").read_text(encoding="utf-8")
     section = text[text.index("### GRPO that samples its own rollouts") :]
     block = re.search(r"```bash\n(.*?)```", section, re.S)
     assert block is not None
     command = block[1].replace("\\\n", " ").splitlines()[0]
-    assert command.startswith("kiln train grpo --local --tasks")
+    assert command.startswith("kiln train grpo --local -f examples/online_json_request.json")
     return shlex.split(command)[1:]
 
 

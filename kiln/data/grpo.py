@@ -1,11 +1,17 @@
 """GRPO ingestion: scored groups, inline or from a pinned JSONL file → tokenized completions
 with action and observation masks (spec/40 "GRPO"). No model forward pass happens here.
 
+Longer than 600 lines: one reader of GRPO groups for every route -- inline, the streamed file, an online run's
+growing rollout log (``OnlineLog``) -- with the trajectory rules, the recorded-provenance rules and the sampled-ids
+rule side by side, since each route must tokenize a group exactly as the others do.
+
 API
     ``read_groups(*, tokenizer, groups=None, agentic_groups=None, dataset_path=None,
     warning_filter=True, behavior_policy="no_importance_correction") -> GrpoIngestion``
         Exactly one source: inline ``groups`` (or its alias ``agentic_groups``) or a JSONL
         ``dataset_path``. Every group is checked and tokenized; the first bad one is refused.
+    ``OnlineLog(tokenizer=, warning_filter=, path=)`` / ``online_ingestion(values, ...)``
+        An online GRPO run's rollout log, read group by group as it grows, with its cursor.
     ``refused_ingestion(dataset_path, sha256)``
         No groups from a pinned file: what a dry run whose data was refused records.
     ``iter_dataset_groups(*, tokenizer, dataset_path, ..., expected_sha256=None)``
@@ -128,6 +134,7 @@ __all__ = [
     "GrpoGroup",
     "GrpoIngestion",
     "GrpoSourcePosition",
+    "OnlineLog",
     "iter_dataset_groups",
     "online_ingestion",
     "read_groups",
@@ -301,26 +308,60 @@ def read_groups(
 ONLINE_SOURCE = "online_grpo_tasks"
 
 
+class OnlineLog:
+    """An online GRPO run's rollout log as it grows: each group (one per task visit, as the JSON object of its log
+    line) read once by the GRPO reader with ``behavior_policy="recorded"``, and the log's cursor after each line
+    kept incrementally (bytes, lines, the digest of the line digests); ``ingestion()`` is the log so far."""
+
+    def __init__(self, *, tokenizer: Any, warning_filter: bool, path: str | None) -> None:
+        self._reader = _GroupReader(tokenizer, warning_filter, "recorded")
+        self.path = path
+        self.values: list[Any] = []
+        self.lines: list[bytes] = []
+        self.groups: list[GrpoGroup] = []
+        self.positions: list[GrpoSourcePosition] = []
+        self._offset = 0
+        self._consumed = hashlib.sha256(b"[")  # canonical JSON of the list of line digests, built incrementally
+
+    def extend(self, values: Sequence[Any]) -> list[GrpoGroup]:
+        """Append ``values`` (in task-visit order); returns their groups."""
+        added = []
+        for value, line in zip(values, rollout_log_lines(values), strict=True):
+            index = len(self.groups)
+            try:
+                group = self._reader.group(index, value)
+            except ItemError as bad:
+                raise TrainingDataError(
+                    f"online group {index + 1} is invalid: {bad.detail}", reason=bad.reason, pointer=bad.pointer
+                ) from None
+            self._consumed.update(b'"' if index == 0 else b',"')
+            self._consumed.update(prefixed(hashlib.sha256(line).hexdigest()).encode("ascii") + b'"')
+            snapshot = self._consumed.copy()
+            snapshot.update(b"]")
+            self._offset += len(line)
+            self.positions.append(
+                GrpoSourcePosition(index + 1, self._offset, index + 1, prefixed(snapshot.hexdigest()))
+            )
+            self.values.append(value)
+            self.lines.append(line)
+            self.groups.append(group)
+            added.append(group)
+        return added
+
+    def data(self) -> bytes:
+        """The log's bytes so far."""
+        return b"".join(self.lines)
+
+    def ingestion(self) -> GrpoIngestion:
+        digest = self.positions[-1].consumed_lines_sha256 if self.positions else json_sha256([])
+        return _ingestion(list(self.groups), ONLINE_SOURCE, "online", self.path, digest, list(self.positions))
+
+
 def online_ingestion(values: Sequence[Any], *, tokenizer: Any, warning_filter: bool, path: str | None) -> GrpoIngestion:
-    """The ingestion of an online GRPO run's rollout log so far: ``values`` are its groups (one per task visit, in
-    order, each as the JSON object of its log line), read by the same reader as any group with
-    ``behavior_policy="recorded"``; positions are the log's cursor after each line (``rollout_log_lines``)."""
-    read, positions = [], []
-    digests: list[str] = []
-    offset = 0
-    renderer = _GroupReader(tokenizer, warning_filter, "recorded")
-    for index, (value, line) in enumerate(zip(values, rollout_log_lines(values), strict=True)):
-        try:
-            read.append(renderer.group(index, value))
-        except ItemError as bad:
-            raise TrainingDataError(
-                f"online group {index + 1} is invalid: {bad.detail}", reason=bad.reason, pointer=bad.pointer
-            ) from None
-        offset += len(line)
-        digests.append(prefixed(hashlib.sha256(line).hexdigest()))
-        positions.append(GrpoSourcePosition(index + 1, offset, index + 1, json_sha256(digests)))
-    digest = json_sha256(digests)
-    return _ingestion(read, ONLINE_SOURCE, "online", path, digest, positions)
+    """The ingestion of an online run's rollout log ``values`` (``OnlineLog`` read in one go)."""
+    log = OnlineLog(tokenizer=tokenizer, warning_filter=warning_filter, path=path)
+    log.extend(values)
+    return log.ingestion()
 
 
 def rollout_log_lines(values: Sequence[Any]) -> list[bytes]:

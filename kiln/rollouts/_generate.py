@@ -287,7 +287,7 @@ def _attach(model: Any, registry: Path, name: str) -> tuple[Any, dict[str, Any]]
     import torch
     from safetensors.torch import load as load_tensors
 
-    from kiln.adapters import adapter_directory
+    from kiln.adapters import CONFIG_FILE, adapter_directory
     from kiln.training import attach_lora, lora_parameters
 
     files = adapter_directory(registry, name).read()
@@ -307,7 +307,7 @@ def _attach(model: Any, registry: Path, name: str) -> tuple[Any, dict[str, Any]]
     )
     if config.rank_pattern or isinstance(config.target_modules, str) or options:
         raise RequestError(
-            f"adapter {name!r}: its adapter_config.json uses settings rollout generation does not attach "
+            f"adapter {name!r}: its {CONFIG_FILE} uses settings rollout generation does not attach "
             "(rank_pattern, a target_modules pattern or all-linear, or another peft option)",
             hint="generate with an adapter Kiln trained, or with --adapter base",
         )

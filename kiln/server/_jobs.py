@@ -123,22 +123,14 @@ class Job:
         ended: dict[str, int | str] = {} if self.finished_ms is None else {"finished_unix_ms": self.finished_ms}
         return {**ended, "error": self.error} if self.state == "failed" and self.error else ended
 
-    def record_loss(
-        self, loss: float, step: int, total: int, rows_per_epoch: int, reward: float | None = None
-    ) -> None:
+    def record_loss(self, loss: float, step: int, total: int, rows_per_epoch: int, reward: float | None = None) -> None:
         """A committed step's point of the loss curve (``reward``: online GRPO's mean reward of the step)."""
         self.current_loss = loss
         self.progress = step / total if total else 1.0
         self.epoch = (step - 1) // rows_per_epoch + 1 if rows_per_epoch else 1
-        point: dict[str, Any] = {
-            "epoch": self.epoch,
-            "progress": self.progress,
-            "loss": loss,
-            "elapsed_secs": round(self.elapsed_secs(), 3),
-        }
-        if reward is not None:
-            point["reward"] = reward
-        self.loss_history.append(point)
+        elapsed = round(self.elapsed_secs(), 3)
+        point = {"epoch": self.epoch, "progress": self.progress, "loss": loss, "elapsed_secs": elapsed}
+        self.loss_history.append(point if reward is None else {**point, "reward": reward})
         if len(self.loss_history) > LOSS_HISTORY_LIMIT:  # keep every other point, and always the newest
             newest = self.loss_history[-1]
             self.loss_history = self.loss_history[::2]
@@ -569,11 +561,8 @@ class JobManager:
             self.step_seconds = [*self.step_seconds[-99:], spent]
             job.tokens += int(event.get("tokens", 0))
             self.tokens_per_second = event.get("tokens", 0) / spent if spent > 0 else 0.0
-            reward = event.get("reward")
-            job.record_loss(
-                float(event["loss"]), int(event["step"]), int(event["total"]), rows,
-                None if reward is None else float(reward),
-            )  # fmt: skip
+            reward = None if event.get("reward") is None else float(event["reward"])
+            job.record_loss(float(event["loss"]), int(event["step"]), int(event["total"]), rows, reward)
             if now - self._last_write >= PROGRESS_WRITE_INTERVAL_S:
                 self._last_write = now
                 self.store.save(job)

@@ -66,7 +66,7 @@ from kiln_contracts.models.kiln_control_plane_v1_schema import GrpoConfig, GrpoR
 
 from kiln.artifacts.checkpoint_manifest import GRPO_SOURCE_KINDS
 from kiln.checkpoints import PublishedCheckpoint
-from kiln.data import rollout_log_lines
+from kiln.data import OnlineLog
 from kiln.documents.digests import json_sha256, raw_hex
 from kiln.documents.jsonio import JsonObject
 from kiln.errors import (
@@ -1052,7 +1052,7 @@ class GrpoRun(RunProgress):
         self.delta_norms: list[JsonObject] = []
         self.cadence: Cadence | None = None
         self.group_refs: dict[int, list[tuple[GrpoCompletion, float, torch.Tensor | None]]] = {}
-        self.rollout_values: list[JsonObject] = []  # online: every sampled group, in task-visit order (the log)
+        self.online_log: OnlineLog | None = None  # online: every sampled group, in task-visit order
         self.rollout_timings = RolloutTimings()
 
     def train(self) -> TrainResult:
@@ -1193,7 +1193,6 @@ class GrpoRun(RunProgress):
         (``kiln.rollouts.sample_groups``; visit v draws with ``DrawKey(rollout_seed(seed) + j, v, position)`` for
         completion j), scored, appended to the rollout log, filtered like any group, then trained as one step with
         their recorded log-probabilities. A checkpoint binds the log; resuming re-reads it and goes on."""
-        from kiln.data import online_ingestion
         from kiln.rollouts import BehaviourPolicy, sample_groups
 
         job, cfg, loop, online = self.job, self.job.config, self.loop, self.job.online
@@ -1208,24 +1207,20 @@ class GrpoRun(RunProgress):
         )
         seeds = [(rollout_seed(cfg.seed) + j) % 2**64 for j in range(online.group_size)]
         width = cfg.gradient_accumulation_steps
-        warning_filter = cfg.echo.warning_filter if cfg.echo else True
+        log = self._log()
         while loop.visits < online.visits:
             visits = list(range(loop.visits, min(loop.visits + width, online.visits)))
             tasks = [online.tasks[v % len(online.tasks)] for v in visits]
             if online.replay is not None:
-                self.rollout_values.extend(_replayed(online, visits, tasks))
+                added = log.extend(_replayed(online, visits, tasks))
             else:
                 sampled = sample_groups(
                     behaviour, tasks, seeds, online.template, online.scorer, timings=self.rollout_timings,
                     sequence_of=visits,
                 )  # fmt: skip
-                self.rollout_values.extend(g.value for g in sampled)
-            job.ingestion = online_ingestion(
-                self.rollout_values, tokenizer=tokenizer, warning_filter=warning_filter, path=online.tasks_path
-            )
+                added = log.extend([g.value for g in sampled])
             numbers = []
-            for v in visits:
-                group = job.ingestion.groups[v]
+            for group in added:
                 keep, reason = obj.keep_group(
                     [c.reward for c in group.completions],
                     dynamic_sampling=cfg.dynamic_sampling,
@@ -1251,6 +1246,7 @@ class GrpoRun(RunProgress):
                 due=numbers != [] and any(cadence.due(n) for n in numbers),
                 cancelled=partial(_cancelled_after_visit, loop.visits, online.visits),
             )
+        job.ingestion = log.ingestion()
         if not self.kept:
             raise ZeroGroupsError(
                 f"every one of the {online.visits} sampled groups was filtered out (equal or too spread rewards); "
@@ -1261,35 +1257,29 @@ class GrpoRun(RunProgress):
     def _restore_online(self, resume: Any) -> None:
         """The rollout log of the checkpoint resumed from, checked against its cursor, read back, and the kept
         groups and filter counts it implies."""
-        from kiln.data import online_ingestion
-
-        job, cfg, online = self.job, self.job.config, self.job.online
-        assert online is not None
+        job, cfg = self.job, self.job.config
         manifest = resume.manifest
         blob = resume.blobs[manifest["state_files"]["rollout_log"]]
         lines = blob.splitlines(keepends=True)
         aux = manifest["auxiliary_state"]
-        values = [json.loads(line) for line in lines]
-        ingestion = online_ingestion(
-            values, tokenizer=job.loaded.tokenizer, warning_filter=cfg.echo.warning_filter if cfg.echo else True,
-            path=online.tasks_path,
-        )  # fmt: skip
-        position = ingestion.positions[-1] if ingestion.positions else None
-        found = (
-            len(blob),
-            len(lines),
-            position.consumed_lines_sha256 if position else json_sha256([]),
-        )
+        log = self._log()
+        log.extend([json.loads(line) for line in lines])
+        position = log.positions[-1] if log.positions else None
+        found = (len(blob), len(lines), position.consumed_lines_sha256 if position else json_sha256([]))
         wanted = (aux["source_byte_offset"], aux["source_lines_consumed"], aux["consumed_lines_sha256"])
-        if found != wanted:
+        if found != wanted or log.data() != blob:
             raise TrainingFailedError(
                 f"the checkpoint's rollout log ({found[0]} bytes, {found[1]} lines, {found[2]}) is not the one its "
                 f"cursor records ({wanted[0]} bytes, {wanted[1]} lines, {wanted[2]})"
             )
-        self.rollout_values = values
-        job.ingestion = ingestion
-        self.loop.visits = len(values)
-        for group in ingestion.groups:
+        if len(lines) != manifest["progress"]["cursor_in_epoch"]:
+            raise TrainingFailedError(
+                f"the checkpoint's rollout log holds {len(lines)} task visits but its cursor is at "
+                f"{manifest['progress']['cursor_in_epoch']}"
+            )
+        job.ingestion = log.ingestion()
+        self.loop.visits = len(lines)
+        for group in log.groups:
             keep, reason = obj.keep_group(
                 [c.reward for c in group.completions],
                 dynamic_sampling=cfg.dynamic_sampling,
@@ -1301,12 +1291,23 @@ class GrpoRun(RunProgress):
             else:
                 dynamic = reason == obj.DROP_EQUAL_REWARDS
                 self.counts = FilterCounts(self.counts.dynamic + dynamic, self.counts.variance + (not dynamic))
-        if len(values) != manifest["progress"]["cursor_in_epoch"]:
-            raise TrainingFailedError(
-                f"the checkpoint's rollout log holds {len(values)} task visits but its cursor is at "
-                f"{manifest['progress']['cursor_in_epoch']}"
-            )
         self.loop.groups_committed = len(self.kept)
+
+    def _log(self) -> OnlineLog:
+        """The online run's rollout log (made on first use)."""
+        if self.online_log is None:
+            job = self.job
+            self.online_log = OnlineLog(
+                tokenizer=job.loaded.tokenizer,
+                warning_filter=job.config.echo.warning_filter if job.config.echo else True,
+                path=job.online.tasks_path if job.online is not None else None,
+            )
+        return self.online_log
+
+    def _sync_online(self) -> None:
+        """An online run's ingestion brought up to its log (checkpoints and receipts read it)."""
+        if self.job.online is not None:
+            self.job.ingestion = self._log().ingestion()
 
     def _group_terms(
         self, number: int, forwards: BatchedForwards, owned: list[int]
@@ -1384,6 +1385,7 @@ class GrpoRun(RunProgress):
         return value
 
     def _publish_checkpoint(self, policy: Policy, ema: obj.EmaReference | None) -> PublishedCheckpoint:
+        self._sync_online()
         job, loop, kept = self.job, self.loop, self.kept
 
         def stamp(manifest: JsonObject, loop_doc: JsonObject) -> CheckpointProgress:
@@ -1403,7 +1405,7 @@ class GrpoRun(RunProgress):
         def rollout_log() -> dict[str, tuple[str, bytes]]:
             if job.online is None:
                 return {}
-            return {ROLLOUT_LOG_FILE: ("rollout-log", b"".join(rollout_log_lines(self.rollout_values)))}
+            return {ROLLOUT_LOG_FILE: ("rollout-log", self._log().data())}
 
         return publish_state(
             job,
@@ -1419,6 +1421,7 @@ class GrpoRun(RunProgress):
     def failed_receipt(self, failure: tuple[str, str], exc: BaseException) -> JsonObject:
         if isinstance(exc, (ZeroGroupsError, ZeroEnvTokensError)):
             self.counts = _from_counts(exc.counts) or self.counts
+        self._sync_online()
         out = receipt(
             self.job, self.started, self.kept, self.counts, self.audits, failure=failure, timings=self.loop.timings,
             delta_norms=self.delta_norms,
@@ -1426,6 +1429,7 @@ class GrpoRun(RunProgress):
         return self._online_receipt(out, None)
 
     def receipt(self, adapter_dir: Path | None) -> JsonObject:
+        self._sync_online()
         out = receipt(
             self.job, self.started, self.kept, self.counts, self.audits, adapter_dir=adapter_dir,
             timings=self.loop.timings, delta_norms=self.delta_norms,
@@ -1436,12 +1440,12 @@ class GrpoRun(RunProgress):
         """An online run's receipt: its ``grpo.online`` block, and its rollout log written into the staged adapter
         directory (published with the adapter)."""
         if self.job.online is not None:
-            log = b"".join(rollout_log_lines(self.rollout_values))
+            log = self._log().data()
             if adapter_dir is not None:  # the staged adapter directory: the log is published with the adapter
                 atomic_write_bytes(adapter_dir / ROLLOUT_LOG_FILE, log)
             wall_ms = (time.perf_counter() - self.started) * 1000
             out["grpo"]["online"] = online_block(
-                self.job, self.rollout_values, log, self.rollout_timings, self.audits, wall_ms
+                self.job, self._log().values, log, self.rollout_timings, self.audits, wall_ms
             )
         return out
 
