@@ -21,7 +21,8 @@ Time: one warm-up step, then the timed steps (8 tiny, 4 wide); median per step. 
 consecutive ``progress`` callbacks (a step: sample, score, forwards, backward, optimizer step); TRL:
 ``on_step_begin`` to ``on_step_end`` (its generation runs inside the step). Generation share over the timed steps:
 Kiln, the time inside ``kiln.rollouts.sample_groups`` (decoding, the forward of the template's closing tokens and
-scoring; scoring alone is shown beside it, from the receipt); TRL, the time inside ``generate`` (a wrapper).
+scoring; scoring alone is shown beside it, from the receipt); TRL, the time inside the PEFT model's
+``generate`` (a wrapper).
 Rounds alternate the order of the sides; the table takes each side's fastest round.
 """
 
@@ -134,7 +135,7 @@ def side_trl(args: argparse.Namespace) -> dict[str, Any]:
     tok = AutoTokenizer.from_pretrained(args.model)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
     generating = [0.0]
-    generate = peft.PeftModel.generate
+    generate = peft.PeftModelForCausalLM.generate  # what TRL's generation calls on the PEFT policy
 
     def timed_generate(self: Any, *a: Any, **k: Any) -> Any:
         t0 = time.perf_counter()
@@ -143,7 +144,7 @@ def side_trl(args: argparse.Namespace) -> dict[str, Any]:
         finally:
             generating[0] += time.perf_counter() - t0
 
-    peft.PeftModel.generate = timed_generate
+    peft.PeftModelForCausalLM.generate = timed_generate
     steps: list[float] = []
     shares: list[float] = []
 

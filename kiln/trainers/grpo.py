@@ -500,7 +500,7 @@ def admit_request(request: Request[GrpoRequest], *, adapter_name: str, context: 
         memory=context.memory,
     )
     if model.online is not None:
-        cfg = _online_config(config, cfg, context)
+        cfg = _online_config(config, cfg, context, model.online.group_size)
     claim_target(registry, adapter_name, point)
     opened = base_model(context)  # tokenizer, config and weight headers: no weight is loaded before the plan
     path = dataset_path_of(model)
@@ -607,9 +607,13 @@ def _ingest(
     return ingestion, None
 
 
-def _online_config(config: GrpoConfig, cfg: EffectiveGrpoConfig, context: TrainingContext) -> EffectiveGrpoConfig:
-    """An online run's configuration: ``token_level`` aggregation, one process, and the behaviour policy
-    ``recorded`` (its default: the rollouts carry the sampler's log-probabilities)."""
+def _online_config(
+    config: GrpoConfig, cfg: EffectiveGrpoConfig, context: TrainingContext, group_size: int
+) -> EffectiveGrpoConfig:
+    """An online run's configuration: ``token_level`` aggregation, one process, the behaviour policy ``recorded``
+    (its default: the rollouts carry the sampler's log-probabilities) and, unless set, ``micro_batch_size`` the
+    group size (one batched forward per group: the invariant forward gives every row its own bits however the rows
+    are batched)."""
     if cfg.loss_aggregation != "token_level":
         refuse("loss_aggregation", "online GRPO trains each step's groups together: it needs token_level")
     if context.data_parallel.active:
@@ -620,6 +624,8 @@ def _online_config(config: GrpoConfig, cfg: EffectiveGrpoConfig, context: Traini
         )
     if "behavior_policy" not in config.model_fields_set:
         cfg = dataclasses.replace(cfg, behavior_policy="recorded")
+    if "micro_batch_size" not in config.model_fields_set:  # a group's forwards batched: exact on the invariant forward
+        cfg = dataclasses.replace(cfg, micro_batch_size=group_size)
     return cfg
 
 
