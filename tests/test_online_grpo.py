@@ -215,3 +215,71 @@ def test_kiln_audit_reexecutes_an_online_run_from_its_recorded_rollouts(tmp_path
     receipt_path.write_text(json.dumps(receipt))
     forged_record = audit(run.adapter_dir, sources=sources)
     assert forged_record["verdict"] != "reproduced"
+
+
+HANGING = """#!{python}
+import json, os, re, sys, time
+here = os.path.dirname(os.path.abspath(__file__))
+calls = os.path.join(here, "calls")
+count = int(open(calls).read()) + 1 if os.path.exists(calls) else 1
+open(calls, "w").write(str(count))
+if count == {hang_at} and os.path.exists(os.path.join(here, "hang")):
+    open(os.path.join(here, "scoring"), "w").write(str(os.getpid()))
+    time.sleep(600)  # killed here, mid-scoring
+for line in sys.stdin:
+    item = json.loads(line)
+    print(json.dumps({{"reward": 1.0 if re.search(item["task"]["pattern"], item["completion"]) else 0.0}}))
+"""
+
+
+@pytest.mark.slow
+def test_sigkill_while_scoring_then_resume_gives_the_same_adapter_and_rollouts(tmp_path, tiny_model_dir):
+    """``kiln train grpo --local`` killed with SIGKILL while its scorer runs (step 4 of 6): the resume from the last
+    checkpoint samples the lost step again -- same policy, same counter-based draws -- and ends with the bytes of
+    an uninterrupted run."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    script = tmp_path / "scorer" / "grade.py"
+    script.parent.mkdir()
+    script.write_text(HANGING.format(python=sys.executable, hang_at=4))
+    script.chmod(script.stat().st_mode | stat.S_IXUSR)
+    request = _request(scorer=str(script), checkpoint_interval=1)
+    request_file = tmp_path / "online.json"
+    request_file.write_text(json.dumps(request))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KILN_")}
+    env["KILN_HOME"] = str(tmp_path / "home")
+
+    def kiln(registry: str, *extra: str) -> subprocess.Popen:
+        argv = [sys.executable, "-m", "kiln.cli", "train", "grpo", "--local", "-f", str(request_file), "--adapter",
+                "online", "--model", str(tiny_model_dir), "--adapter-dir", str(tmp_path / registry), *extra]  # fmt: skip
+        with (tmp_path / f"{registry}.log").open("a") as log:  # the child keeps its own copy of the descriptor
+            return subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=log)
+
+    def log(registry: str) -> str:
+        return (tmp_path / f"{registry}.log").read_text()[-4000:]
+
+    whole = kiln("whole")
+    assert whole.wait(timeout=600) == 0, log("whole")
+    (script.parent / "calls").unlink()
+    (script.parent / "hang").write_text("")
+    killed = kiln("killed")
+    deadline = time.monotonic() + 600
+    while not (script.parent / "scoring").exists():
+        assert killed.poll() is None, log("killed")
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    killed.send_signal(signal.SIGKILL)
+    killed.wait(timeout=60)
+    os.kill(int((script.parent / "scoring").read_text()), signal.SIGKILL)  # the orphaned scorer, still asleep
+    (script.parent / "hang").unlink()
+    checkpoints = sorted((tmp_path / "killed").glob("online-checkpoint-step-*.kiln-checkpoint"))
+    assert checkpoints, "the steps before the kill published their checkpoints"
+    resumed = kiln("killed", "--resume-checkpoint", checkpoints[-1].name)
+    assert resumed.wait(timeout=600) == 0, log("killed")
+    for name in ("adapter_model.safetensors", "rollouts.jsonl"):
+        assert (tmp_path / "killed" / "online" / name).read_bytes() == (
+            tmp_path / "whole" / "online" / name
+        ).read_bytes()
