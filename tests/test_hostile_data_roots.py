@@ -302,7 +302,8 @@ def test_live_an_online_request_naming_a_command_is_refused_403_before_anything_
         assert answer.json()["error"]["pointer"] == "/online/scorer"
         answer = http.post("/v1/train/grpo", json={**body, "online": {**body["online"], "scorer": "os:system"}})
         assert answer.status_code == 403, answer.text
-        assert http.get("/v1/train/status").json() == [], "nothing was queued"
+        queued = http.get("/v1/train/status").json()  # the module's server also runs other tests' jobs
+        assert all(job["adapter_name"] != "never" for job in queued), "nothing was queued"
     assert not marker.exists()
 
 

@@ -43,7 +43,8 @@ def test_the_data_package_exports_its_ingestion_entry_points_and_shared_componen
 
     assert sorted(kiln.data.__all__) == [
         "BEHAVIOR_POLICIES", "GRPO_SOURCES", "GrpoCompletion", "GrpoCounts", "GrpoGroup", "GrpoIngestion",
-        "GrpoSourcePosition", "IGNORE_INDEX", "OnlineLog", "OFF_POLICY_SOURCE", "OffPolicyFile", "OffPolicyRow", "OpdPromptItem",
+        "GrpoSourcePosition", "IGNORE_INDEX", "OFF_POLICY_SOURCE", "OffPolicyFile", "OffPolicyRow", "OnlineLog",
+        "OpdPromptItem",
         "OpdPrompts", "PROMPTS_SOURCE", "REJECTION_REASONS", "ROLES", "SEGMENT_KINDS", "SFT_INGESTION_SCHEMA",
         "SftExample", "SftIngestion", "check_unchanged", "dataset_sha256", "ingest_sft", "iter_dataset_groups",
         "match_skeleton", "online_ingestion", "precheck_dataset_file", "precheck_sft_rows", "read_groups",
