@@ -1225,20 +1225,7 @@ class GrpoRun(RunProgress):
                     sequence_of=visits,
                 )  # fmt: skip
                 added = log.extend([g.value for g in sampled])
-            numbers = []
-            for group in added:
-                keep, reason = obj.keep_group(
-                    [c.reward for c in group.completions],
-                    dynamic_sampling=cfg.dynamic_sampling,
-                    var_min=cfg.reward_filter_var_min,
-                    var_max=cfg.reward_filter_var_max,
-                )
-                if keep:
-                    self.kept.append(group)
-                    numbers.append(len(self.kept))
-                else:
-                    dynamic = reason == obj.DROP_EQUAL_REWARDS
-                    self.counts = FilterCounts(self.counts.dynamic + dynamic, self.counts.variance + (not dynamic))
+            numbers = [len(self.kept) for group in added if self._settle(group)]
             loop.visits = visits[-1] + 1
             if numbers:
                 shares = [(n, list(range(len(self.kept[n - 1].completions)))) for n in numbers]
@@ -1263,7 +1250,7 @@ class GrpoRun(RunProgress):
     def _restore_online(self, resume: Any) -> None:
         """The rollout log of the checkpoint resumed from, checked against its cursor, read back, and the kept
         groups and filter counts it implies."""
-        job, cfg = self.job, self.job.config
+        job = self.job
         manifest = resume.manifest
         blob = resume.blobs[manifest["state_files"]["rollout_log"]]
         lines = blob.splitlines(keepends=True)
@@ -1286,18 +1273,24 @@ class GrpoRun(RunProgress):
         job.ingestion = log.ingestion()
         self.loop.visits = len(lines)
         for group in log.groups:
-            keep, reason = obj.keep_group(
-                [c.reward for c in group.completions],
-                dynamic_sampling=cfg.dynamic_sampling,
-                var_min=cfg.reward_filter_var_min,
-                var_max=cfg.reward_filter_var_max,
-            )
-            if keep:
-                self.kept.append(group)
-            else:
-                dynamic = reason == obj.DROP_EQUAL_REWARDS
-                self.counts = FilterCounts(self.counts.dynamic + dynamic, self.counts.variance + (not dynamic))
+            self._settle(group)
         self.loop.groups_committed = len(self.kept)
+
+    def _settle(self, group: GrpoGroup) -> bool:
+        """An online group through the reward filters: kept (True) or counted as dropped."""
+        cfg = self.job.config
+        keep, reason = obj.keep_group(
+            [c.reward for c in group.completions],
+            dynamic_sampling=cfg.dynamic_sampling,
+            var_min=cfg.reward_filter_var_min,
+            var_max=cfg.reward_filter_var_max,
+        )
+        if keep:
+            self.kept.append(group)
+        else:
+            dynamic = reason == obj.DROP_EQUAL_REWARDS
+            self.counts = FilterCounts(self.counts.dynamic + dynamic, self.counts.variance + (not dynamic))
+        return keep
 
     def _log(self) -> OnlineLog:
         """The online run's rollout log (made on first use)."""
